@@ -1,0 +1,210 @@
+"""`StrongholdConfig`: the one policy object of the engine.
+
+Every knob of the working-window engine lives here, validated once in `__post_init__`, so
+that a bad value fails before any memory is allocated. The shape follows torchtitan's config
+dataclasses: frozen, keyword-only, slotted, one docstring per field, `Literal` for choices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+import torch
+
+WindowSize = int | Literal["auto"]
+
+#: What ``window_size="auto"`` falls back to when nothing can be measured (no CUDA device,
+#: or the planner is told not to probe). Two blocks is the smallest window that overlaps
+#: the next block's transfer with the current block's compute.
+DEFAULT_WINDOW_SIZE = 2
+
+_DTYPE_NAMES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(value: str | torch.dtype | None, *, field_name: str = "param_dtype") -> torch.dtype | None:
+    """Turns ``"bf16"``/``"bfloat16"``/``torch.bfloat16`` into a float dtype; ``None`` stays ``None``."""
+    if value is None or isinstance(value, torch.dtype):
+        if value is not None and value not in _DTYPE_NAMES.values():
+            raise ValueError(f"StrongholdConfig.{field_name}={value} is not a float dtype; use float32, bfloat16 or float16.")
+        return value
+    if isinstance(value, str) and value.lower() in _DTYPE_NAMES:
+        return _DTYPE_NAMES[value.lower()]
+    raise ValueError(
+        f"StrongholdConfig.{field_name}={value!r} is not understood; use one of "
+        f"{sorted(_DTYPE_NAMES)} or leave it unset to keep the model's dtype."
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StrongholdConfig:
+    """Policy for `offload_model`. Build it directly, or from a dict/JSON with `from_dict`."""
+
+    window_size: WindowSize = "auto"
+    """Blocks kept on the device at once (the working window, ``W``). ``"auto"`` measures
+    compute time, block size and link bandwidth at the first step and picks the smallest
+    ``W`` whose prefetch is hidden, capped by free device memory. An int >= 1 fixes it.
+    At most ``W + 1`` blocks hold device storage at any moment (the extra one is the
+    prefetch)."""
+
+    offload_optimizer: bool = True
+    """Step offloaded blocks with `CPUAdam` on the fp32 CPU masters, in worker threads that
+    overlap with device work. With ``False`` the optimizer returned by
+    `engine.build_optimizer` steps the same masters synchronously with torch AdamW."""
+
+    cpu_threads: int | None = None
+    """Worker threads for the CPU optimizer. ``None`` sizes them from the cores available to
+    this process (``len(os.sched_getaffinity(0))``), leaving one for the training thread."""
+
+    pin_memory: bool = True
+    """Pin the host arenas (page-locked) so host-to-device copies are asynchronous. Ignored,
+    with a one-time warning, on a machine without CUDA, where pinning is impossible."""
+
+    block_classes: tuple[str, ...] | None = None
+    """Class names of the repeated blocks, overriding discovery (for example
+    ``("GPT2Block",)``). ``None`` discovers them from ``_no_split_modules`` and
+    ``GradientCheckpointingLayer``."""
+
+    param_dtype: torch.dtype | None = None
+    """dtype of the device copies of block parameters (and of their gradients). ``None``
+    keeps the model's dtype. ``bfloat16``/``float16`` halve the bytes on the link; the fp32
+    masters on the CPU stay exact. Strings such as ``"bf16"`` are accepted."""
+
+    offload_activations: bool = False
+    """Reserved for activation offloading. Only ``False`` is implemented; ``True`` is refused
+    rather than silently ignored."""
+
+    nvme_path: str | None = None
+    """Reserved for the NVMe tier of masters and optimizer state. Not implemented yet;
+    setting it is refused rather than silently ignored."""
+
+    def __post_init__(self) -> None:
+        ws = self.window_size
+        if isinstance(ws, bool) or not (ws == "auto" or isinstance(ws, int)):
+            raise TypeError(
+                f"StrongholdConfig.window_size={ws!r} is not allowed; use \"auto\" or an int >= 1."
+            )
+        if isinstance(ws, int) and ws < 1:
+            raise ValueError(
+                f"StrongholdConfig.window_size={ws} is not allowed; use \"auto\" or an int >= 1 "
+                "(the number of blocks kept on the device)."
+            )
+        if self.cpu_threads is not None and (
+            isinstance(self.cpu_threads, bool) or not isinstance(self.cpu_threads, int) or self.cpu_threads < 1
+        ):
+            raise ValueError(f"StrongholdConfig.cpu_threads={self.cpu_threads!r}; use None (auto) or an int >= 1.")
+        for name in ("offload_optimizer", "pin_memory", "offload_activations"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"StrongholdConfig.{name}={getattr(self, name)!r} must be a bool.")
+        if self.block_classes is not None:
+            classes = (self.block_classes,) if isinstance(self.block_classes, str) else tuple(self.block_classes)
+            if not classes or not all(isinstance(c, str) and c for c in classes):
+                raise ValueError(
+                    f"StrongholdConfig.block_classes={self.block_classes!r}; give a non-empty list of class "
+                    "names such as [\"GPT2Block\"], or None to discover them."
+                )
+            object.__setattr__(self, "block_classes", classes)
+        object.__setattr__(self, "param_dtype", parse_dtype(self.param_dtype))
+        if self.offload_activations:
+            raise ValueError(
+                "StrongholdConfig.offload_activations=True is not implemented yet; leave it False "
+                "(use gradient checkpointing to cut activation memory)."
+            )
+        if self.nvme_path is not None:
+            raise ValueError(
+                "StrongholdConfig.nvme_path is not implemented yet (the NVMe tier is planned); leave it unset."
+            )
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "StrongholdConfig":
+        """Builds a config from a mapping, refusing unknown keys by name."""
+        if not isinstance(values, Mapping):
+            raise TypeError(f"StrongholdConfig.from_dict expects a dict, got {type(values).__name__}.")
+        known = set(cls.field_names())
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(
+                f"Unknown stronghold config key(s) {unknown}; valid keys are {sorted(known)}."
+            )
+        return cls(**dict(values))
+
+    @classmethod
+    def from_any(cls, value: "StrongholdConfig | Mapping[str, Any] | str | os.PathLike | None") -> "StrongholdConfig":
+        """Accepts a config, a dict, a JSON string, or a path to a JSON file (like ``fsdp_config``)."""
+        if value is None:
+            return cls()
+        if isinstance(value, StrongholdConfig):
+            return value
+        if isinstance(value, Mapping):
+            return cls.from_dict(value)
+        if isinstance(value, (str, os.PathLike)):
+            text = str(value).strip()
+            if text.startswith("{"):
+                try:
+                    return cls.from_dict(json.loads(text))
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"stronghold_config is not valid JSON ({err}): {text!r}") from None
+            if not os.path.isfile(text):
+                raise ValueError(
+                    f"stronghold_config={text!r} is neither a JSON object nor an existing JSON file path."
+                )
+            with open(text, encoding="utf-8") as fh:
+                try:
+                    return cls.from_dict(json.load(fh))
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"stronghold_config file {text!r} is not valid JSON: {err}") from None
+        raise TypeError(
+            f"stronghold_config must be a dict, a JSON string or a JSON file path, got {type(value).__name__}."
+        )
+
+    def replace(self, **changes: Any) -> "StrongholdConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if out["param_dtype"] is not None:
+            out["param_dtype"] = str(out["param_dtype"]).replace("torch.", "")
+        if out["block_classes"] is not None:
+            out["block_classes"] = list(out["block_classes"])
+        return out
+
+    def resolved_cpu_threads(self) -> int:
+        if self.cpu_threads is not None:
+            return self.cpu_threads
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            cores = os.cpu_count() or 1
+        return max(1, cores - 1)
+
+
+def parse_window_size(value: Any, *, field_name: str = "window_size") -> WindowSize:
+    """Parses ``"auto"``, ``"3"`` or ``3`` into a window size, with a message naming ``field_name``."""
+    if isinstance(value, bool):
+        raise TypeError(f"{field_name}={value!r} is not allowed; use \"auto\" or an int >= 1.")
+    if isinstance(value, int):
+        parsed: WindowSize = value
+    elif isinstance(value, str) and value.strip().lower() == "auto":
+        parsed = "auto"
+    elif isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        parsed = int(value.strip())
+    else:
+        raise ValueError(f"{field_name}={value!r} is not allowed; use \"auto\" or an int >= 1.")
+    if isinstance(parsed, int) and parsed < 1:
+        raise ValueError(f"{field_name}={parsed} is not allowed; use \"auto\" or an int >= 1.")
+    return parsed

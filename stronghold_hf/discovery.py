@@ -1,0 +1,166 @@
+"""Finding the repeated blocks of any Hugging Face model.
+
+The working window slides over the model's repeated blocks (transformer layers). A model can
+hold several stacks (T5 and BART: encoder and decoder); all blocks of all stacks form one
+execution sequence in module-registration order, which is the order HF models run them.
+
+Discovery, in order:
+
+1. ``block_classes`` given by the user: every ``nn.ModuleList`` whose children are all
+   instances of those class names.
+2. ``nn.ModuleList``s whose children are instances of a class named in the model's
+   ``_no_split_modules`` or of ``transformers.modeling_layers.GradientCheckpointingLayer``.
+3. Failing that, the largest homogeneous ``nn.ModuleList`` (same child class, >= 2 children,
+   each child holding parameters).
+
+A parameter is windowed only if it belongs to exactly one block: a weight that is also
+registered elsewhere (tied into another block, or shared with a resident module) stays
+resident, so tying keeps working.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+try:  # transformers >= 4.48
+    from transformers.modeling_layers import GradientCheckpointingLayer
+except ImportError:  # pragma: no cover - older transformers
+    GradientCheckpointingLayer = None  # type: ignore[assignment]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStack:
+    """One ``nn.ModuleList`` of blocks, by its fully qualified name."""
+
+    fqn: str
+    blocks: tuple[nn.Module, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockSpec:
+    """One block in the global execution sequence and the parameters it owns."""
+
+    index: int
+    fqn: str
+    module: nn.Module
+    params: tuple[tuple[str, nn.Parameter], ...]  # (local name, parameter), owned by this block only
+
+
+def _no_split_class_names(model: nn.Module) -> set[str]:
+    names: set[str] = set()
+    for module in model.modules():
+        value = getattr(module, "_no_split_modules", None)
+        if value:
+            names.update(value)
+    return names
+
+
+def _is_block_list(child_list: nn.ModuleList, class_names: set[str], use_gc_layer: bool) -> bool:
+    if len(child_list) == 0:
+        return False
+    for child in child_list:
+        by_name = type(child).__name__ in class_names
+        by_base = use_gc_layer and GradientCheckpointingLayer is not None and isinstance(child, GradientCheckpointingLayer)
+        if not (by_name or by_base):
+            return False
+    return True
+
+
+def _module_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+
+
+def _drop_nested(stacks: list[tuple[str, nn.ModuleList]]) -> list[tuple[str, nn.ModuleList]]:
+    """Keeps the outermost stacks: a block list inside another block cannot be windowed twice."""
+    kept: list[tuple[str, nn.ModuleList]] = []
+    for name, mlist in stacks:
+        if any(name.startswith(other + ".") for other, _ in stacks if other != name):
+            continue
+        kept.append((name, mlist))
+    return kept
+
+
+def find_block_stacks(model: nn.Module, block_classes: tuple[str, ...] | None = None) -> list[BlockStack]:
+    """Returns the model's block stacks in execution (registration) order.
+
+    Raises ``ValueError`` naming what was searched when nothing can be windowed.
+    """
+    lists = _module_lists(model)
+    if block_classes is not None:
+        found = [(n, m) for n, m in lists if _is_block_list(m, set(block_classes), use_gc_layer=False)]
+        if not found:
+            seen = sorted({type(c).__name__ for _, m in lists for c in m})
+            raise ValueError(
+                f"No nn.ModuleList of {list(block_classes)} found in {type(model).__name__}. "
+                f"ModuleList children seen: {seen or 'none'}. Fix block_classes, or leave it unset to discover."
+            )
+        return [BlockStack(n, tuple(m)) for n, m in _drop_nested(found)]
+
+    class_names = _no_split_class_names(model)
+    found = [(n, m) for n, m in lists if _is_block_list(m, class_names, use_gc_layer=True)]
+    if not found:
+        found = _largest_homogeneous(lists)
+    if not found:
+        raise ValueError(
+            f"{type(model).__name__} has no repeated blocks to window: searched nn.ModuleLists of "
+            f"_no_split_modules classes {sorted(class_names) or '[]'}, of GradientCheckpointingLayer, and "
+            f"homogeneous nn.ModuleLists of >= 2 parameterised modules ({len(lists)} ModuleList(s) seen). "
+            "Pass StrongholdConfig(block_classes=[...]) naming the block class."
+        )
+    return [BlockStack(n, tuple(m)) for n, m in _drop_nested(found)]
+
+
+def _largest_homogeneous(lists: list[tuple[str, nn.ModuleList]]) -> list[tuple[str, nn.ModuleList]]:
+    best: tuple[str, nn.ModuleList] | None = None
+    best_params = 0
+    for name, mlist in lists:
+        if len(mlist) < 2 or len({type(c) for c in mlist}) != 1:
+            continue
+        if any(next(c.parameters(), None) is None for c in mlist):
+            continue
+        n_params = sum(p.numel() for p in mlist.parameters())
+        if n_params > best_params:
+            best, best_params = (name, mlist), n_params
+    return [best] if best is not None else []
+
+
+def build_block_specs(model: nn.Module, stacks: list[BlockStack]) -> list[BlockSpec]:
+    """Lays the stacks out as one sequence and assigns each block the parameters it alone owns."""
+    owners: dict[int, int] = {}  # id(param) -> number of registrations in the whole model
+    for _, p in model.named_parameters(remove_duplicate=False):
+        owners[id(p)] = owners.get(id(p), 0) + 1
+    specs: list[BlockSpec] = []
+    for stack in stacks:
+        for i, block in enumerate(stack.blocks):
+            local: dict[int, int] = {}
+            named = list(block.named_parameters(remove_duplicate=False))
+            for _, p in named:
+                local[id(p)] = local.get(id(p), 0) + 1
+            seen: set[int] = set()
+            owned: list[tuple[str, nn.Parameter]] = []
+            for name, p in named:
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                # Owned only if every registration of this tensor is inside this block.
+                if owners[id(p)] == local[id(p)] and p.is_floating_point():
+                    owned.append((name, p))
+            specs.append(BlockSpec(len(specs), f"{stack.fqn}.{i}" if stack.fqn else str(i), block, tuple(owned)))
+    return specs
+
+
+def count_block_parameters(specs: list[BlockSpec]) -> int:
+    return sum(p.numel() for s in specs for _, p in s.params)
+
+
+def describe(specs: list[BlockSpec]) -> str:
+    stacks: dict[str, int] = {}
+    for s in specs:
+        stacks[s.fqn.rsplit(".", 1)[0]] = stacks.get(s.fqn.rsplit(".", 1)[0], 0) + 1
+    return ", ".join(f"{k} x{v}" for k, v in stacks.items())
+
+
+__all__ = ["BlockStack", "BlockSpec", "find_block_stacks", "build_block_specs", "count_block_parameters", "describe"]
+

@@ -1,0 +1,1 @@
+"""Hugging Face integrations: Trainer arguments, Trainer subclasses and the accelerate plugin."""
