@@ -5,10 +5,13 @@ Public surface only; see docs/ for the user guide and docs/design.md for how it 
 
 from .config import StrongholdConfig
 from .integrations.arguments import StrongholdSeq2SeqTrainingArguments, StrongholdTrainingArguments
+from .integrations.trainer import StrongholdSeq2SeqTrainer, StrongholdTrainer
 
 __all__ = [
     "StrongholdConfig",
     "StrongholdTrainingArguments",
     "StrongholdSeq2SeqTrainingArguments",
+    "StrongholdTrainer",
+    "StrongholdSeq2SeqTrainer",
 ]
 __version__ = "0.1.0"
