@@ -4,11 +4,14 @@ Public surface only; see docs/ for the user guide and docs/design.md for how it 
 """
 
 from .config import StrongholdConfig
+from .window import WindowEngine, offload_model
 from .integrations.arguments import StrongholdSeq2SeqTrainingArguments, StrongholdTrainingArguments
 from .integrations.trainer import StrongholdSeq2SeqTrainer, StrongholdTrainer
 
 __all__ = [
     "StrongholdConfig",
+    "offload_model",
+    "WindowEngine",
     "StrongholdTrainingArguments",
     "StrongholdSeq2SeqTrainingArguments",
     "StrongholdTrainer",

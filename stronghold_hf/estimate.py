@@ -1,0 +1,664 @@
+"""Will it fit? Host and device bytes for STRONGHOLD training, next to plain training.
+
+Before a run that takes hours to set up, a user wants to know whether a model trains on a
+given GPU and host: STRONGHOLD moves the blocks' parameters, gradients and Adam state to CPU
+RAM, so the question has two halves (CPU RAM for the offloaded state, GPU memory for the
+resident part, the window and the activations). This module answers both from a config, by
+building the model on the meta device (exact parameter counts, nothing allocated), or from a
+live model at start-up (`estimate_for_model`, what the Trainer integration calls).
+
+What is counted (per parameter ``p``; ``c`` = compute-dtype bytes, 4 for fp32, 2 for
+bf16/fp16):
+
+* CPU, block parameters only: fp32 masters 4 B, Adam ``exp_avg`` + ``exp_avg_sq`` 8 B, fp32
+  gradient buffers 4 B (gradient accumulation adds into them), the pinned compute-dtype
+  copy that is sent to the device ``c`` B, except in fp32 where the pinned copy *is* the
+  master (0 extra), and ``W + 1`` pinned gradient staging slots of the largest block. Plus a
+  fixed process allowance (`CPU_PROCESS_BYTES`: Python, torch, CUDA host-side runtime).
+* GPU: resident parameters (embeddings, final norm, heads; tied weights once) with their
+  gradients and GPU AdamW state, 16 B/param (fp32 parameter, gradient, two moments); under
+  bf16/fp16 mixed precision the resident parameters stay fp32 (HF autocast) and autocast
+  keeps a compute-dtype copy of each weight, 18 B/param. The window: ``W + 1`` slots of the
+  largest block, each parameters + gradients in the compute dtype. Activations (below). A
+  workspace allowance: `GPU_WORKSPACE_FIXED_BYTES` (CUDA context, cuBLAS workspaces) plus
+  `GPU_WORKSPACE_PERCENT` of everything else (caching-allocator fragmentation).
+* Plain training (everything on the GPU), for contrast: 16 B/param fp32, 18 B/param mixed
+  precision (same assumption as above), the same activations and workspace.
+
+Activations follow Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models" (arXiv:2205.05198), section 4.1: a transformer layer stores
+``s*b*h*(34 + 5*a*s/h)`` bytes with 16-bit activations and 1-byte dropout masks. Broken into
+its parts that is ``16`` stored ``s*b*h`` tensors (attention 5, layer norms 2, MLP 1 + 2x4)
+plus two 1-byte masks, and 2 stored ``a*s*s*b`` tensors (softmax output, its dropout) plus
+one mask. `layer_activation_bytes` keeps that breakdown and scales the tensors by the
+compute dtype's bytes (fp32: ``s*b*h*(66 + 9*a*s/h)``) while masks stay 1 byte; the MLP
+term uses the real FFN width (2 tensors of ``s*b*ffn``, or 4 for gated MLPs such as
+SwiGLU), and Q/K/V use the real head and KV-head dims, so the formula is exact for
+``ffn = 4h`` MHA and approximately right elsewhere. It assumes eager attention: with SDPA or
+flash attention the ``s*s`` terms are not stored, so the estimate is an upper bound there.
+Decoder layers of encoder-decoder models add a cross-attention block (its Q path and
+output on the target length, K/V on the source length, scores ``a*s_tgt*s_src*b``) and a
+layer norm. With gradient checkpointing each layer stores only its input (``s*b*h*c``)
+plus, during the recompute, one layer's full activations. The head stores the final norm's
+input and output and the logits at 12 B per logit (compute-dtype logits, the fp32
+log-softmax saved for backward, the fp32 gradient, and its cast back under 16-bit).
+
+Sizes are binary throughout: ``GB``/``GiB`` both mean 2**30 (as nvidia-smi and a "32 GB"
+V100 use it), ``MB``/``MiB`` 2**20. See docs/estimate.md for a hand-checked example.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from .config import DEFAULT_WINDOW_SIZE, parse_dtype, parse_window_size
+from .discovery import build_block_specs, find_block_stacks
+
+GiB = 2**30
+MiB = 2**20
+
+ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32
+CPU_PROCESS_BYTES = 2 * GiB
+GPU_WORKSPACE_FIXED_BYTES = 3 * GiB // 2
+GPU_WORKSPACE_PERCENT = 5
+LOGIT_BYTES = 12  # per logit, see the module docstring
+
+_DTYPE_LABEL = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_AUTO_CLASSES = {
+    "causal_lm": "AutoModelForCausalLM",
+    "masked_lm": "AutoModelForMaskedLM",
+    "seq2seq_lm": "AutoModelForSeq2SeqLM",
+    "model": "AutoModel",
+}
+_GATED_MLP_NAMES = ("gate_proj", "gate_up_proj", "wi_0", "w3")
+
+
+# ---------------------------------------------------------------------------- memory strings
+_MEM_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_memory(text: str | int) -> int:
+    """``"32GB"``, ``"32GiB"``, ``"32G"``, ``"900MB"``, ``"1.5T"`` or plain bytes -> bytes.
+
+    Units are binary and case-insensitive: K/M/G/T with or without ``B`` or ``iB`` all mean
+    2**10/2**20/2**30/2**40, so ``32GB == 32GiB == 32 * 2**30``.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise ValueError(f"memory size must be >= 0, got {text}")
+        return text
+    match = _MEM_RE.match(str(text))
+    if not match or (not match.group(2) and "i" in match.group(3).lower()):
+        raise ValueError(
+            f"cannot parse memory size {text!r}; use e.g. 32GB, 32GiB, 900MB or a plain byte count "
+            "(K/M/G/T are binary: GB = GiB = 2**30)"
+        )
+    value, unit = float(match.group(1)), match.group(2).lower()
+    return int(value * {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}[unit])
+
+
+def available_cpu_memory_bytes() -> int | None:
+    """Available host RAM: psutil if installed, else ``MemAvailable`` of /proc/meminfo."""
+    try:
+        import psutil  # optional, not a dependency
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+# ---------------------------------------------------------------------------- model shape
+@dataclass(frozen=True, slots=True)
+class _Layer:
+    params: int
+    cross_attention: bool
+    gated_mlp: bool
+    ffn: int | None  # inferred from the block's weights when the config does not say
+
+
+@dataclass(frozen=True, slots=True)
+class _Counts:
+    layers: tuple[_Layer, ...]
+    block_params: int
+    resident_params: int
+    buffer_bytes: int
+    logits_width: int
+
+
+def _count(model: nn.Module, block_classes: tuple[str, ...] | None, encoder_decoder: bool) -> _Counts:
+    specs = build_block_specs(model, find_block_stacks(model, block_classes))
+    layers = []
+    for spec in specs:
+        names = [n for n, _ in spec.params]
+        widths = [max(p.shape) for _, p in spec.params if p.dim() == 2]
+        layers.append(
+            _Layer(
+                params=sum(p.numel() for _, p in spec.params),
+                cross_attention=encoder_decoder and "decoder" in spec.fqn.split("."),
+                gated_mlp=any(g in n.split(".") for n in names for g in _GATED_MLP_NAMES),
+                ffn=max(widths) if widths else None,
+            )
+        )
+    block_params = sum(layer.params for layer in layers)
+    total = sum(p.numel() for p in model.parameters())  # unique tensors: tied weights once
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    width = out.weight.shape[0] if out is not None and getattr(out, "weight", None) is not None else 0
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    return _Counts(tuple(layers), block_params, total - block_params, buffers, width)
+
+
+def _cfg(config: Any, *names: str) -> Any:
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def layer_activation_bytes(
+    s: int, b: int, h: int, a: int, *, nbytes: int, ffn: int | None = None, head_dim: int | None = None,
+    kv_heads: int | None = None, gated_mlp: bool = False, cross_attention: bool = False, s_kv: int | None = None,
+) -> int:
+    """Bytes one transformer layer saves for backward (Korthikanti et al. 2022, generalised).
+
+    With ``nbytes=2``, ``ffn=4h`` and plain MHA this is exactly ``s*b*h*(34 + 5*a*s/h)``.
+    """
+    ffn = 4 * h if ffn is None else ffn
+    q = a * (head_dim or h // a)
+    kv = (kv_heads or a) * (head_dim or h // a)
+    sb = s * b
+    # Attention: QKV input, Q, K, V, output-projection input; two layer-norm inputs; the MLP
+    # input and (gated: 4, else 2) ffn-wide tensors around the activation function.
+    elems = sb * (h + q + 2 * kv + q) + 2 * sb * h + sb * h + (4 if gated_mlp else 2) * sb * ffn
+    masks = 2 * sb * h  # attention-output and MLP dropout masks, 1 byte each
+    scores = a * s * s * b  # softmax output and its dropout output are stored, plus a mask
+    total = (elems + 2 * scores) * nbytes + masks + scores
+    if cross_attention:
+        s_kv = s if s_kv is None else s_kv
+        x_scores = a * s * s_kv * b
+        # Q input, Q, output-projection input and the extra layer norm on the target length;
+        # K and V on the source length; scores as above; one more output dropout mask.
+        total += (sb * (h + 2 * q) + sb * h + 2 * s_kv * b * kv + 2 * x_scores) * nbytes + sb * h + x_scores
+    return total
+
+
+# ---------------------------------------------------------------------------- the estimate
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """Byte counts for STRONGHOLD and for plain training; ``None`` means "not checked"."""
+
+    model_name: str
+    seq_len: int
+    batch_size: int
+    dtype: str
+    gradient_checkpointing: bool
+    window_size: int
+    window_size_requested: int | str
+    num_blocks: int
+    block_params: int
+    resident_params: int
+    total_params: int
+    largest_block_params: int
+    # CPU side (STRONGHOLD)
+    cpu_master_bytes: int
+    cpu_adam_bytes: int
+    cpu_grad_bytes: int
+    cpu_pinned_copy_bytes: int
+    cpu_grad_staging_bytes: int
+    cpu_process_bytes: int
+    cpu_bytes_needed: int
+    cpu_memory_bytes: int | None
+    # GPU side (STRONGHOLD)
+    gpu_resident_bytes: int
+    gpu_window_bytes: int
+    gpu_slot_bytes: int
+    gpu_block_activation_bytes: int
+    gpu_head_activation_bytes: int
+    gpu_workspace_bytes: int
+    gpu_bytes_needed: int
+    gpu_memory_bytes: int | None
+    max_window_size: int | None
+    # Plain training (everything on the GPU)
+    plain_state_bytes: int
+    plain_workspace_bytes: int
+    plain_gpu_bytes_needed: int
+    # Verdicts
+    cpu_fits: bool | None
+    gpu_fits: bool | None
+    fits: bool
+    plain_fits: bool | None
+    block_activation_bytes_checkpointed: int
+    block_activation_bytes_full: int
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["notes"] = list(self.notes)
+        return out
+
+    def table(self) -> str:
+        return _table(self)
+
+    def raise_if_not_fits(self) -> None:
+        """Raises ``ValueError`` with the numbers and what to change when it does not fit."""
+        problems = []
+        if self.cpu_fits is False:
+            problems.append(
+                f"CPU RAM: needs {_gib(self.cpu_bytes_needed)} (fp32 masters {_gib(self.cpu_master_bytes)} + Adam "
+                f"{_gib(self.cpu_adam_bytes)} + gradients {_gib(self.cpu_grad_bytes)} + pinned copies "
+                f"{_gib(self.cpu_pinned_copy_bytes + self.cpu_grad_staging_bytes)} + process "
+                f"{_gib(self.cpu_process_bytes)}) for {self.block_params / 1e9:.2f} B offloaded parameters, has "
+                f"{_gib(self.cpu_memory_bytes)}. Add CPU RAM, or train fewer or narrower layers "
+                f"(each offloaded parameter costs {self.cpu_bytes_per_param} B of RAM; bf16 does not lower it)."
+            )
+        if self.gpu_fits is False:
+            fixes = []
+            if not self.gradient_checkpointing:
+                fixes.append(
+                    "enable gradient checkpointing (block activations "
+                    f"{_gib(self.block_activation_bytes_full)} -> {_gib(self.block_activation_bytes_checkpointed)})"
+                )
+            fixes.append("use a smaller batch or sequence length")
+            if self.dtype == "fp32":
+                fixes.append("train in bf16 (halves the window slots and activations)")
+            if self.window_size > 1:
+                fixes.append(f"use a smaller window_size (max that fits: {self.max_window_size})")
+            problems.append(
+                f"GPU memory: needs {_gib(self.gpu_bytes_needed)} at window_size={self.window_size} (resident "
+                f"{_gib(self.gpu_resident_bytes)} + window {_gib(self.gpu_window_bytes)} + activations "
+                f"{_gib(self.gpu_block_activation_bytes + self.gpu_head_activation_bytes)} + workspace "
+                f"{_gib(self.gpu_workspace_bytes)}), has {_gib(self.gpu_memory_bytes)}. Fix: " + "; ".join(fixes) + "."
+            )
+        if problems:
+            raise ValueError(f"{self.model_name} does not fit for STRONGHOLD training. " + " ".join(problems))
+
+    @property
+    def cpu_bytes_per_param(self) -> int:
+        return 4 + ADAM_STATE_BYTES + 4 + (0 if self.dtype == "fp32" else _NBYTES[self.dtype])
+
+
+_NBYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def check_fits(estimate_: Estimate) -> Estimate:
+    """`Estimate.raise_if_not_fits`, returning the estimate when it fits."""
+    estimate_.raise_if_not_fits()
+    return estimate_
+
+
+def _workspace(other: int) -> int:
+    return GPU_WORKSPACE_FIXED_BYTES + -(-other * GPU_WORKSPACE_PERCENT // 100)
+
+
+def _assemble(
+    counts: _Counts, config: Any, *, model_name: str, seq_len: int, batch_size: int, dtype: str,
+    gradient_checkpointing: bool, window_size: int | str | None, gpu_memory_bytes: int | None,
+    cpu_memory_bytes: int | None, decoder_seq_len: int | None, notes: list[str],
+) -> Estimate:
+    if seq_len < 1 or batch_size < 1:
+        raise ValueError(f"seq_len and batch_size must be >= 1, got seq_len={seq_len}, batch_size={batch_size}.")
+    c = _NBYTES[dtype]
+    n = len(counts.layers)
+    largest = max(layer.params for layer in counts.layers)
+    requested: int | str = "auto" if window_size in (None, "auto") else parse_window_size(window_size)
+    w = min(DEFAULT_WINDOW_SIZE if requested == "auto" else requested, n)
+    if requested != "auto" and requested > n:
+        notes.append(f"window_size={requested} exceeds the {n} blocks; evaluated at {n}")
+
+    # CPU: everything per offloaded parameter, plus staging slots and the process itself.
+    master, adam, grad = 4 * counts.block_params, ADAM_STATE_BYTES * counts.block_params, 4 * counts.block_params
+    pinned = 0 if c == 4 else c * counts.block_params
+    staging = (w + 1) * largest * c
+    cpu_needed = master + adam + grad + pinned + staging + CPU_PROCESS_BYTES
+
+    # Activations, from the config's shape.
+    h = _cfg(config, "hidden_size", "d_model", "n_embd", "dim")
+    a = _cfg(config, "num_attention_heads", "n_head", "num_heads", "encoder_attention_heads")
+    full = ckpt = head = 0
+    if h and a:
+        s_dec = decoder_seq_len or seq_len
+        per_layer, inputs = [], 0
+        for layer in counts.layers:
+            s = s_dec if layer.cross_attention else seq_len
+            ffn = _cfg(config, "decoder_ffn_dim") if layer.cross_attention else None
+            ffn = ffn or _cfg(config, "intermediate_size", "n_inner", "d_ff", "ffn_dim", "encoder_ffn_dim") or layer.ffn
+            per_layer.append(layer_activation_bytes(
+                s, batch_size, h, a, nbytes=c, ffn=ffn, head_dim=_cfg(config, "head_dim", "d_kv"),
+                kv_heads=_cfg(config, "num_key_value_heads"), gated_mlp=layer.gated_mlp,
+                cross_attention=layer.cross_attention, s_kv=seq_len,
+            ))
+            inputs += s * batch_size * h * c
+        full = sum(per_layer)
+        # Checkpointing keeps each layer's input; the recompute holds one layer in full.
+        ckpt = inputs + max(per_layer)
+        s_out = s_dec if any(layer.cross_attention for layer in counts.layers) else seq_len
+        head = 2 * s_out * batch_size * h * c + s_out * batch_size * counts.logits_width * LOGIT_BYTES
+    else:
+        notes.append("model config has no hidden size / head count: activations not counted")
+    block_act = ckpt if gradient_checkpointing else full
+
+    # GPU: resident state, the slot pool, activations, workspace.
+    state_per_param = 16 if c == 4 else 18
+    resident = state_per_param * counts.resident_params + counts.buffer_bytes
+    slot = 2 * largest * c  # parameters + gradients of the largest block, compute dtype
+    fixed = resident + block_act + head
+
+    def gpu_needed(window: int) -> int:
+        other = fixed + (window + 1) * slot
+        return other + _workspace(other)
+
+    gpu_need = gpu_needed(w)
+    max_w: int | None = None
+    if gpu_memory_bytes is not None:
+        max_w = 0
+        for cand in range(1, n + 1):  # n is at most a few thousand: a scan is exact and cheap
+            if gpu_needed(cand) > gpu_memory_bytes:
+                break
+            max_w = cand
+
+    total = counts.block_params + counts.resident_params
+    plain_state = state_per_param * total + counts.buffer_bytes
+    plain_other = plain_state + block_act + head
+    plain_ws = _workspace(plain_other)
+    plain_need = plain_other + plain_ws
+
+    cpu_fits = None if cpu_memory_bytes is None else cpu_needed <= cpu_memory_bytes
+    gpu_fits = None if gpu_memory_bytes is None else gpu_need <= gpu_memory_bytes
+    if cpu_fits is None:
+        notes.append("CPU RAM unknown: CPU check skipped")
+    if gpu_fits is None:
+        notes.append("GPU memory unknown: GPU check skipped")
+    return Estimate(
+        model_name=model_name, seq_len=seq_len, batch_size=batch_size, dtype=dtype,
+        gradient_checkpointing=gradient_checkpointing, window_size=w, window_size_requested=requested,
+        num_blocks=n, block_params=counts.block_params, resident_params=counts.resident_params,
+        total_params=total, largest_block_params=largest,
+        cpu_master_bytes=master, cpu_adam_bytes=adam, cpu_grad_bytes=grad, cpu_pinned_copy_bytes=pinned,
+        cpu_grad_staging_bytes=staging, cpu_process_bytes=CPU_PROCESS_BYTES, cpu_bytes_needed=cpu_needed,
+        cpu_memory_bytes=cpu_memory_bytes,
+        gpu_resident_bytes=resident, gpu_window_bytes=(w + 1) * slot, gpu_slot_bytes=slot,
+        gpu_block_activation_bytes=block_act, gpu_head_activation_bytes=head,
+        gpu_workspace_bytes=gpu_need - fixed - (w + 1) * slot, gpu_bytes_needed=gpu_need,
+        gpu_memory_bytes=gpu_memory_bytes, max_window_size=max_w,
+        plain_state_bytes=plain_state, plain_workspace_bytes=plain_ws, plain_gpu_bytes_needed=plain_need,
+        cpu_fits=cpu_fits, gpu_fits=gpu_fits, fits=cpu_fits is not False and gpu_fits is not False,
+        plain_fits=None if gpu_memory_bytes is None else plain_need <= gpu_memory_bytes,
+        block_activation_bytes_checkpointed=ckpt, block_activation_bytes_full=full, notes=tuple(notes),
+    )
+
+
+def _dtype_label(dtype: str | torch.dtype) -> str:
+    parsed = parse_dtype(dtype, field_name="dtype")
+    return _DTYPE_LABEL[parsed]
+
+
+# ---------------------------------------------------------------------------- model building
+@contextlib.contextmanager
+def _skip_init():
+    # On meta, torch.nn.init calls still run (slowly, through the meta reference kernels):
+    # about half the build time of a GPT-2 block. transformers' no_init_weights turns them
+    # off; it also skips init_weights, whose only work on meta is tying, redone below.
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # pragma: no cover - older transformers
+        yield
+        return
+    with no_init_weights():
+        yield
+
+
+def _auto_classes(config: Any, auto_class: Any) -> list[Any]:
+    import transformers
+
+    if auto_class is not None:
+        if isinstance(auto_class, str):
+            name = _AUTO_CLASSES.get(auto_class, auto_class)
+            if not hasattr(transformers, name):
+                raise ValueError(f"auto_class={auto_class!r} is unknown; use one of {sorted(_AUTO_CLASSES)} or a class.")
+            return [getattr(transformers, name)]
+        return [auto_class]
+    order = ["causal_lm", "masked_lm", "seq2seq_lm", "model"]
+    if getattr(config, "is_encoder_decoder", False):
+        # BART/T5 also map to a CausalLM class that is the decoder alone; count both stacks.
+        order.remove("seq2seq_lm")
+        order.insert(0, "seq2seq_lm")
+    return [getattr(transformers, _AUTO_CLASSES[k]) for k in order]
+
+
+def build_meta_model(config: Any, auto_class: Any = None) -> nn.Module:
+    """The model for ``config`` on the meta device (no memory), trying Auto classes in order."""
+    errors = []
+    for cls in _auto_classes(config, auto_class):
+        try:
+            with torch.device("meta"), _skip_init():
+                model = cls.from_config(config)
+        except ValueError as err:  # "Unrecognized configuration class ... for this kind of AutoModel"
+            errors.append(f"{getattr(cls, '__name__', cls)}: {str(err).splitlines()[0]}")
+            continue
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()
+        return model
+    raise ValueError(f"No Auto class builds {type(config).__name__}: " + "; ".join(errors))
+
+
+def load_config(model_type: str | None = None, config_name: str | None = None, config_overrides: str | None = None) -> Any:
+    """A config from a model type or a local config dir/json, with run_clm-style ``k=v,k=v`` overrides."""
+    from transformers import AutoConfig
+
+    if config_name:
+        config = AutoConfig.from_pretrained(config_name)
+    elif model_type:
+        config = AutoConfig.for_model(model_type)
+    else:
+        raise ValueError("give a model_type (e.g. gpt2) or a config_name (a local config dir or json file)")
+    if config_overrides:
+        config.update_from_string(config_overrides)
+    return config
+
+
+def estimate(
+    model_config: Any, *, seq_len: int, batch_size: int, dtype: str = "fp32", gpu_memory_bytes: int,
+    cpu_memory_bytes: int, gradient_checkpointing: bool = False, window_size: int | str | None = None,
+    auto_class: Any = None, decoder_seq_len: int | None = None, block_classes: Sequence[str] | None = None,
+) -> Estimate:
+    """Estimates STRONGHOLD and plain-training memory for a config (built on the meta device).
+
+    ``window_size=None``/``"auto"`` evaluates ``DEFAULT_WINDOW_SIZE`` (capped by the block
+    count), the smallest window auto mode would sensibly use, and reports the largest that
+    fits. ``decoder_seq_len`` is the target length of encoder-decoder models (default
+    ``seq_len``). ``auto_class``: ``"causal_lm"``, ``"masked_lm"``, ``"seq2seq_lm"``,
+    ``"model"`` or a class with ``from_config``; ``None`` tries them in that order
+    (seq2seq first for encoder-decoder configs).
+    """
+    model = build_meta_model(model_config, auto_class)
+    counts = _count(model, tuple(block_classes) if block_classes else None, bool(getattr(model_config, "is_encoder_decoder", False)))
+    return _assemble(
+        counts, model_config, model_name=type(model).__name__, seq_len=seq_len, batch_size=batch_size,
+        dtype=_dtype_label(dtype), gradient_checkpointing=gradient_checkpointing, window_size=window_size,
+        gpu_memory_bytes=parse_memory(gpu_memory_bytes), cpu_memory_bytes=parse_memory(cpu_memory_bytes),
+        decoder_seq_len=decoder_seq_len, notes=[],
+    )
+
+
+def estimate_for_model(
+    model: nn.Module, *, seq_len: int, batch_size: int, dtype: str | torch.dtype | None = None,
+    gpu_memory_bytes: int | None = None, cpu_memory_bytes: int | None = None,
+    gradient_checkpointing: bool | None = None, window_size: int | str | None = None,
+    block_classes: Sequence[str] | None = None, decoder_seq_len: int | None = None,
+    device: torch.device | str | int | None = None,
+) -> Estimate:
+    """The same estimate from a live, already built model (call before moving it to the GPU).
+
+    ``dtype=None``: the dtype of the model's parameters. ``gradient_checkpointing=None``: the
+    model's ``is_gradient_checkpointing``. ``gpu_memory_bytes=None``: free memory of
+    ``device`` (default the current CUDA device) from ``torch.cuda.mem_get_info`` when CUDA
+    exists, else the GPU check is skipped. ``cpu_memory_bytes=None``: available RAM (psutil or
+    /proc/meminfo) plus the bytes the model's block parameters hold on the CPU now, since the
+    engine moves them into its own arenas and frees the originals; skipped when unknown.
+    """
+    notes: list[str] = []
+    config = getattr(model, "config", None)
+    counts = _count(model, tuple(block_classes) if block_classes else None, bool(getattr(config, "is_encoder_decoder", False)))
+    if dtype is None:
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    if gradient_checkpointing is None:
+        gradient_checkpointing = bool(getattr(model, "is_gradient_checkpointing", False))
+    if gpu_memory_bytes is None and torch.cuda.is_available():
+        # Creating the context here means ``free`` already excludes it, so the workspace's
+        # context allowance is counted twice: a deliberate, small (< 1 GiB) overestimate.
+        gpu_memory_bytes = torch.cuda.mem_get_info(device)[0]
+    if cpu_memory_bytes is None:
+        avail = available_cpu_memory_bytes()
+        if avail is not None:
+            specs = build_block_specs(model, find_block_stacks(model, tuple(block_classes) if block_classes else None))
+            moving = sum(p.numel() * p.element_size() for s in specs for _, p in s.params if p.device.type == "cpu")
+            cpu_memory_bytes = avail + moving
+            notes.append(f"CPU RAM: {_gib(avail)} available + {_gib(moving)} held by block parameters now")
+    return _assemble(
+        counts, config, model_name=type(model).__name__, seq_len=seq_len, batch_size=batch_size,
+        dtype=_dtype_label(dtype), gradient_checkpointing=gradient_checkpointing, window_size=window_size,
+        gpu_memory_bytes=gpu_memory_bytes, cpu_memory_bytes=cpu_memory_bytes, decoder_seq_len=decoder_seq_len,
+        notes=notes,
+    )
+
+
+# ---------------------------------------------------------------------------- output
+def _gib(nbytes: int | None) -> str:
+    return "unknown" if nbytes is None else f"{nbytes / GiB:.2f} GiB"
+
+
+def _verdict(ok: bool | None) -> str:
+    return {None: "not checked", True: "fits", False: "does NOT fit"}[ok]
+
+
+def _table(e: Estimate) -> str:
+    def row(label: str, nbytes: int) -> str:
+        return f"  {label:<52}{nbytes / GiB:>10.2f}"
+
+    def total(label: str, need: int, have: int | None, ok: bool | None) -> str:
+        have_s = "?" if have is None else f"{have / GiB:.2f}"
+        return f"  {label:<52}{need / GiB:>10.2f}  of {have_s} GiB: {_verdict(ok)}"
+
+    c = _NBYTES[e.dtype]
+    ckpt = "on" if e.gradient_checkpointing else "off"
+    lines = [
+        f"{e.model_name}: {e.total_params / 1e9:.3f} B params ({e.block_params / 1e9:.3f} B in {e.num_blocks} blocks, "
+        f"largest {e.largest_block_params / 1e6:.1f} M; {e.resident_params / 1e6:.1f} M resident), seq {e.seq_len} x "
+        f"batch {e.batch_size}, {e.dtype}, gradient checkpointing {ckpt}",
+        f"{'CPU RAM (STRONGHOLD)':<54}{'GiB':>10}",
+        row("fp32 master weights (4 B/param)", e.cpu_master_bytes),
+        row(f"Adam state ({ADAM_STATE_BYTES} B/param)", e.cpu_adam_bytes),
+        row("fp32 gradient buffers (4 B/param)", e.cpu_grad_bytes),
+        row("pinned copies (fp32: the masters are the pinned copy)" if c == 4 else f"pinned {e.dtype} copies ({c} B/param)",
+            e.cpu_pinned_copy_bytes),
+        row(f"pinned gradient staging ({e.window_size + 1} slots)", e.cpu_grad_staging_bytes),
+        row("process allowance (Python, torch, CUDA runtime)", e.cpu_process_bytes),
+        total("total", e.cpu_bytes_needed, e.cpu_memory_bytes, e.cpu_fits),
+        f"GPU (STRONGHOLD, window_size={e.window_size})",
+        row(f"resident params+grads+Adam ({e.resident_params / 1e6:.1f} M x {16 if c == 4 else 18} B)", e.gpu_resident_bytes),
+        row(f"window slots ({e.window_size + 1} x {e.gpu_slot_bytes / MiB:.1f} MiB params+grads)", e.gpu_window_bytes),
+        row(f"block activations ({'checkpointed' if e.gradient_checkpointing else 'all stored'})", e.gpu_block_activation_bytes),
+        row("head activations (final norm, logits, loss)", e.gpu_head_activation_bytes),
+        row(f"workspace ({GPU_WORKSPACE_FIXED_BYTES / GiB:.1f} GiB + {GPU_WORKSPACE_PERCENT}%)", e.gpu_workspace_bytes),
+        total("total", e.gpu_bytes_needed, e.gpu_memory_bytes, e.gpu_fits),
+        f"  largest window_size that fits: {'unknown' if e.max_window_size is None else e.max_window_size}",
+        "Plain training (everything on the GPU)",
+        row(f"params+grads+Adam ({e.total_params / 1e9:.3f} B x {16 if c == 4 else 18} B)", e.plain_state_bytes),
+        row("activations (blocks + head)", e.gpu_block_activation_bytes + e.gpu_head_activation_bytes),
+        row(f"workspace ({GPU_WORKSPACE_FIXED_BYTES / GiB:.1f} GiB + {GPU_WORKSPACE_PERCENT}%)", e.plain_workspace_bytes),
+        total("total", e.plain_gpu_bytes_needed, e.gpu_memory_bytes, e.plain_fits),
+        f"STRONGHOLD: {'fits' if e.fits else 'does NOT fit'}; plain training: {_verdict(e.plain_fits)}",
+    ]
+    lines += [f"note: {note}" for note in e.notes]
+    return "\n".join(lines)
+
+
+def _memory_arg(text: str) -> int:
+    try:
+        return parse_memory(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _window_arg(text: str) -> int | str:
+    try:
+        return parse_window_size(text, field_name="--window_size")
+    except (TypeError, ValueError) as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m stronghold_hf.estimate",
+        description="Estimate CPU RAM and GPU memory for STRONGHOLD training (and plain training) of a HF model "
+        "config. Memory sizes are binary: GB = GiB = 2**30. The last output line is one JSON object.",
+    )
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model_type", help="a transformers model type, e.g. gpt2, llama, t5")
+    src.add_argument("--config_name", help="a local config dir or config.json")
+    parser.add_argument("--config_overrides", help='run_clm-style "k=v,k=v", e.g. "n_embd=2048,n_layer=100"')
+    parser.add_argument("--seq_len", type=int, required=True)
+    parser.add_argument("--decoder_seq_len", type=int, help="target length for encoder-decoder models (default seq_len)")
+    parser.add_argument("--batch_size", type=int, required=True, help="per-device batch size")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    parser.add_argument("--gpu_memory", type=_memory_arg, required=True, help="GPU memory, e.g. 32GB")
+    parser.add_argument("--cpu_memory", type=_memory_arg, required=True, help="host RAM, e.g. 90GB")
+    parser.add_argument("--gradient_checkpointing", action="store_true")
+    parser.add_argument("--window_size", type=_window_arg, default="auto", help="auto (default) or an int >= 1")
+    parser.add_argument("--auto_class", choices=sorted(_AUTO_CLASSES), help="which Auto class builds the model")
+    parser.add_argument("--check", action="store_true", help="exit with status 3 when STRONGHOLD does not fit")
+    args = parser.parse_args(argv)
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # the CLI's output is the table, not build-time warnings
+    try:
+        config = load_config(args.model_type, args.config_name, args.config_overrides)
+        result = estimate(
+            config, seq_len=args.seq_len, batch_size=args.batch_size, dtype=args.dtype,
+            gpu_memory_bytes=args.gpu_memory, cpu_memory_bytes=args.cpu_memory,
+            gradient_checkpointing=args.gradient_checkpointing, window_size=args.window_size,
+            auto_class=args.auto_class, decoder_seq_len=args.decoder_seq_len,
+        )
+    except (ValueError, OSError, KeyError) as err:
+        parser.error(str(err))
+    print(result.table())
+    print(json.dumps(result.to_dict(), sort_keys=True))
+    return 3 if args.check and not result.fits else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = [
+    "Estimate",
+    "estimate",
+    "estimate_for_model",
+    "check_fits",
+    "layer_activation_bytes",
+    "parse_memory",
+    "available_cpu_memory_bytes",
+    "build_meta_model",
+    "load_config",
+    "main",
+]
