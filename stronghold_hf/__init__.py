@@ -4,12 +4,18 @@ Public surface only; see docs/ for the user guide and docs/design.md for how it 
 """
 
 from .config import StrongholdConfig
+from .optim import CPUAdam
+from .optim.hybrid import StrongholdOptimizer
+from .scaler import DynamicLossScaler
 from .window import WindowEngine, offload_model
 from .integrations.arguments import StrongholdSeq2SeqTrainingArguments, StrongholdTrainingArguments
 from .integrations.trainer import StrongholdSeq2SeqTrainer, StrongholdTrainer
 
 __all__ = [
     "StrongholdConfig",
+    "CPUAdam",
+    "StrongholdOptimizer",
+    "DynamicLossScaler",
     "offload_model",
     "WindowEngine",
     "StrongholdTrainingArguments",

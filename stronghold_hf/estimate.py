@@ -53,7 +53,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import os
 import re
 import sys
 from dataclasses import dataclass
@@ -264,7 +263,7 @@ class Estimate:
         if self.cpu_fits is False:
             problems.append(
                 f"CPU RAM: needs {_gib(self.cpu_bytes_needed)} (fp32 masters {_gib(self.cpu_master_bytes)} + Adam "
-                f"{_gib(self.cpu_adam_bytes)} + gradients {_gib(self.cpu_grad_bytes)} + pinned copies "
+                f"{_gib(self.cpu_adam_bytes)} + gradients {_gib(self.cpu_grad_bytes)} + pinned buffers "
                 f"{_gib(self.cpu_pinned_copy_bytes + self.cpu_grad_staging_bytes)} + process "
                 f"{_gib(self.cpu_process_bytes)}) for {self.block_params / 1e9:.2f} B offloaded parameters, has "
                 f"{_gib(self.cpu_memory_bytes)}. Add CPU RAM, or train fewer or narrower layers "
@@ -280,8 +279,8 @@ class Estimate:
             fixes.append("use a smaller batch or sequence length")
             if self.dtype == "fp32":
                 fixes.append("train in bf16 (halves the window slots and activations)")
-            if self.window_size > 1:
-                fixes.append(f"use a smaller window_size (max that fits: {self.max_window_size})")
+            if self.max_window_size and self.max_window_size < self.window_size:
+                fixes.append(f"use a smaller window_size (the largest that fits is {self.max_window_size})")
             problems.append(
                 f"GPU memory: needs {_gib(self.gpu_bytes_needed)} at window_size={self.window_size} (resident "
                 f"{_gib(self.gpu_resident_bytes)} + window {_gib(self.gpu_window_bytes)} + activations "
@@ -407,8 +406,7 @@ def _assemble(
 
 
 def _dtype_label(dtype: str | torch.dtype) -> str:
-    parsed = parse_dtype(dtype, field_name="dtype")
-    return _DTYPE_LABEL[parsed]
+    return _DTYPE_LABEL[parse_dtype(dtype, field_name="dtype")]
 
 
 # ---------------------------------------------------------------------------- model building
@@ -521,7 +519,10 @@ def estimate_for_model(
     if dtype is None:
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     if gradient_checkpointing is None:
-        gradient_checkpointing = bool(getattr(model, "is_gradient_checkpointing", False))
+        # transformers 5.x renamed the flag; read the new name first to avoid its deprecation warning.
+        flag = getattr(type(model), "is_activation_checkpointing", None)
+        name = "is_activation_checkpointing" if flag is not None else "is_gradient_checkpointing"
+        gradient_checkpointing = bool(getattr(model, name, False))
     if gpu_memory_bytes is None and torch.cuda.is_available():
         # Creating the context here means ``free`` already excludes it, so the workspace's
         # context allowance is counted twice: a deliberate, small (< 1 GiB) overestimate.
@@ -592,18 +593,15 @@ def _table(e: Estimate) -> str:
     return "\n".join(lines)
 
 
-def _memory_arg(text: str) -> int:
-    try:
-        return parse_memory(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
+def _arg_type(parse: Any, name: str) -> Any:
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except (TypeError, ValueError) as err:  # argparse prints these as "argument --x: ..."
+            raise argparse.ArgumentTypeError(str(err)) from None
 
-
-def _window_arg(text: str) -> int | str:
-    try:
-        return parse_window_size(text, field_name="--window_size")
-    except (TypeError, ValueError) as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
+    convert.__name__ = name
+    return convert
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -620,10 +618,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--decoder_seq_len", type=int, help="target length for encoder-decoder models (default seq_len)")
     parser.add_argument("--batch_size", type=int, required=True, help="per-device batch size")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
-    parser.add_argument("--gpu_memory", type=_memory_arg, required=True, help="GPU memory, e.g. 32GB")
-    parser.add_argument("--cpu_memory", type=_memory_arg, required=True, help="host RAM, e.g. 90GB")
+    memory = _arg_type(parse_memory, "memory size")
+    parser.add_argument("--gpu_memory", type=memory, required=True, help="GPU memory, e.g. 32GB")
+    parser.add_argument("--cpu_memory", type=memory, required=True, help="host RAM, e.g. 90GB")
     parser.add_argument("--gradient_checkpointing", action="store_true")
-    parser.add_argument("--window_size", type=_window_arg, default="auto", help="auto (default) or an int >= 1")
+    parser.add_argument("--window_size", type=_arg_type(parse_window_size, "window size"), default="auto", help="auto (default) or an int >= 1")
     parser.add_argument("--auto_class", choices=sorted(_AUTO_CLASSES), help="which Auto class builds the model")
     parser.add_argument("--check", action="store_true", help="exit with status 3 when STRONGHOLD does not fit")
     args = parser.parse_args(argv)
@@ -651,14 +650,6 @@ if __name__ == "__main__":
 
 
 __all__ = [
-    "Estimate",
-    "estimate",
-    "estimate_for_model",
-    "check_fits",
-    "layer_activation_bytes",
-    "parse_memory",
-    "available_cpu_memory_bytes",
-    "build_meta_model",
-    "load_config",
-    "main",
+    "Estimate", "estimate", "estimate_for_model", "check_fits", "layer_activation_bytes", "parse_memory",
+    "available_cpu_memory_bytes", "build_meta_model", "load_config", "main",
 ]

@@ -39,6 +39,7 @@ from .block import BlockState, OffloadedBlock
 from .config import DEFAULT_WINDOW_SIZE, StrongholdConfig
 from .discovery import build_block_specs, describe, find_block_stacks
 from .memory import DeviceSlotPool, HostArena, can_pin
+from .stepping import StepMixin
 from .transfer import TransferContext
 
 logger = logging.getLogger("stronghold_hf")
@@ -95,7 +96,7 @@ def _wrap_grad_tensors(fn: type[torch.autograd.Function], callback, tree: Any) -
     return tree_unflatten(leaves, spec), True
 
 
-class WindowEngine:
+class WindowEngine(StepMixin):
     """The handle `offload_model` returns. It owns the blocks, the transfers and the hooks."""
 
     def __init__(self, model: nn.Module, config: StrongholdConfig, device: torch.device) -> None:
@@ -125,7 +126,8 @@ class WindowEngine:
         self._callback_queued = False
         self._backward_started: set[int] = set()
         self._post_backward_attached: set[int] = set()
-        self._want_device_norms = False
+        self._want_device_norms = True
+        self._init_stepping()
         self._handles: list[Any] = []
         self._install_hooks()
         setattr(model, _ENGINE_ATTR, self)
@@ -209,6 +211,7 @@ class WindowEngine:
         if b.state is BlockState.ON_CPU:
             self.transfer.stats.fetches_on_demand += 1
             self._make_room(keep={b.index})
+            self._wait_update(b)
             b.begin_fetch()
         b.wait_resident()
 
@@ -229,21 +232,34 @@ class WindowEngine:
             b.wait_resident()
         if b.state is BlockState.ON_DEVICE:
             if b.has_device_grads():
+                self._wait_update(b)  # the master grads may still be read by its last update
                 b.offload_grads_and_evict(want_norm=self._want_device_norms)
             else:
                 b.evict()
 
     def _slide(self, wanted: list[int]) -> None:
-        """Evicts residents outside ``wanted``, then starts fetches for the wanted blocks."""
+        """Evicts residents outside ``wanted``, then starts fetches for the wanted blocks.
+
+        A prefetch never blocks on an unfinished CPU update: that block is skipped now and
+        retried at the next hook (or fetched on demand), so the device is never starved
+        waiting for an update it does not need yet.
+        """
         wanted_set = set(wanted)
         for idx in list(self.pool.in_use):
             if idx not in wanted_set:
                 self._release(self.blocks[idx])
-        for idx in wanted:
+        self._prefetch(wanted)
+
+    def _prefetch(self, indices) -> None:
+        for idx in indices:
             b = self.blocks[idx]
+            ticket = self._pending_updates.get(idx)
+            if ticket is not None and not ticket.done():
+                continue
             if b.state is BlockState.D2H_IN_FLIGHT:
                 b.finish_grads()
             if b.state is BlockState.ON_CPU and len(self.pool.in_use) < self.pool.capacity:
+                self._wait_update(b)
                 b.begin_fetch()
 
     # ------------------------------------------------------------------ hooks
@@ -293,6 +309,8 @@ class WindowEngine:
             output, _ = _wrap_grad_tensors(_PreBackward, self._pre_backward_cb(b), output)
         if not keep:
             self._release(b)
+            hi = min(b.index + 1 + self.window_size, len(self.blocks))
+            self._prefetch(range(b.index + 1, hi))
         return output
 
     def _begin_forward(self) -> None:
@@ -339,8 +357,11 @@ class WindowEngine:
         for b in self.blocks:
             if b.state in (BlockState.ON_DEVICE, BlockState.H2D_IN_FLIGHT):
                 self._release(b)
-            if b.state is BlockState.ON_CPU and b.has_device_grads():
-                b.offload_late_grads(want_norm=False)
+            if b.has_device_grads():  # gradients autograd produced after the block was shipped
+                if b.state is BlockState.D2H_IN_FLIGHT:
+                    b.finish_grads()
+                self._wait_update(b)
+                b.offload_late_grads(want_norm=self._want_device_norms)
         for b in self.blocks:
             if b.state is BlockState.D2H_IN_FLIGHT:
                 b.finish_grads()
@@ -351,6 +372,7 @@ class WindowEngine:
     # ------------------------------------------------------------------ state dict
     def _make_state_dict_hook(self, b: OffloadedBlock):
         def hook(module, state_dict, prefix, local_metadata):
+            self._wait_update(b)
             for name, master in zip(b.names, b.masters):
                 key = prefix + name
                 if key in state_dict:
@@ -361,6 +383,7 @@ class WindowEngine:
 
     def _make_load_pre_hook(self, b: OffloadedBlock):
         def hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+            self._wait_update(b)
             loaded = []
             for name, master in zip(b.names, b.masters):
                 key = prefix + name
@@ -398,7 +421,8 @@ class WindowEngine:
         self.phase = Phase.IDLE
 
     def close(self) -> None:
-        """Removes the hooks; the model keeps evicted parameters (use the masters to rebuild)."""
+        """Finishes pending updates, joins the worker threads and removes the hooks."""
+        self.shutdown_workers()
         for h in self._handles:
             h.remove()
         self._handles.clear()

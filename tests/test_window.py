@@ -66,9 +66,10 @@ def _train_pair(family, *, window_size, grad_ckpt=None, accum=1, steps=3):
     sd_ref, sd = ref.state_dict(), model.state_dict()
     assert sd.keys() == sd_ref.keys()
     for k in sd_ref:
-        # 1e-4 is 1% of one Adam step at lr=1e-2: reassociation noise in an element whose
-        # gradient is tiny (a ReLU at its kink) is amplified by Adam's normalisation.
-        atol = 2e-2 * steps if k in noise_only else 1e-4
+        # 2% of the distance Adam can move a weight (lr * steps): Adam normalises away the size
+        # of a gradient, so rounding noise in an entry whose gradient is ~0 (a ReLU unit that
+        # is almost always off) becomes a visible step.
+        atol = 2e-2 * steps if k in noise_only else 0.02 * 1e-2 * steps
         torch.testing.assert_close(sd[k], sd_ref[k], rtol=1e-5, atol=atol, msg=lambda m: f"{k}: {m}")
     return engine
 

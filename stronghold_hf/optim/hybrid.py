@@ -1,0 +1,217 @@
+"""`StrongholdOptimizer`: one `torch.optim.Optimizer` over CPU masters and resident parameters.
+
+The Trainer, accelerate and every LR scheduler expect a single optimizer. This one is a thin
+composite:
+
+* a `CPUAdam` over the fp32 masters of the offloaded blocks, one param group per (block,
+  user group), so a block can be stepped alone from a worker thread;
+* a device AdamW over the resident parameters (embeddings, final norm, heads).
+
+Its ``param_groups`` list *is* the two inner lists concatenated (the same dict objects), so a
+scheduler that writes ``group["lr"]`` reaches the inner optimizers directly.
+
+[Note: the pipelined step] ``step()`` updates the resident parameters at once, then submits
+one CPU update per block in forward order and returns. The engine waits for block ``i``'s
+update only when it next needs block ``i`` (its prefetch in the next forward), so update,
+host-to-device copy and forward pipeline across blocks. Clipping and the fp16 overflow
+verdict are known before any update starts, because `WindowEngine.clip_grad_norm_` (or the
+overflow check inside ``step``) ran after the whole backward.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from ..scaler import DynamicLossScaler
+from .cpu_adam import CPUAdam
+
+_HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+def _normalise_groups(params: Any, defaults: dict[str, Any], model: nn.Module) -> list[dict[str, Any]]:
+    if params is None:
+        params = [p for p in model.parameters() if p.requires_grad]
+    params = list(params)
+    if not params:
+        raise ValueError("build_optimizer: no parameters to optimize (every parameter is frozen?).")
+    if isinstance(params[0], dict):
+        groups = [dict(g) for g in params]
+    else:
+        groups = [{"params": params}]
+    out = []
+    for g in groups:
+        unknown = set(g) - set(_HYPER_KEYS) - {"params"}
+        if unknown - {"name", "initial_lr"}:
+            raise ValueError(f"build_optimizer: param group keys {sorted(unknown)} are not supported; use {list(_HYPER_KEYS)}.")
+        ps = g["params"]
+        ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+        hyper = {k: g.get(k, defaults[k]) for k in _HYPER_KEYS}
+        out.append({"params": ps, **hyper})
+    return out
+
+
+class StrongholdOptimizer(torch.optim.Optimizer):
+    """The optimizer `WindowEngine.build_optimizer` returns; see the module docstring."""
+
+    def __init__(self, engine, cpu_optimizer: torch.optim.Optimizer, device_optimizer: torch.optim.Optimizer | None,
+                 block_groups: dict[int, list[int]], scaler: DynamicLossScaler | None, defaults: dict[str, Any]) -> None:
+        self.engine = engine
+        self.cpu_optimizer = cpu_optimizer
+        self.device_optimizer = device_optimizer
+        self.block_groups = block_groups
+        self.scaler = scaler
+        self._asynchronous = isinstance(cpu_optimizer, CPUAdam)
+        groups = list(cpu_optimizer.param_groups) + (list(device_optimizer.param_groups) if device_optimizer else [])
+        # Optimizer.__init__ appends the very dicts we pass, so param_groups aliases the inner ones.
+        super().__init__(groups, defaults)
+        self.last_step_skipped = False
+
+    # ------------------------------------------------------------------ stepping
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        engine = self.engine
+        engine.synchronize()
+        scalars = engine._take_step_scalars()
+        found_inf, clip_coef, inv_scale = scalars.found_inf, scalars.clip_coef, scalars.inv_loss_scale
+        self.last_step_skipped = bool(found_inf)
+        if self.scaler is not None:
+            self.scaler.update(bool(found_inf))
+        if found_inf:
+            return loss
+        if self.device_optimizer is not None:
+            self.device_optimizer.step()
+        for block in engine.blocks:
+            groups = self.block_groups.get(block.index)
+            if not groups or not any(m.grad is not None for m in block.masters):
+                continue
+            task = partial(self._update_block, block, groups, clip_coef, inv_scale)
+            if self._asynchronous:
+                engine._submit_update(block, task)
+            else:
+                task()
+        return loss
+
+    def _update_block(self, block, groups: list[int], clip_coef: float, inv_scale: float) -> None:
+        t0 = time.perf_counter()
+        if isinstance(self.cpu_optimizer, CPUAdam):
+            self.cpu_optimizer.step_groups(groups, clip_coef=clip_coef, inv_loss_scale=inv_scale)
+            if block.host_copy is not block.master_flat:
+                block.mark_host_copy_synced()  # CPUAdam's copy-out already wrote the compute-dtype copy
+        else:
+            mul = clip_coef * inv_scale
+            if mul != 1.0:
+                for m in block.masters:
+                    if m.grad is not None:
+                        m.grad.mul_(mul)
+            saved = [self.cpu_optimizer.param_groups[i] for i in groups]
+            all_groups = self.cpu_optimizer.param_groups
+            self.cpu_optimizer.param_groups = saved
+            try:
+                self.cpu_optimizer.step()
+            finally:
+                self.cpu_optimizer.param_groups = all_groups
+        self.engine.stats.cpu_adam_s += time.perf_counter() - t0
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.device_optimizer is not None:
+            self.device_optimizer.zero_grad(set_to_none=set_to_none)
+        self.engine.zero_master_grads(set_to_none=set_to_none)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        self.engine.synchronize()
+        return {
+            "stronghold_format": 1,
+            "cpu": self.cpu_optimizer.state_dict(),
+            "device": self.device_optimizer.state_dict() if self.device_optimizer else None,
+            "scaler": self.scaler.state_dict() if self.scaler else None,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not isinstance(state_dict, dict) or state_dict.get("stronghold_format") != 1:
+            raise ValueError(
+                "StrongholdOptimizer.load_state_dict: this state was not saved by a stronghold optimizer "
+                "(missing 'stronghold_format'). Resume from a checkpoint written with --stronghold."
+            )
+        self.engine.synchronize()
+        self.cpu_optimizer.load_state_dict(state_dict["cpu"])
+        if self.device_optimizer is not None and state_dict["device"] is not None:
+            self.device_optimizer.load_state_dict(state_dict["device"])
+        if self.scaler is not None and state_dict.get("scaler"):
+            self.scaler.load_state_dict(state_dict["scaler"])
+        # The inner load replaced the group dicts; alias them again.
+        self.param_groups[:] = list(self.cpu_optimizer.param_groups) + (
+            list(self.device_optimizer.param_groups) if self.device_optimizer else []
+        )
+
+    @property
+    def state(self):  # noqa: D401 - merged view for code that inspects optimizer.state
+        merged = dict(self.cpu_optimizer.state)
+        if self.device_optimizer is not None:
+            merged.update(self.device_optimizer.state)
+        return merged
+
+    @state.setter
+    def state(self, value):  # Optimizer.__init__ assigns an empty state; the inner ones own it
+        pass
+
+
+def build_optimizer(engine, params: Iterable | None = None, *, fp16_loss_scaling: bool | DynamicLossScaler = False,
+                    **adamw_kwargs: Any) -> StrongholdOptimizer:
+    """See `WindowEngine.build_optimizer`."""
+    defaults = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
+    unknown = set(adamw_kwargs) - set(defaults) - {"fused", "foreach"}
+    if unknown:
+        raise ValueError(f"build_optimizer: unsupported AdamW arguments {sorted(unknown)}; use {sorted(defaults)}.")
+    adamw_kwargs.pop("fused", None)
+    adamw_kwargs.pop("foreach", None)
+    defaults.update(adamw_kwargs)
+    groups = _normalise_groups(params, defaults, engine.model)
+
+    cpu_groups: list[dict[str, Any]] = []
+    block_groups: dict[int, list[int]] = {}
+    device_groups: list[dict[str, Any]] = []
+    for g in groups:
+        hyper = {k: g[k] for k in _HYPER_KEYS}
+        resident = [p for p in g["params"] if not engine.is_offloaded(p)]
+        if resident:
+            device_groups.append({"params": resident, **hyper})
+        by_block: dict[int, list[nn.Parameter]] = {}
+        for p in g["params"]:
+            if engine.is_offloaded(p):
+                block = engine.block_of(p)
+                by_block.setdefault(block.index, []).append(block.master_of(p))
+        for idx, masters in by_block.items():
+            block_groups.setdefault(idx, []).append(len(cpu_groups))
+            cpu_groups.append({"params": masters, **hyper})
+    if not cpu_groups:
+        raise ValueError("build_optimizer: none of the given parameters belongs to an offloaded block.")
+    if engine.config.offload_optimizer:
+        cpu_opt: torch.optim.Optimizer = CPUAdam(cpu_groups, **defaults)
+    else:
+        cpu_opt = torch.optim.AdamW(cpu_groups, **defaults, foreach=False)
+    device_opt = None
+    if device_groups:
+        device_opt = torch.optim.AdamW(device_groups, **defaults, fused=True)
+    scaler = fp16_loss_scaling if isinstance(fp16_loss_scaling, DynamicLossScaler) else (
+        DynamicLossScaler() if fp16_loss_scaling else None)
+    opt = StrongholdOptimizer(engine, cpu_opt, device_opt, block_groups, scaler, defaults)
+    if isinstance(cpu_opt, CPUAdam):
+        stepped = {id(p) for g in cpu_groups for p in g["params"]}
+        for block in engine.blocks:
+            if block.host_copy is block.master_flat:
+                continue
+            for s, m in zip(block.slices, block.masters):
+                if id(m) in stepped:
+                    cpu_opt.register_copy_out(m, block.host_copy[s.offset : s.offset + s.numel].view(s.shape))
+    engine._attach_optimizer(opt)
+    return opt
