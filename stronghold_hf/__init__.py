@@ -1,26 +1,45 @@
 """stronghold_hf: STRONGHOLD-style working-window offloading and CPU Adam for Hugging Face models.
 
-Public surface only; see docs/ for the user guide and docs/design.md for how it works.
+Public surface only; see docs/ for the user guide and docs/design.md for how it works. The
+Trainer and accelerate integrations import lazily, so ``import stronghold_hf`` (and the
+``python -m stronghold_hf.estimate`` CLI) stay fast.
 """
 
 from .config import StrongholdConfig
 from .optim import CPUAdam
 from .optim.hybrid import StrongholdOptimizer
 from .scaler import DynamicLossScaler
-from .window import WindowEngine, offload_model
-from .integrations.arguments import StrongholdSeq2SeqTrainingArguments, StrongholdTrainingArguments
-from .integrations.trainer import StrongholdSeq2SeqTrainer, StrongholdTrainer
+from .window import WindowEngine, get_engine, offload_model
+
+_LAZY = {
+    "StrongholdTrainingArguments": ".integrations.arguments",
+    "StrongholdSeq2SeqTrainingArguments": ".integrations.arguments",
+    "StrongholdTrainer": ".integrations.trainer",
+    "StrongholdSeq2SeqTrainer": ".integrations.trainer",
+    "StrongholdPlugin": ".integrations.accelerate",
+    "prepare_stronghold": ".integrations.accelerate",
+    "estimate": ".estimate",
+    "estimate_for_model": ".estimate",
+}
 
 __all__ = [
     "StrongholdConfig",
+    "offload_model",
+    "get_engine",
+    "WindowEngine",
     "CPUAdam",
     "StrongholdOptimizer",
     "DynamicLossScaler",
-    "offload_model",
-    "WindowEngine",
-    "StrongholdTrainingArguments",
-    "StrongholdSeq2SeqTrainingArguments",
-    "StrongholdTrainer",
-    "StrongholdSeq2SeqTrainer",
+    *_LAZY,
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'stronghold_hf' has no attribute {name!r}")

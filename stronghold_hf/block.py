@@ -108,6 +108,8 @@ class OffloadedBlock:
         # Filled by the engine: squared L2 norm of the gradient that left in the last flush
         # (a device scalar), or None when the host must recompute it (accumulated grads).
         self.device_grad_sq_norm: torch.Tensor | None = None
+        # Set by the engine under data parallelism: averages a flat device gradient in place.
+        self.grad_reducer = None
 
     @staticmethod
     def _view(flat: torch.Tensor, s: ParamSlice) -> torch.Tensor:
@@ -198,6 +200,8 @@ class OffloadedBlock:
         torch._foreach_copy_(dst, src)
         for k in ids:
             self.params[k].grad = None
+        if self.grad_reducer is not None:
+            self.grad_reducer(dev)  # data parallel: average while still on the device
         fresh = all(self.masters[k].grad is None for k in ids)
         if want_norm:
             # Only meaningful when this gradient is the whole accumulated gradient.

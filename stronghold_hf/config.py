@@ -80,6 +80,12 @@ class StrongholdConfig:
     keeps the model's dtype. ``bfloat16``/``float16`` halve the bytes on the link; the fp32
     masters on the CPU stay exact. Strings such as ``"bf16"`` are accepted."""
 
+    check_fit: bool = True
+    """At Trainer start-up, run the fits/does-not-fit estimate (`stronghold_hf.estimate`) and
+    refuse a run that cannot fit, before anything is allocated. ``False`` skips it (for
+    example when the estimate's sequence length, the model's ``max_position_embeddings``,
+    is far above what you train with)."""
+
     offload_activations: bool = False
     """Reserved for activation offloading. Only ``False`` is implemented; ``True`` is refused
     rather than silently ignored."""
@@ -103,7 +109,7 @@ class StrongholdConfig:
             isinstance(self.cpu_threads, bool) or not isinstance(self.cpu_threads, int) or self.cpu_threads < 1
         ):
             raise ValueError(f"StrongholdConfig.cpu_threads={self.cpu_threads!r}; use None (auto) or an int >= 1.")
-        for name in ("offload_optimizer", "pin_memory", "offload_activations"):
+        for name in ("offload_optimizer", "pin_memory", "check_fit", "offload_activations"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"StrongholdConfig.{name}={getattr(self, name)!r} must be a bool.")
         if self.block_classes is not None:

@@ -143,6 +143,16 @@ class StepMixin:
             return torch.zeros((), dtype=torch.float32, device=self.device)
         return torch.stack(parts).sum()
 
+    def invalidate_grad_norms(self) -> None:
+        """Forgets the device partial norms (gradients were rescaled in place, e.g. fp16 unscale)."""
+        for block in self.blocks:
+            block.device_grad_sq_norm = None
+
+    def global_grad_norm(self) -> torch.Tensor:
+        """The total L2 norm of all gradients (unscaled), without clipping anything."""
+        inv_scale = 1.0 if self.scaler is None else self.scaler.inv_scale
+        return self._global_grad_sq_norm().sqrt() * inv_scale
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Exact global clipping over every parameter, offloaded or resident.
 

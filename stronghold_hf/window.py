@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .block import BlockState, OffloadedBlock
+from . import distributed
 from .config import DEFAULT_WINDOW_SIZE, StrongholdConfig
 from .discovery import build_block_specs, describe, find_block_stacks
 from .memory import DeviceSlotPool, HostArena, can_pin
@@ -121,6 +122,14 @@ class WindowEngine(StepMixin):
         self._block_of_module = {id(b.module): b for b in self.blocks}
         self._block_param_ids = {id(p): b for b in self.blocks for p in b.params}
         self._move_resident_parts(model, device)
+        if distributed.world_size() > 1:
+            # Ranks start from rank 0's weights and average every gradient (see distributed.py).
+            distributed.broadcast_from_rank0_(
+                [b.master_flat for b in self.blocks] + [p.data for p in self.resident_parameters()]
+            )
+            for b in self.blocks:
+                b.refresh_host_copy()
+                b.grad_reducer = distributed.average_
         self.phase = Phase.IDLE
         self._keep_for_backward = False
         self._callback_queued = False
@@ -365,6 +374,8 @@ class WindowEngine(StepMixin):
         for b in self.blocks:
             if b.state is BlockState.D2H_IN_FLIGHT:
                 b.finish_grads()
+        if distributed.world_size() > 1:
+            distributed.average_grads_(self._resident_grads())
         self.phase = Phase.IDLE
         self._backward_started.clear()
         self._post_backward_attached.clear()

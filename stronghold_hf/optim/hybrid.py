@@ -7,8 +7,13 @@ composite:
   user group), so a block can be stepped alone from a worker thread;
 * a device AdamW over the resident parameters (embeddings, final norm, heads).
 
-Its ``param_groups`` list *is* the two inner lists concatenated (the same dict objects), so a
-scheduler that writes ``group["lr"]`` reaches the inner optimizers directly.
+Its ``param_groups`` are its own dicts, one per inner group, sharing the ``params`` lists.
+An LR scheduler writes them; ``step()`` copies the hyperparameters into the inner groups
+*before* it submits any update. [Note: hyperparameter snapshot] The CPU updates run after
+``step()`` returns, while the Trainer calls ``lr_scheduler.step()``; were the inner groups
+the scheduler's dicts, a worker could read next step's learning rate. The copy happens once
+every update of the previous step has finished (``engine.synchronize()``), so no worker is
+reading an inner group while it is written.
 
 [Note: the pipelined step] ``step()`` updates the resident parameters at once, then submits
 one CPU update per block in forward order and returns. The engine waits for block ``i``'s
@@ -66,10 +71,16 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         self.block_groups = block_groups
         self.scaler = scaler
         self._asynchronous = isinstance(cpu_optimizer, CPUAdam)
-        groups = list(cpu_optimizer.param_groups) + (list(device_optimizer.param_groups) if device_optimizer else [])
-        # Optimizer.__init__ appends the very dicts we pass, so param_groups aliases the inner ones.
-        super().__init__(groups, defaults)
+        self._inner_groups = list(cpu_optimizer.param_groups) + (list(device_optimizer.param_groups) if device_optimizer else [])
+        super().__init__([dict(g) for g in self._inner_groups], defaults)
         self.last_step_skipped = False
+
+    def _push_hyperparameters(self) -> None:
+        """Copies what schedulers changed in our groups into the inner ones (see the note)."""
+        for public, inner in zip(self.param_groups, self._inner_groups):
+            for key, value in public.items():
+                if key != "params":
+                    inner[key] = value
 
     # ------------------------------------------------------------------ stepping
     @torch.no_grad()
@@ -86,7 +97,9 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         if self.scaler is not None:
             self.scaler.update(bool(found_inf))
         if found_inf:
+            engine.zero_master_grads(set_to_none=True)
             return loss
+        self._push_hyperparameters()
         if self.device_optimizer is not None:
             self.device_optimizer.step()
         for block in engine.blocks:
@@ -98,6 +111,10 @@ class StrongholdOptimizer(torch.optim.Optimizer):
                 engine._submit_update(block, task)
             else:
                 task()
+        # [Note: the step consumes offloaded gradients] HF Trainer clears gradients with
+        # model.zero_grad(), which cannot reach the masters (they are not model parameters).
+        # A step therefore releases the gradients it applied, once the update is done.
+        engine.zero_master_grads(set_to_none=True)
         return loss
 
     def _update_block(self, block, groups: list[int], clip_coef: float, inv_scale: float) -> None:
@@ -148,10 +165,12 @@ class StrongholdOptimizer(torch.optim.Optimizer):
             self.device_optimizer.load_state_dict(state_dict["device"])
         if self.scaler is not None and state_dict.get("scaler"):
             self.scaler.load_state_dict(state_dict["scaler"])
-        # The inner load replaced the group dicts; alias them again.
-        self.param_groups[:] = list(self.cpu_optimizer.param_groups) + (
+        # The inner loads replaced their group dicts: re-point at them and mirror their values.
+        self._inner_groups = list(self.cpu_optimizer.param_groups) + (
             list(self.device_optimizer.param_groups) if self.device_optimizer else []
         )
+        for public, inner in zip(self.param_groups, self._inner_groups):
+            public.update({k: v for k, v in inner.items() if k != "params"})
 
     @property
     def state(self):  # noqa: D401 - merged view for code that inspects optimizer.state
