@@ -61,6 +61,10 @@ class _StrongholdArgsMixin:
         self._stronghold_resolved = resolve_stronghold_config(self.stronghold_config, self.stronghold_window_size)
         if isinstance(self.stronghold_window_size, int) and not isinstance(self.stronghold_window_size, bool):
             self.stronghold_window_size = str(self.stronghold_window_size)
+
+    def _refuse_conflicting_backends(self) -> None:
+        # Runs before TrainingArguments.__post_init__, which would already import DeepSpeed
+        # or set up FSDP for a combination we refuse anyway.
         if not self.stronghold:
             return
         if self.deepspeed:
@@ -111,6 +115,7 @@ class StrongholdTrainingArguments(_StrongholdArgsMixin, TrainingArguments):
     _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + ["stronghold_config"]
 
     def __post_init__(self) -> None:
+        self._refuse_conflicting_backends()
         super().__post_init__()
         self._validate_stronghold()
 
@@ -128,5 +133,6 @@ class StrongholdSeq2SeqTrainingArguments(_StrongholdArgsMixin, Seq2SeqTrainingAr
     _VALID_DICT_FIELDS = Seq2SeqTrainingArguments._VALID_DICT_FIELDS + ["stronghold_config"]
 
     def __post_init__(self) -> None:
+        self._refuse_conflicting_backends()
         super().__post_init__()
         self._validate_stronghold()

@@ -151,6 +151,8 @@ class StrongholdOptimizer(torch.optim.Optimizer):
             "cpu": self.cpu_optimizer.state_dict(),
             "device": self.device_optimizer.state_dict() if self.device_optimizer else None,
             "scaler": self.scaler.state_dict() if self.scaler else None,
+            # Our own groups run one scheduler step ahead of the inner ones (see the note).
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -169,8 +171,16 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         self._inner_groups = list(self.cpu_optimizer.param_groups) + (
             list(self.device_optimizer.param_groups) if self.device_optimizer else []
         )
-        for public, inner in zip(self.param_groups, self._inner_groups):
-            public.update({k: v for k, v in inner.items() if k != "params"})
+        saved_public = state_dict.get("param_groups") or [
+            {k: v for k, v in inner.items() if k != "params"} for inner in self._inner_groups
+        ]
+        if len(saved_public) != len(self.param_groups):
+            raise ValueError(
+                f"StrongholdOptimizer.load_state_dict: the checkpoint has {len(saved_public)} param groups, this "
+                f"optimizer {len(self.param_groups)}; resume with the same model and stronghold settings."
+            )
+        for public, saved in zip(self.param_groups, saved_public):
+            public.update(saved)
 
     @property
     def state(self):  # noqa: D401 - merged view for code that inspects optimizer.state
