@@ -1,0 +1,65 @@
+"""`StrongholdPlugin` and `prepare_stronghold` in a ``no_trainer``-style accelerate loop."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+from stronghold_hf import StrongholdConfig, StrongholdPlugin, prepare_stronghold
+from tiny_models import batch, tiny_model
+
+
+def _loop(model, optimizer, accelerator, steps=3, accum=2):
+    losses = []
+    for step in range(steps * accum):
+        with accelerator.accumulate(model):
+            loss = model(**batch("gpt2", seed=step)).loss
+            accelerator.backward(loss)
+            losses.append(loss.item())
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+    return losses
+
+
+def test_prepare_stronghold_matches_plain_accelerate():
+    ref = tiny_model("gpt2")
+    model = copy.deepcopy(ref)
+    acc_ref = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    ref, opt_ref = acc_ref.prepare(ref, opt_ref)
+    losses_ref = _loop(ref, opt_ref, acc_ref)
+
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model, opt, engine = prepare_stronghold(acc, model, dict(lr=1e-2, weight_decay=0.1),
+                                            config=StrongholdConfig(window_size=1))
+    losses = _loop(model, opt, acc)
+    assert losses == pytest.approx(losses_ref, rel=1e-4)
+    for k, v in acc_ref.unwrap_model(ref).state_dict().items():
+        torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-4, atol=6e-4, msg=lambda m: f"{k}: {m}")
+    assert engine.resident_blocks() == []
+    engine.close()
+
+
+def test_plugin_reads_environment(monkeypatch):
+    monkeypatch.setenv("STRONGHOLD", "1")
+    monkeypatch.setenv("STRONGHOLD_WINDOW_SIZE", "4")
+    monkeypatch.setenv("STRONGHOLD_CONFIG", '{"cpu_threads": 2}')
+    plugin = StrongholdPlugin()
+    assert plugin.enabled is True
+    assert plugin.stronghold_config.window_size == 4 and plugin.stronghold_config.cpu_threads == 2
+    assert StrongholdPlugin(enabled=False).enabled is False
+
+
+def test_plugin_refuses_bad_environment(monkeypatch):
+    monkeypatch.setenv("STRONGHOLD", "maybe")
+    with pytest.raises(ValueError, match="STRONGHOLD"):
+        StrongholdPlugin()
+    monkeypatch.setenv("STRONGHOLD", "1")
+    monkeypatch.setenv("STRONGHOLD_WINDOW_SIZE", "0")
+    with pytest.raises(ValueError, match="window_size"):
+        StrongholdPlugin()
