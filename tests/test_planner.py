@@ -93,8 +93,8 @@ def test_nothing_hides_picks_largest_that_fits():
 
 
 def test_per_block_inequality_alone_is_not_enough():
-    # The per-window check passes at W=3 (3 ms >= 3 ms copy budget per block... and more),
-    # yet the stream cannot keep up; the simulation must not call it hidden.
+    # "W blocks of compute >= the next copy" holds at W=4 (4 ms >= 2 ms), yet each copy
+    # takes twice a block's forward, so the serial stream falls behind; not hidden.
     choice = choose_window(uniform(16, 1.0, 4.0, 2.0), LINK, device_bytes_free=BIG, slot_bytes=2**20, max_window=4)
     assert not choice.hidden
 

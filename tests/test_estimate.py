@@ -1,0 +1,222 @@
+"""The fits/does-not-fit estimator: exact byte counts by hand, the STRONGHOLD calibration
+point (5.1 B GPT on a 32 GB V100 with 90 GB RAM), and the CLI."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+from stronghold_hf.estimate import (
+    GPU_WORKSPACE_FIXED_BYTES,
+    check_fits,
+    estimate,
+    estimate_for_model,
+    layer_activation_bytes,
+    load_config,
+    main,
+    parse_memory,
+)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+GiB = 2**30
+H, L, A, V, P = 64, 2, 2, 100, 32
+S, B = 32, 2
+
+
+def tiny_gpt2(**overrides):
+    kwargs = dict(n_embd=H, n_layer=L, n_head=A, vocab_size=V, n_positions=P) | overrides
+    return AutoConfig.for_model("gpt2", **kwargs)
+
+
+def per_block_params(h=H):
+    # ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj
+    return 2 * h + (h * 3 * h + 3 * h) + (h * h + h) + 2 * h + (h * 4 * h + 4 * h) + (4 * h * h + h)
+
+
+def resident_params(h=H):
+    return V * h + P * h + 2 * h  # wte (tied with lm_head: once), wpe, ln_f
+
+
+def workspace(other):
+    return GPU_WORKSPACE_FIXED_BYTES + math.ceil(other * 5 / 100)
+
+
+def test_parse_memory():
+    assert parse_memory("32GB") == parse_memory("32GiB") == parse_memory("32g") == parse_memory("32 GB") == 32 * GiB
+    assert parse_memory("900MB") == 900 * 2**20
+    assert parse_memory("1.5T") == int(1.5 * 2**40)
+    assert parse_memory("123") == parse_memory(123) == 123
+    for bad in ("32XB", "abc", "-5GB", "", "32iB", "GB"):
+        with pytest.raises(ValueError, match="cannot parse memory size"):
+            parse_memory(bad)
+
+
+def test_korthikanti_formula_exact_for_gpt_layers():
+    s, b, h, a = 1024, 4, 2048, 16
+    assert layer_activation_bytes(s, b, h, a, nbytes=2) == s * b * h * (34 + 5 * a * s // h)
+    # fp32: the 16 stored s*b*h tensors and 2 a*s*s*b tensors double; the 3 masks stay 1 B.
+    assert layer_activation_bytes(s, b, h, a, nbytes=4) == s * b * h * (66 + 9 * a * s // h)
+    ffn = 3 * h
+    gated = layer_activation_bytes(s, b, h, a, nbytes=2, ffn=ffn, gated_mlp=True)
+    assert gated - layer_activation_bytes(s, b, h, a, nbytes=2, ffn=ffn) == 2 * s * b * ffn * 2
+
+
+def test_tiny_gpt2_bytes_by_hand():
+    blk, res = per_block_params(), resident_params()
+    e = estimate(tiny_gpt2(), seq_len=S, batch_size=B, dtype="fp32", gpu_memory_bytes=GiB * 8, cpu_memory_bytes=GiB * 8)
+    assert (e.num_blocks, e.block_params, e.resident_params, e.largest_block_params) == (L, L * blk, res, blk)
+    real = AutoModelForCausalLM.from_config(tiny_gpt2())
+    assert e.total_params == sum(p.numel() for p in real.parameters())
+    assert e.window_size == 2 and e.window_size_requested == "auto"
+
+    # CPU: 4 + 8 + 4 B per offloaded parameter; fp32 has no extra pinned copy.
+    assert e.cpu_master_bytes == 4 * L * blk
+    assert e.cpu_adam_bytes == 8 * L * blk
+    assert e.cpu_grad_bytes == 4 * L * blk
+    assert e.cpu_pinned_copy_bytes == 0
+    assert e.cpu_grad_staging_bytes == 3 * blk * 4
+    assert e.cpu_bytes_needed == 16 * L * blk + 3 * blk * 4 + 2 * GiB
+
+    # GPU: resident 16 B/param, 3 slots of params+grads, activations by the formula.
+    layer = S * B * H * (66 + 9 * A * S // H)
+    head = 2 * S * B * H * 4 + S * B * V * 12
+    assert e.block_activation_bytes_full == L * layer
+    assert e.block_activation_bytes_checkpointed == L * S * B * H * 4 + layer
+    assert e.gpu_block_activation_bytes == L * layer  # checkpointing off
+    assert e.gpu_head_activation_bytes == head
+    assert e.gpu_resident_bytes == 16 * res
+    assert e.gpu_slot_bytes == 2 * blk * 4 and e.gpu_window_bytes == 3 * 2 * blk * 4
+    other = 16 * res + 3 * 2 * blk * 4 + L * layer + head
+    assert e.gpu_bytes_needed == other + workspace(other)
+    plain_other = 16 * (L * blk + res) + L * layer + head
+    assert e.plain_gpu_bytes_needed == plain_other + workspace(plain_other)
+    assert e.fits and e.plain_fits and e.max_window_size == L
+
+
+def test_tiny_gpt2_bf16_and_checkpointing():
+    blk, res = per_block_params(), resident_params()
+    e = estimate(tiny_gpt2(), seq_len=S, batch_size=B, dtype="bf16", gpu_memory_bytes=8 * GiB,
+                 cpu_memory_bytes=8 * GiB, gradient_checkpointing=True, window_size=1)
+    assert e.cpu_pinned_copy_bytes == 2 * L * blk
+    assert e.cpu_grad_staging_bytes == 2 * blk * 2
+    assert e.cpu_bytes_needed == 18 * L * blk + 2 * blk * 2 + 2 * GiB
+    assert e.gpu_resident_bytes == 18 * res  # fp32 params+grads+Adam + the autocast copy
+    assert e.gpu_window_bytes == 2 * 2 * blk * 2
+    layer16 = S * B * H * (34 + 5 * A * S // H)
+    assert e.gpu_block_activation_bytes == L * S * B * H * 2 + layer16
+    assert e.plain_state_bytes == 18 * (L * blk + res)
+
+
+def test_gpu_limit_sets_max_window():
+    e = estimate(tiny_gpt2(n_layer=8), seq_len=S, batch_size=B, gpu_memory_bytes=8 * GiB, cpu_memory_bytes=8 * GiB)
+    assert e.max_window_size == 8
+    other_w1 = e.gpu_bytes_needed - e.gpu_workspace_bytes - e.gpu_window_bytes + 2 * e.gpu_slot_bytes
+    tight = other_w1 + workspace(other_w1)  # exactly W=1
+    e1 = estimate(tiny_gpt2(n_layer=8), seq_len=S, batch_size=B, gpu_memory_bytes=tight, cpu_memory_bytes=8 * GiB,
+                  window_size=1)
+    assert e1.max_window_size == 1 and e1.fits
+    e0 = estimate(tiny_gpt2(n_layer=8), seq_len=S, batch_size=B, gpu_memory_bytes=tight - 1, cpu_memory_bytes=8 * GiB)
+    assert e0.max_window_size == 0 and not e0.fits and e0.cpu_fits
+
+
+def test_encoder_decoder_counts_both_stacks():
+    cfg = AutoConfig.for_model("t5", d_model=64, d_ff=128, d_kv=32, num_heads=2, num_layers=2,
+                               num_decoder_layers=3, vocab_size=100)
+    e = estimate(cfg, seq_len=16, batch_size=2, gpu_memory_bytes=8 * GiB, cpu_memory_bytes=8 * GiB, decoder_seq_len=16)
+    assert e.model_name == "T5ForConditionalGeneration" and e.num_blocks == 5
+    real = AutoModelForSeq2SeqLM.from_config(cfg)
+    assert e.total_params == sum(p.numel() for p in real.parameters())
+    # Decoder layers carry cross-attention: more than 5 encoder-sized layers.
+    enc_layer = layer_activation_bytes(16, 2, 64, 2, nbytes=4, ffn=128, head_dim=32)
+    assert e.block_activation_bytes_full > 5 * enc_layer
+    bart = AutoConfig.for_model("bart", d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+                                decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=100)
+    eb = estimate(bart, seq_len=16, batch_size=1, gpu_memory_bytes=GiB, cpu_memory_bytes=8 * GiB)
+    assert eb.model_name == "BartForConditionalGeneration" and eb.num_blocks == 4
+
+
+def test_estimate_for_live_model_matches_config():
+    model = AutoModelForCausalLM.from_config(tiny_gpt2())
+    from_cfg = estimate(tiny_gpt2(), seq_len=S, batch_size=B, gpu_memory_bytes=8 * GiB, cpu_memory_bytes=8 * GiB)
+    live = estimate_for_model(model, seq_len=S, batch_size=B, gpu_memory_bytes=8 * GiB, cpu_memory_bytes=8 * GiB)
+    assert live.to_dict() == from_cfg.to_dict() | {"model_name": live.model_name}
+    auto = estimate_for_model(model, seq_len=S, batch_size=B)
+    assert auto.dtype == "fp32" and auto.gradient_checkpointing is False
+    if not torch.cuda.is_available():
+        assert auto.gpu_memory_bytes is None and auto.gpu_fits is None and auto.max_window_size is None
+    if os.path.exists("/proc/meminfo"):
+        assert auto.cpu_memory_bytes is not None and auto.cpu_fits is True and auto.fits
+
+
+def test_calibration_stronghold_5b_on_v100():
+    """STRONGHOLD's artifact trained the 5.1 B GPT (100 layers, hidden 2048) on a 32 GB V100 with
+    90 GB RAM, with activation checkpointing; 400 layers is out of CPU RAM; plain training of
+    5.1 B does not fit the GPU."""
+    common = dict(seq_len=1024, batch_size=4, dtype="fp32", gpu_memory_bytes="32GB", cpu_memory_bytes="90GB",
+                  gradient_checkpointing=True)
+    start = time.perf_counter()
+    e100 = estimate(load_config("gpt2", config_overrides="n_embd=2048,n_layer=100,n_head=16,n_positions=1024"), **common)
+    e400 = estimate(load_config("gpt2", config_overrides="n_embd=2048,n_layer=400,n_head=16,n_positions=1024"), **common)
+    assert time.perf_counter() - start < 10  # meta device: nothing is allocated
+
+    assert 5.0e9 < e100.total_params < 5.2e9
+    assert e100.fits and e100.cpu_fits and e100.gpu_fits
+    assert e100.max_window_size >= 2
+    assert e100.plain_fits is False
+    check_fits(e100)
+
+    assert not e400.fits and e400.cpu_fits is False
+    with pytest.raises(ValueError, match="CPU RAM: needs .* Add CPU RAM"):
+        e400.raise_if_not_fits()
+
+    # Without checkpointing the 100 fp32 layers' activations (~108 GiB) do not fit the GPU.
+    e_nock = estimate(load_config("gpt2", config_overrides="n_embd=2048,n_layer=100,n_head=16,n_positions=1024"),
+                      **(common | {"gradient_checkpointing": False}))
+    assert e_nock.cpu_fits and e_nock.gpu_fits is False
+    with pytest.raises(ValueError, match="enable gradient checkpointing"):
+        e_nock.raise_if_not_fits()
+
+
+def _tiny_cli_args():
+    return ["--model_type", "gpt2", "--config_overrides", f"n_embd={H},n_layer={L},n_head={A},vocab_size={V},n_positions={P}",
+            "--seq_len", str(S), "--batch_size", str(B), "--gpu_memory", "8GB", "--cpu_memory", "16GiB"]
+
+
+def test_cli_subprocess_last_line_is_json():
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    out = subprocess.run([sys.executable, "-m", "stronghold_hf.estimate", *_tiny_cli_args(), "--gradient_checkpointing"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    result = json.loads(lines[-1])
+    for key in ("cpu_bytes_needed", "gpu_bytes_needed", "fits", "max_window_size", "plain_gpu_bytes_needed", "plain_fits"):
+        assert key in result
+    assert result["fits"] is True and result["block_params"] == L * per_block_params()
+    assert "CPU RAM (STRONGHOLD)" in out.stdout and "largest window_size that fits" in out.stdout
+
+
+def test_cli_bad_memory_string(capsys):
+    args = _tiny_cli_args()
+    args[args.index("8GB")] = "8XB"
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    assert exit_.value.code != 0
+    assert "cannot parse memory size '8XB'" in capsys.readouterr().err
+
+
+def test_cli_config_file_and_check(tmp_path, capsys):
+    tiny_gpt2(n_layer=4).save_pretrained(tmp_path)
+    args = ["--config_name", str(tmp_path / "config.json"), "--seq_len", "16", "--batch_size", "1",
+            "--gpu_memory", "8GB", "--cpu_memory", "1GB", "--window_size", "3", "--check"]
+    assert main(args) == 3  # 1 GiB RAM < the 2 GiB process allowance
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["num_blocks"] == 4 and result["window_size"] == 3 and result["fits"] is False
+    with pytest.raises(SystemExit):
+        main(["--model_type", "no_such_model", "--seq_len", "1", "--batch_size", "1", "--gpu_memory", "1GB",
+              "--cpu_memory", "1GB"])
