@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .auto_window import AutoWindowProbe
 from .block import BlockState, OffloadedBlock
 from . import distributed
 from .config import DEFAULT_WINDOW_SIZE, StrongholdConfig
@@ -137,6 +138,8 @@ class WindowEngine(StepMixin):
         self._post_backward_attached: set[int] = set()
         self._want_device_norms = True
         self._init_stepping()
+        if getattr(self, "_auto_pending", False):
+            self._probe = AutoWindowProbe(self)
         self._handles: list[Any] = []
         self._install_hooks()
         setattr(model, _ENGINE_ATTR, self)
@@ -149,10 +152,29 @@ class WindowEngine(StepMixin):
     # ------------------------------------------------------------------ setup
     def _initial_window_size(self, num_blocks: int) -> int:
         ws = self.config.window_size
+        self.window_choice = None
+        self._probe: AutoWindowProbe | None = None
         if ws == "auto":
-            # The planner refines this at the first step on CUDA; see planner.py.
-            ws = DEFAULT_WINDOW_SIZE
+            if self.device.type == "cuda":
+                # The first training step runs with the default; auto_window.py then decides.
+                ws = DEFAULT_WINDOW_SIZE
+                self._auto_pending = True
+            else:
+                from .planner import choose_window_for_cpu
+
+                self.window_choice = choose_window_for_cpu(num_blocks)
+                logger.info("stronghold: %s", self.window_choice.reason)
+                ws = self.window_choice.window_size
         return max(1, min(int(ws), num_blocks))
+
+    def _apply_window_choice(self) -> None:
+        probe, self._probe = self._probe, None
+        self._auto_pending = False
+        choice = probe.finish()
+        self.window_choice = choice
+        self.window_size = max(1, min(choice.window_size, self.num_blocks))
+        self.pool.resize(self.window_size + 1)
+        (logger.info if choice.hidden else logger.warning)("stronghold: %s", choice.reason)
 
     def _move_resident_parts(self, model: nn.Module, device: torch.device) -> None:
         with torch.no_grad():
@@ -304,6 +326,8 @@ class WindowEngine(StepMixin):
         hi = min(b.index + self.window_size, len(self.blocks) - 1)
         self._slide(list(range(b.index, hi + 1)))
         self._ensure_resident(b)
+        if self._probe is not None:
+            self._probe.pre_forward(b.index)
         if self._keep_for_backward:
             (args, kwargs), attached = _wrap_grad_tensors(_PostBackward, self._post_backward_cb(b), (args, kwargs))
             if attached:
@@ -313,6 +337,8 @@ class WindowEngine(StepMixin):
     def _post_forward(self, b: OffloadedBlock, output):
         if _in_backward():
             return output
+        if self._probe is not None:
+            self._probe.post_forward(b.index)
         keep = self._keep_for_backward and b.index >= len(self.blocks) - self.window_size
         if self._keep_for_backward:
             output, _ = _wrap_grad_tensors(_PreBackward, self._pre_backward_cb(b), output)
@@ -355,8 +381,12 @@ class WindowEngine(StepMixin):
         lo = max(0, b.index - self.window_size)
         self._slide(list(range(b.index, lo - 1, -1)))
         self._ensure_resident(b)
+        if self._probe is not None:
+            self._probe.pre_backward(b.index)
 
     def _post_backward(self, b: OffloadedBlock) -> None:
+        if self._probe is not None:
+            self._probe.post_backward(b.index)
         if b.state is BlockState.ON_DEVICE:
             self._release(b)
 
@@ -379,6 +409,8 @@ class WindowEngine(StepMixin):
         self.phase = Phase.IDLE
         self._backward_started.clear()
         self._post_backward_attached.clear()
+        if self._probe is not None and self._probe.complete():
+            self._apply_window_choice()
 
     # ------------------------------------------------------------------ state dict
     def _make_state_dict_hook(self, b: OffloadedBlock):

@@ -257,3 +257,29 @@ def test_block_classes_override():
 def test_block_classes_unknown_refused():
     with pytest.raises(ValueError, match="NoSuchBlock"):
         offload_model(tiny_model("gpt2"), StrongholdConfig(block_classes=["NoSuchBlock"]), device="cpu")
+
+
+# ---------------------------------------------------------------------- auto window
+def test_auto_window_on_cpu_chooses_and_says_why(caplog):
+    with caplog.at_level("INFO", logger="stronghold_hf"):
+        engine = offload_model(tiny_model("gpt2"), StrongholdConfig(window_size="auto"), device="cpu")
+    assert 1 <= engine.window_size <= engine.num_blocks
+    assert engine.pool.capacity == engine.window_size + 1
+    assert "CPU-only" in engine.window_choice.reason
+    assert any(engine.window_choice.reason in r.getMessage() for r in caplog.records)
+
+
+def test_auto_window_probe_measures_a_real_step():
+    """The first-step probe (the CUDA path of "auto") runs the same hooks on the CPU."""
+    from stronghold_hf.auto_window import AutoWindowProbe
+
+    model = tiny_model("t5")
+    engine = offload_model(model, StrongholdConfig(window_size=1), device="cpu")
+    engine._probe = AutoWindowProbe(engine)
+    model(**batch("t5", seed=0)).loss.backward()
+    assert engine._probe is None, "the probe finished after the first backward"
+    assert engine.window_choice is not None and engine.window_size == engine.window_choice.window_size
+    assert engine.pool.capacity == engine.window_size + 1
+    # Training goes on with the chosen window.
+    model(**batch("t5", seed=1)).loss.backward()
+    assert engine.resident_blocks() == []

@@ -3,59 +3,236 @@
 STRONGHOLD (Sun et al., SC'22) and ZeRO-Offload keep the fp32 master weights and the Adam
 moments in CPU memory and run the optimizer there, so that GPU memory holds only the
 working window. The CPU step is then on the critical path of every iteration, and it is
-memory bound: AdamW reads param, grad, exp_avg and exp_avg_sq and writes param, exp_avg and
-exp_avg_sq, 28 bytes per parameter, with a handful of flops in between. The only torch
-kernel that runs at that bound on the CPU is the fused one (``torch._fused_adamw_``,
-``aten/src/ATen/native/cpu/FusedAdamKernel.cpp``); foreach and for-loop AdamW are 5-7x
-slower (docs/performance.md). This module is a thin, thread-safe driver around it that adds
-what offloaded training needs:
+memory bound: AdamW reads param, grad, exp_avg, exp_avg_sq and writes param, exp_avg,
+exp_avg_sq, 28 bytes per parameter, with a handful of flops in between. What offloaded
+training adds on top of plain AdamW, and why this is more than ``AdamW(fused=True)``:
 
-* ``clip_coef`` and ``inv_loss_scale`` folded into the kernel's ``grad_scale`` (a divisor),
-  so clipping and loss-scale removal cost no extra pass over the gradients;
+* ``clip_coef`` and ``inv_loss_scale`` are applied inside the kernel, with no extra pass
+  over the gradients, and ``.grad`` is left untouched;
 * ``found_inf`` skips the step entirely, as a skipped ``GradScaler`` step does;
-* *copy-out*: after each update the low-precision copy of a parameter (bf16/fp16, typically
-  a view into a pinned flat buffer that is then copied to the GPU) is refreshed from the
-  chunk of master weights the kernel just wrote, while that chunk is still in cache;
-* ``step_groups`` to step a subset of param groups from a worker thread while the main
-  thread keeps running backward (the GIL is released inside the torch kernels).
+* *copy-out*: the bf16/fp16 copy of each parameter (typically a view into a pinned flat
+  buffer that is then copied to the GPU) is written in the same pass, from registers;
+* ``step_groups`` steps a subset of param groups from a worker thread while the main thread
+  keeps running backward; the GIL is released during the math.
 
-[Note: the fused kernel writes the unscaled gradient back]
-When ``grad_scale`` is given, FusedAdamKernel.cpp stores ``grad / grad_scale`` back into
-the gradient it was handed (a leftover of the GradScaler contract). ``.grad`` must stay
-untouched here (the caller may still read it, e.g. for a norm or for gradient accumulation
-across micro-steps), so with a scale the kernel is handed a copy of each chunk of the
-gradient in a small per-thread scratch buffer instead. The copy reads the gradient from
-DRAM once, as the kernel would have, and the kernel then reads and writes the scratch in
-cache, so DRAM traffic is unchanged; the price is an in-cache copy and one kernel call per
-chunk. Without a scale the gradient is passed as is and the kernel only reads it.
+Two kernels do the math (docs/performance.md has the measurements):
+
+* ``"native"`` (default when it builds): a ~100-line C++/OpenMP loop, compiled once with
+  the system compiler into ``~/.cache/stronghold_hf`` and called through ctypes. One pass
+  does scale, AdamW and copy-out (28 B/param, +2 for the copy), and one OpenMP region
+  covers all tensors of a call. torch's fused kernel opens one region per tensor, and on a
+  loaded machine each fork/join can wait for a descheduled thread.
+* ``"torch"``: ``torch._fused_adamw_`` (aten/src/ATen/native/cpu/FusedAdamKernel.cpp), used
+  when no compiler or no shared OpenMP runtime is available. Copy-out and scaled gradients
+  go through it chunk by chunk (see ``_step_torch_chunked``).
+
+The two agree to rounding (a few ulps per step), not bit for bit. Each is deterministic and
+independent of chunking and thread count, so a resumed run on the same kernel continues
+bit-identically.
 """
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
 import math
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
 import threading
+import warnings
 from collections.abc import Callable, Iterable
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 from torch.autograd.profiler import record_function
 
-__all__ = ["CPUAdam", "DEFAULT_CHUNK_NUMEL"]
+__all__ = ["CPUAdam", "DEFAULT_CHUNK_NUMEL", "native_kernel_error"]
 
-#: Elements per kernel call on the chunked path (scaled gradients or copy-out). 2**18 fp32
-#: elements is 1 MiB per array, half of it per core with two threads: small enough that
-#: the chunk of params the kernel just wrote is still in L2/L3 when it is copied out, large
-#: enough that the ~50 us of Python and OpenMP overhead per chunk stays a few percent of the
-#: chunk's memory time. Measured in benchmarks/bench_cpu_adam.py (docs/performance.md).
+#: Elements per ``torch._fused_adamw_`` call on the torch kernel's chunked path. 2**18 fp32
+#: is 1 MiB per array: the params just written are still in L2/L3 when copied out, and the
+#: ~50 us of Python and OpenMP overhead per chunk stays a few percent of its memory time.
 DEFAULT_CHUNK_NUMEL = 1 << 18
 
-_COPY_OUT_DTYPES = (torch.bfloat16, torch.float16)
+_OUT_KIND = {torch.bfloat16: 1, torch.float16: 2}
+
+# Every arithmetic step mirrors torch's fused kernel in order; -ffp-contract=off plus explicit
+# fma keep the compiler from fusing differently in the vector body and the scalar tail, so
+# every element gets the same rounding wherever chunk and thread boundaries fall.
+_NATIVE_SOURCE = r"""
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <omp.h>
+
+namespace {
+inline uint32_t bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+inline float from_bits(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+
+// c10 round_to_nearest_even: what param.to(torch.bfloat16) computes.
+inline uint16_t to_bf16(float f) {
+  const uint32_t u = bits(f);
+  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t(0x7FC0) : uint16_t(r);
+}
+// c10 fp16_ieee_from_fp32_value: branch-free, round to nearest even, vectorizes.
+inline uint16_t to_fp16(float f) {
+  float base = (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
+  const uint32_t w = bits(f), shl1_w = w + w, sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xFF000000u;
+  bias = bias < 0x71000000u ? 0x71000000u : bias;
+  base = from_bits((bias >> 1) + 0x07800000u) + base;
+  const uint32_t b = bits(base);
+  const uint32_t nonsign = ((b >> 13) & 0x00007C00u) + (b & 0x00000FFFu);
+  return uint16_t((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+struct Hyper { float grad_mul, decay, lerp_w, beta2, one_minus_beta2, eps; };
+using RangeFn = void (*)(float*, const float*, float*, float*, uint16_t*, int64_t, const Hyper&, float, float);
+
+// p, g, m, v: fp32 [n]; out: bf16/fp16 bits [n] or unused. kOut: 0 none, 1 bf16, 2 fp16.
+template <bool kScale, bool kDecay, bool kSmallW, int kOut>
+void adam_range(float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v,
+                uint16_t* __restrict out, int64_t n, const Hyper& h, float neg_step, float bc2_sqrt) {
+  const float w = kSmallW ? h.lerp_w : h.lerp_w - 1.0f;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = kScale ? g[i] * h.grad_mul : g[i];
+    float pi = kDecay ? p[i] * h.decay : p[i];
+    // exp_avg.lerp_(grad, 1 - beta1) in torch's two-sided form.
+    const float mi = std::fma(w, gi - m[i], kSmallW ? m[i] : gi);
+    const float vi = std::fma(h.one_minus_beta2 * gi, gi, v[i] * h.beta2);
+    const float denom = std::sqrt(vi) / bc2_sqrt + h.eps;
+    pi = pi + neg_step * mi / denom;
+    p[i] = pi; m[i] = mi; v[i] = vi;
+    if (kOut == 1) out[i] = to_bf16(pi);
+    if (kOut == 2) out[i] = to_fp16(pi);
+  }
+}
+template <bool S, bool D, bool W> RangeFn pick3(int k) {
+  return k == 1 ? adam_range<S, D, W, 1> : k == 2 ? adam_range<S, D, W, 2> : adam_range<S, D, W, 0>;
+}
+template <bool S, bool D> RangeFn pick2(bool w, int k) { return w ? pick3<S, D, true>(k) : pick3<S, D, false>(k); }
+template <bool S> RangeFn pick1(bool d, bool w, int k) { return d ? pick2<S, true>(w, k) : pick2<S, false>(w, k); }
+}  // namespace
+
+extern "C" int sh_cpu_adam_abi() { return 1; }
+
+// table: int64 [nt, 6] = numel, p, g, m, v, out addresses; kinds: int32 [nt];
+// coefs: fp32 [nt, 2] = -lr / bias_correction1, sqrt(bias_correction2).
+extern "C" void sh_adamw_step(int64_t nt, const int64_t* table, const int32_t* kinds, const float* coefs,
+                              float grad_mul, float decay, float lerp_w, float beta2, float one_minus_beta2,
+                              float eps, int32_t nthreads) {
+  const Hyper h{grad_mul, decay, lerp_w, beta2, one_minus_beta2, eps};
+  const bool scale = grad_mul != 1.0f, dec = decay != 1.0f, small_w = std::fabs(lerp_w) < 0.5f;
+  int64_t total = 0;
+  for (int64_t t = 0; t < nt; ++t) total += table[6 * t];
+  // Below ~64K elements the fork/join costs more than the second core saves.
+  const int threads = total >= 65536 ? std::max(1, int(nthreads)) : 1;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    // One contiguous, 64-byte-aligned slice of the concatenated tensors per thread.
+    const int64_t T = omp_get_num_threads(), id = omp_get_thread_num(), units = (total + 15) / 16;
+    const int64_t lo = std::min(total, units * id / T * 16), hi = std::min(total, units * (id + 1) / T * 16);
+    int64_t base = 0;
+    for (int64_t t = 0; t < nt && base < hi; base += table[6 * t], ++t) {
+      const int64_t* e = table + 6 * t;
+      const int64_t s = std::max(lo, base), end = std::min(hi, base + e[0]), off = s - base;
+      if (s >= end) continue;
+      RangeFn fn = scale ? pick1<true>(dec, small_w, kinds[t]) : pick1<false>(dec, small_w, kinds[t]);
+      uint16_t* out = kinds[t] ? reinterpret_cast<uint16_t*>(e[5]) + off : nullptr;
+      fn(reinterpret_cast<float*>(e[1]) + off, reinterpret_cast<const float*>(e[2]) + off,
+         reinterpret_cast<float*>(e[3]) + off, reinterpret_cast<float*>(e[4]) + off, out, end - s, h,
+         coefs[2 * t], coefs[2 * t + 1]);
+    }
+  }
+}
+"""
+
+_BUILD_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
+
+
+def build_native_library(source: str, name: str) -> ctypes.CDLL:
+    """Compiles ``source`` once per (source, compiler, CPU) into the cache and loads it.
+
+    ``-march=native`` is tried first, so the cache key includes the CPU's flags: a home
+    directory shared by different machines must not hand one a binary for another. Raises
+    ``RuntimeError`` with the reason when there is no compiler or the build fails.
+    """
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not cxx:
+        raise RuntimeError("no C++ compiler found (set CXX)")
+    try:
+        cpu = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        cpu = ""
+    key = hashlib.sha256("\0".join([source, cxx, *_BUILD_FLAGS, platform.machine(), cpu]).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("STRONGHOLD_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "stronghold_hf")
+    lib = cache / f"{name}-{key}.so"
+    if not lib.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            src, out = Path(tmp) / f"{name}.cpp", Path(tmp) / f"{name}.so"
+            src.write_text(source)
+            for isa in (["-march=native"], []):
+                proc = subprocess.run([cxx, *_BUILD_FLAGS, *isa, str(src), "-o", str(out)], capture_output=True, text=True, timeout=300)
+                if proc.returncode == 0:
+                    break
+            else:
+                raise RuntimeError(f"building {name} with {cxx} failed: {proc.stderr.strip()[-1500:]}")
+            os.replace(out, lib)  # atomic: concurrent ranks building the same key are fine
+    # Loaded after torch, the library's libgomp.so.1 dependency resolves by soname to the
+    # copy torch already loaded, so both share one OpenMP runtime and one thread pool.
+    handle = ctypes.CDLL(str(lib))  # CDLL (not PyDLL) calls release the GIL
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        maps = ""
+    runtimes = {ln.split()[-1] for ln in maps.splitlines() if any(r in ln.rsplit("/", 1)[-1] for r in ("libgomp", "libiomp", "libomp"))}
+    if len(runtimes) > 1:
+        raise RuntimeError(f"two OpenMP runtimes are loaded ({sorted(runtimes)}); they would oversubscribe the cores")
+    return handle
+
+
+_native: ctypes.CDLL | None = None
+_native_error: str | None = None
+_native_lock = threading.Lock()
+
+
+def _load_native() -> ctypes.CDLL | None:
+    global _native, _native_error
+    with _native_lock:
+        if _native is None and _native_error is None:
+            try:
+                lib = build_native_library(_NATIVE_SOURCE, "cpu_adam")
+                if lib.sh_cpu_adam_abi() != 1:
+                    raise RuntimeError("stale library ABI")
+                f, i64, i32, vp = ctypes.c_float, ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
+                lib.sh_adamw_step.argtypes = [i64, vp, vp, vp, f, f, f, f, f, f, i32]
+                lib.sh_adamw_step.restype = None
+                _native = lib
+            except Exception as e:  # any failure means: use the torch kernel
+                _native_error = f"{type(e).__name__}: {e}"
+        return _native
+
+
+def native_kernel_error() -> str | None:
+    """Why the native kernel is unavailable (building it if needed), or ``None`` if it works."""
+    _load_native()
+    return _native_error
+
+
+def _f32(x: float) -> float:
+    """Rounds like ``scalar_t(x)`` in C++, so both kernels see the same fp32 coefficients."""
+    return torch.tensor(x, dtype=torch.float32).item()
 
 
 def _is_true(flag: bool | Tensor | None) -> bool:
-    if flag is None:
-        return False
     if isinstance(flag, Tensor):
         return bool(flag.item())  # a device-to-host sync for a CUDA tensor, by necessity
     return bool(flag)
@@ -64,10 +241,7 @@ def _is_true(flag: bool | Tensor | None) -> bool:
 def _as_float(value: float | Tensor, name: str) -> float:
     out = float(value.item()) if isinstance(value, Tensor) else float(value)
     if not math.isfinite(out):
-        raise ValueError(
-            f"CPUAdam: {name}={out} is not finite. Detect overflow before stepping and pass "
-            "found_inf=True to skip the step instead."
-        )
+        raise ValueError(f"CPUAdam: {name}={out} is not finite. Detect overflow before stepping and pass found_inf=True to skip the step instead.")
     return out
 
 
@@ -77,45 +251,34 @@ class CPUAdam(torch.optim.Optimizer):
     Same math, defaults and per-group hyperparameters as ``torch.optim.AdamW`` with
     ``amsgrad=False, maximize=False``, and the same per-parameter state (``step``: a
     float32 0-d CPU tensor, ``exp_avg`` and ``exp_avg_sq``: fp32 like the parameter), so
-    ``state_dict()`` is interchangeable with AdamW's and a resumed run continues
-    bit-identically. Works with ``torch.optim.lr_scheduler`` and with decay/no-decay
-    param groups as built by the HF Trainer.
+    ``state_dict()`` is interchangeable with AdamW's. Works with ``torch.optim.lr_scheduler``
+    and with the HF Trainer's decay/no-decay param groups.
 
     Args:
-        params: parameters or param-group dicts, as for any ``torch.optim.Optimizer``.
-            Every parameter must be a contiguous fp32 CPU tensor.
+        params: parameters or param-group dicts; every parameter a contiguous fp32 CPU tensor.
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
         amsgrad, maximize: accepted for signature compatibility; only ``False`` is supported.
-        chunk_numel: elements per kernel call on the chunked path (see module docstring);
-            a multiple of 16, so that results do not depend on it.
-
-    Extras over AdamW:
-        ``step(..., clip_coef=, inv_loss_scale=, found_inf=)`` and ``step_groups(...)``
-        apply ``grad * clip_coef * inv_loss_scale`` inside the kernel without modifying
-        ``.grad``, and skip the step when ``found_inf`` is true. ``register_copy_out``
-        keeps a bf16/fp16 copy of a parameter current after each update.
+        kernel: ``"auto"`` (native if it builds, else torch, with one warning), ``"native"``
+            (raise if unavailable) or ``"torch"``. ``self.kernel`` says which one runs.
+        chunk_numel: elements per call on the torch kernel's chunked path; a multiple of 16.
 
     Thread-safety contract:
         * ``step_groups`` is the worker-thread entry point. Calls from several threads may
-          overlap as long as their group sets are disjoint; the result is the same as
-          stepping those groups one after another (each group's math touches only its own
-          parameters, state and copy-out buffers). Stepping a group that another thread is
-          currently stepping raises ``RuntimeError`` rather than racing.
-        * ``step()`` is ``step_groups`` over all groups, so it must not overlap any other
-          step call.
-        * Lazily created state (first step of a parameter) is allocated outside and
-          inserted under an internal lock; the group-claim set and the copy-out map are
-          also guarded by it, so ``register_copy_out``/``unregister_copy_out`` for a
-          parameter may run while *other* groups step, but not while its own group steps.
-        * The torch kernels release the GIL, so a worker thread stepping groups runs in
-          parallel with Python in the main thread. Each calling thread gets its own OpenMP
-          team of ``torch.get_num_threads()`` threads; concurrent callers therefore
+          overlap if their group sets are disjoint; the result equals stepping the groups
+          one after another (a group's math touches only its params, state and copy-out
+          buffers). Claiming a group that another thread is stepping raises RuntimeError.
+        * ``step()`` is ``step_groups`` over all groups: it must not overlap another step.
+        * Lazily created state (a parameter's first step) is allocated outside and inserted
+          under an internal lock, which also guards the group claims and the copy-out map:
+          ``(un)register_copy_out`` may run while *other* groups step, not the param's own.
+        * The kernels release the GIL, so stepping in a worker runs in parallel with Python
+          in the main thread. Each calling thread gets its own OpenMP team of
+          ``torch.get_num_threads()`` (as seen by that thread), so concurrent callers
           oversubscribe the cores unless each caps its team (docs/performance.md).
-        * ``state_dict``, ``load_state_dict``, ``add_param_group``, ``zero_grad`` and
-          changes to ``param_groups`` (LR schedulers) must not overlap a step; the gradients
-          of a group must not be written while that group steps.
-        * ``step_groups`` runs no step pre/post hooks; ``step()`` does (the Optimizer
-          wrapper).
+        * ``state_dict``, ``load_state_dict``, ``add_param_group``, ``zero_grad`` and edits
+          of ``param_groups`` (LR schedulers) must not overlap a step, and a group's
+          gradients must not be written while it steps.
+        * ``step_groups`` runs no step hooks; ``step()`` runs them (the Optimizer wrapper).
     """
 
     def __init__(
@@ -128,40 +291,49 @@ class CPUAdam(torch.optim.Optimizer):
         *,
         amsgrad: bool = False,
         maximize: bool = False,
+        kernel: Literal["auto", "native", "torch"] = "auto",
         chunk_numel: int = DEFAULT_CHUNK_NUMEL,
     ) -> None:
+        if kernel not in ("auto", "native", "torch"):
+            raise ValueError(f"CPUAdam: kernel={kernel!r}; use 'auto', 'native' or 'torch'.")
         if not isinstance(chunk_numel, int) or chunk_numel < 16 or chunk_numel % 16:
-            # The kernel splits work in 16-element (64-byte) units and runs a scalar tail
-            # loop whose rounding differs from the vector body; chunk boundaries on unit
-            # boundaries keep chunked results bit-identical to one call per tensor.
+            # torch's kernel splits work in 16-element units and rounds its scalar tail
+            # differently; unit-aligned chunks keep results independent of chunking.
             raise ValueError(f"CPUAdam: chunk_numel must be a positive multiple of 16, got {chunk_numel!r}.")
-        self._chunk_numel = chunk_numel
+        self._kernel_request, self._chunk_numel = kernel, chunk_numel
         self._init_runtime()
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
         super().__init__(params, defaults)
 
-    # --- runtime (non-state) attributes ---------------------------------------------------
-
     def _init_runtime(self) -> None:
-        # Guards: lazy state insertion, the in-flight group set and the copy-out map.
-        self._lock = threading.Lock()
+        self.kernel: Literal["native", "torch"] = "torch"
+        if self._kernel_request != "torch":
+            if _load_native() is not None:
+                self.kernel = "native"
+            elif self._kernel_request == "native":
+                raise RuntimeError(f"CPUAdam(kernel='native'): the native kernel is unavailable ({_native_error}). Use kernel='torch' or 'auto'.")
+            else:
+                warnings.warn(f"CPUAdam: native kernel unavailable ({_native_error}); using torch's fused kernel, which is slower for "
+                              "copy-out and scaled gradients. Pass kernel='torch' to silence this.", stacklevel=3)
+        self._lock = threading.Lock()  # guards lazy state insertion, _in_flight and _copy_out
         self._in_flight: set[int] = set()
-        # param -> low-precision destination; deliberately not part of state_dict.
-        self._copy_out: dict[Tensor, Tensor] = {}
-        # Per-thread fp32 [chunk_numel] scratch for scaled gradients, so concurrent
-        # step_groups calls never share one.
-        self._tls = threading.local()
+        self._copy_out: dict[Tensor, Tensor] = {}  # param -> bf16/fp16 dest; not optimizer state
+        self._tls = threading.local()  # per-thread scratch of the torch kernel's scaled path
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "_kernel_request": self._kernel_request, "_chunk_numel": self._chunk_numel}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        if not hasattr(self, "_lock"):  # unpickled / deep-copied: runtime attributes are not state
-            self._chunk_numel = getattr(self, "_chunk_numel", DEFAULT_CHUNK_NUMEL)
+        if not hasattr(self, "_lock"):  # unpickled / deep-copied, not load_state_dict
+            self.__dict__.setdefault("_kernel_request", "auto")
+            self.__dict__.setdefault("_chunk_numel", DEFAULT_CHUNK_NUMEL)
             self._init_runtime()
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
 
-    # --- param groups and state -----------------------------------------------------------
+    # --- param groups and state -------------------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -178,31 +350,18 @@ class CPUAdam(torch.optim.Optimizer):
             raise ValueError(f"{where}: amsgrad=True is not supported. Pass amsgrad=False, or use torch.optim.AdamW(amsgrad=True).")
         if group["maximize"]:
             raise ValueError(f"{where}: maximize=True is not supported. Negate the loss instead (minimize -objective).")
-        lr = float(group["lr"])
-        beta1, beta2 = group["betas"]
-        if not lr >= 0.0:
-            raise ValueError(f"{where}: lr={lr} must be >= 0.")
-        if not float(group["eps"]) >= 0.0:
-            raise ValueError(f"{where}: eps={group['eps']} must be >= 0.")
-        if not (0.0 <= float(beta1) < 1.0 and 0.0 <= float(beta2) < 1.0):
-            raise ValueError(f"{where}: betas={group['betas']} must each be in [0, 1).")
-        if not float(group["weight_decay"]) >= 0.0:
-            raise ValueError(f"{where}: weight_decay={group['weight_decay']} must be >= 0.")
+        (beta1, beta2), lr, eps, wd = group["betas"], float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
+        if not (lr >= 0.0 and eps >= 0.0 and wd >= 0.0 and 0.0 <= float(beta1) < 1.0 and 0.0 <= float(beta2) < 1.0):
+            raise ValueError(f"{where}: need lr, eps, weight_decay >= 0 and betas in [0, 1); got lr={lr}, eps={eps}, weight_decay={wd}, betas={group['betas']}.")
         for pi, p in enumerate(group["params"]):
             desc = f"{where}, parameter {pi} (shape {tuple(p.shape)}, {p.dtype}, device {p.device})"
             if p.device.type != "cpu":
-                raise ValueError(
-                    f"{desc} is not on the CPU. CPUAdam updates fp32 master weights in CPU memory: "
-                    "give it a CPU fp32 master copy (master = p.detach().float().cpu(); meta tensors must "
-                    "be materialized first, e.g. module.to_empty(device='cpu') and load the weights), or "
-                    "use torch.optim.AdamW(fused=True) for device-resident parameters."
-                )
+                raise ValueError(f"{desc} is not on the CPU. CPUAdam updates fp32 master weights in CPU memory: give it a CPU fp32 "
+                                 "master copy (master = p.detach().float().cpu(); materialize meta tensors first, e.g. "
+                                 "module.to_empty(device='cpu'), then load the weights), or use torch.optim.AdamW(fused=True) on the device.")
             if p.dtype != torch.float32:
-                raise ValueError(
-                    f"{desc} is not float32. CPUAdam keeps fp32 master weights: optimize an fp32 copy "
-                    "(master = p.detach().float()) and mirror it into the low-precision tensor with "
-                    "register_copy_out(master, dest)."
-                )
+                raise ValueError(f"{desc} is not float32. CPUAdam keeps fp32 master weights: optimize an fp32 copy "
+                                 "(master = p.detach().float()) and mirror it into the low-precision tensor with register_copy_out(master, dest).")
             if p.layout != torch.strided or not p.is_contiguous():
                 raise ValueError(f"{desc} is not a contiguous dense tensor. Make it one first: p.data = p.data.contiguous().")
 
@@ -211,69 +370,53 @@ class CPUAdam(torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):
             self._validate_group(group, gi)
         for state in self.state.values():
-            # Older checkpoints (or other optimizers) may hold a Python number or a
-            # device tensor; the kernel wants a float32 0-d CPU tensor.
+            # Old checkpoints / other optimizers may hold a number or a device tensor.
             step = state.get("step")
-            if step is not None and not (
-                isinstance(step, Tensor) and step.dtype == torch.float32 and step.device.type == "cpu" and step.dim() == 0
-            ):
+            if step is not None and not (isinstance(step, Tensor) and step.dtype == torch.float32 and step.device.type == "cpu" and step.dim() == 0):
                 state["step"] = torch.tensor(float(step), dtype=torch.float32)
 
     def _state_for(self, p: Tensor) -> dict[str, Tensor]:
         state = self.state.get(p)
         if state:
             return state
-        # Allocate (and zero) outside the lock: it is the slow part, and a parameter belongs
-        # to one group, so only one thread ever initializes it.
-        fresh = {
-            "step": torch.tensor(0.0, dtype=torch.float32),
-            "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-            "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-        }
+        # Allocate and zero outside the lock (the slow part); a param is in one group only,
+        # so only the thread stepping that group ever initializes it.
+        fresh = {"step": torch.tensor(0.0, dtype=torch.float32), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
         with self._lock:
             state = self.state[p]  # defaultdict insert: mutates the shared dict
             if not state:
                 state.update(fresh)
         return state
 
-    # --- copy-out ----------------------------------------------------------------------------
+    # --- copy-out ---------------------------------------------------------------------------
 
     def register_copy_out(self, param: Tensor, dest: Tensor) -> None:
-        """After every update of ``param``, write ``param.to(dest.dtype)`` into ``dest``.
+        """After every update of ``param``, ``dest`` holds ``param.to(dest.dtype)``.
 
-        ``dest`` is a contiguous bf16/fp16 CPU tensor of ``param``'s shape, typically a view
-        into a pinned flat buffer. It is written only by later updates, not now; skipped
-        steps (``found_inf``) and parameters without a gradient leave it untouched. The
-        mapping is runtime wiring, not optimizer state: ``state_dict`` does not include it.
+        ``dest``: a contiguous bf16/fp16 CPU tensor of ``param``'s shape, e.g. a view into a
+        pinned flat buffer. It is written by later updates only; skipped steps and params
+        without a gradient leave it as is. The mapping is not part of ``state_dict``.
         """
         if not any(param is p for g in self.param_groups for p in g["params"]):
-            raise ValueError(f"CPUAdam.register_copy_out: the parameter (shape {tuple(param.shape)}) is in no param group of this optimizer; pass the fp32 master it updates.")
-        if not isinstance(dest, Tensor) or dest.dtype not in _COPY_OUT_DTYPES or dest.device.type != "cpu":
+            raise ValueError(f"CPUAdam.register_copy_out: the tensor (shape {tuple(param.shape)}) is in no param group; pass the fp32 master this optimizer updates.")
+        if not isinstance(dest, Tensor) or dest.dtype not in _OUT_KIND or dest.device.type != "cpu":
             got = f"{dest.dtype} on {dest.device}" if isinstance(dest, Tensor) else type(dest).__name__
-            raise ValueError(f"CPUAdam.register_copy_out: dest must be a bf16 or fp16 CPU tensor, got {got}; allocate it with torch.empty(shape, dtype=torch.bfloat16).")
+            raise ValueError(f"CPUAdam.register_copy_out: dest must be a bf16 or fp16 CPU tensor, got {got}; e.g. torch.empty(shape, dtype=torch.bfloat16).")
         if dest.shape != param.shape or not dest.is_contiguous():
-            raise ValueError(
-                f"CPUAdam.register_copy_out: dest must be contiguous with the parameter's shape {tuple(param.shape)}, "
-                f"got shape {tuple(dest.shape)} (contiguous={dest.is_contiguous()}); use flat_buffer[offset:offset + n].view(shape)."
-            )
+            raise ValueError(f"CPUAdam.register_copy_out: dest must be contiguous with shape {tuple(param.shape)}, got {tuple(dest.shape)} "
+                             f"(contiguous={dest.is_contiguous()}); use flat[offset:offset + param.numel()].view(param.shape).")
         with self._lock:
             self._copy_out[param] = dest
 
     def unregister_copy_out(self, param: Tensor) -> Tensor | None:
-        """Stops refreshing ``param``'s copy; returns the destination it had, or ``None``."""
+        """Stops refreshing ``param``'s copy; returns its destination, or ``None`` if it had none."""
         with self._lock:
             return self._copy_out.pop(param, None)
 
-    # --- stepping ----------------------------------------------------------------------------
+    # --- stepping ---------------------------------------------------------------------------
 
-    def step(
-        self,
-        closure: Callable[[], Any] | None = None,
-        *,
-        clip_coef: float | Tensor = 1.0,
-        inv_loss_scale: float | Tensor = 1.0,
-        found_inf: bool | Tensor | None = None,
-    ) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None, *, clip_coef: float | Tensor = 1.0,
+             inv_loss_scale: float | Tensor = 1.0, found_inf: bool | Tensor | None = None) -> Any:
         """Steps every param group; returns ``closure()``'s loss if a closure is given."""
         loss = None
         if closure is not None:
@@ -282,37 +425,14 @@ class CPUAdam(torch.optim.Optimizer):
         self.step_groups(range(len(self.param_groups)), clip_coef=clip_coef, inv_loss_scale=inv_loss_scale, found_inf=found_inf)
         return loss
 
-    def step_groups(
-        self,
-        group_indices: Iterable[int],
-        *,
-        clip_coef: float | Tensor = 1.0,
-        inv_loss_scale: float | Tensor = 1.0,
-        found_inf: bool | Tensor | None = None,
-    ) -> None:
+    def step_groups(self, group_indices: Iterable[int], *, clip_coef: float | Tensor = 1.0,
+                    inv_loss_scale: float | Tensor = 1.0, found_inf: bool | Tensor | None = None) -> None:
         """Steps only ``self.param_groups[i]`` for ``i`` in ``group_indices``.
 
         The effective gradient is ``grad * clip_coef * inv_loss_scale``; ``.grad`` is never
         written. If ``found_inf`` is true nothing changes (params, state, step counts,
-        copy-out buffers). Safe to call from several threads on disjoint groups.
+        copy-out buffers). Safe from several threads at once on disjoint groups.
         """
-        indices = self._claim(group_indices)
-        try:
-            # Tell LR schedulers an optimizer step happened even when step() is bypassed.
-            self._opt_called = True
-            if _is_true(found_inf):
-                return
-            gmul = _as_float(clip_coef, "clip_coef") * _as_float(inv_loss_scale, "inv_loss_scale")
-            # The kernel divides by grad_scale; None (not 1.0) keeps the gradient read-only.
-            grad_scale = None if gmul == 1.0 else torch.tensor(1.0 / gmul, dtype=torch.float32)
-            with torch.no_grad(), record_function(f"CPUAdam.step_groups{tuple(indices)}"):
-                for gi in indices:
-                    self._step_group(gi, grad_scale)
-        finally:
-            with self._lock:
-                self._in_flight.difference_update(indices)
-
-    def _claim(self, group_indices: Iterable[int]) -> list[int]:
         indices = [int(i) for i in group_indices]
         n = len(self.param_groups)
         if len(set(indices)) != len(indices) or any(not 0 <= i < n for i in indices):
@@ -320,93 +440,112 @@ class CPUAdam(torch.optim.Optimizer):
         with self._lock:
             busy = self._in_flight.intersection(indices)
             if busy:
-                raise RuntimeError(f"CPUAdam.step_groups: groups {sorted(busy)} are being stepped by another thread; each group must be stepped by one thread at a time.")
+                raise RuntimeError(f"CPUAdam.step_groups: groups {sorted(busy)} are being stepped by another thread; a group must be stepped by one thread at a time.")
             self._in_flight.update(indices)
-        return indices
+        try:
+            self._opt_called = True  # LR schedulers check this; step_groups bypasses step()
+            if _is_true(found_inf):
+                return
+            gmul = _as_float(clip_coef, "clip_coef") * _as_float(inv_loss_scale, "inv_loss_scale")
+            with torch.no_grad(), record_function(f"CPUAdam.step_groups{tuple(indices)}"):
+                for gi in indices:
+                    self._step_group(gi, gmul)
+        finally:
+            with self._lock:
+                self._in_flight.difference_update(indices)
 
-    def _step_group(self, gi: int, grad_scale: Tensor | None) -> None:
+    def _step_group(self, gi: int, gmul: float) -> None:
         group = self.param_groups[gi]
-        beta1, beta2 = group["betas"]
-        hyper = dict(
-            lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
-            weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),
-            amsgrad=False, maximize=False,
-        )
-        # Parallel lists over the parameters that have a gradient (torch skips the rest).
-        bulk: list[list[Tensor]] = [[], [], [], [], []]  # params, grads, exp_avgs, exp_avg_sqs, steps
-        chunked: list[tuple[Tensor, ...]] = []  # (param, grad, exp_avg, exp_avg_sq, step, dest | None)
-        steps: list[Tensor] = []
+        items: list[tuple[Tensor, Tensor, dict[str, Tensor], Tensor | None]] = []  # (param, grad, state, dest)
         for pi, p in enumerate(group["params"]):
             g = p.grad
             if g is None:
                 continue
             if g.layout != torch.strided or g.dtype != torch.float32 or g.device.type != "cpu" or g.shape != p.shape:
-                raise ValueError(
-                    f"CPUAdam param group {gi}, parameter {pi}: grad must be a dense fp32 CPU tensor of shape "
-                    f"{tuple(p.shape)}, got {g.layout} {g.dtype} {tuple(g.shape)} on {g.device}; "
-                    "accumulate or copy the gradient into the fp32 master's .grad first."
-                )
-            if not g.is_contiguous():
-                g = g.contiguous()  # the kernel walks raw pointers; never reshape .grad itself
-            st = self._state_for(p)
-            steps.append(st["step"])
-            dest = self._copy_out.get(p)
-            if grad_scale is None and dest is None:
-                for lst, t in zip(bulk, (p, g, st["exp_avg"], st["exp_avg_sq"], st["step"])):
-                    lst.append(t)
-            else:
-                chunked.append((p, g, st["exp_avg"], st["exp_avg_sq"], st["step"], dest))
-        if not steps:
+                raise ValueError(f"CPUAdam param group {gi}, parameter {pi}: grad must be a dense fp32 CPU tensor of shape {tuple(p.shape)}, "
+                                 f"got {g.layout} {g.dtype} {tuple(g.shape)} on {g.device}; put an fp32 gradient in the master's .grad.")
+            items.append((p, g if g.is_contiguous() else g.contiguous(), self._state_for(p), self._copy_out.get(p)))
+        if not items:
             return
-        # As torch's _fused_adam: the caller increments the step before the kernel reads it.
-        torch._foreach_add_(steps, 1.0)
-        if bulk[0]:
-            torch._fused_adamw_(*bulk[:4], [], bulk[4], grad_scale=None, found_inf=None, **hyper)
-        if chunked:
-            self._step_chunked(chunked, grad_scale, hyper)
+        # As torch's _fused_adam: the caller bumps the step before the kernel reads it.
+        torch._foreach_add_([st["step"] for _, _, st, _ in items], 1.0)
+        beta1, beta2 = (float(b) for b in group["betas"])
+        lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
+        if self.kernel == "native":
+            self._step_native(items, gmul, lr, beta1, beta2, wd, eps)
+        else:
+            self._step_torch(items, gmul, dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=eps, amsgrad=False, maximize=False))
 
-    def _scratch(self) -> Tensor:
-        buf = getattr(self._tls, "scratch", None)
-        if buf is None or buf.numel() < self._chunk_numel:
-            buf = torch.empty(self._chunk_numel, dtype=torch.float32)  # fp32 [chunk_numel]
-            self._tls.scratch = buf
-        return buf
+    def _step_native(self, items, gmul: float, lr: float, beta1: float, beta2: float, wd: float, eps: float) -> None:
+        coefs, by_step = [], {}
+        for _, _, st, _ in items:
+            s = st["step"].item()
+            if s not in by_step:  # same double math as FusedAdamKernel.cpp
+                by_step[s] = (-(lr / (1.0 - beta1**s)), math.sqrt(1.0 - beta2**s))
+            coefs.append(by_step[s])
+        # [Note: raw pointers] The table holds addresses only; every tensor it names is kept
+        # alive by `items` (grads made contiguous included) until the call returns.
+        table = torch.tensor([[p.numel(), p.data_ptr(), g.data_ptr(), st["exp_avg"].data_ptr(), st["exp_avg_sq"].data_ptr(),
+                               0 if d is None else d.data_ptr()] for p, g, st, d in items], dtype=torch.int64)  # int64 [n, 6]
+        kinds = torch.tensor([0 if d is None else _OUT_KIND[d.dtype] for _, _, _, d in items], dtype=torch.int32)  # int32 [n]
+        coef_t = torch.tensor(coefs, dtype=torch.float32)  # fp32 [n, 2]: -lr/bc1, sqrt(bc2)
+        _native.sh_adamw_step(len(items), table.data_ptr(), kinds.data_ptr(), coef_t.data_ptr(), _f32(gmul),
+                              _f32(1.0 - lr * wd) if wd != 0 else 1.0, _f32(1.0 - beta1), _f32(beta2), _f32(1.0 - beta2),
+                              _f32(eps), torch.get_num_threads())
 
-    def _step_chunked(self, items: list[tuple[Tensor, ...]], grad_scale: Tensor | None, hyper: dict[str, Any]) -> None:
-        """Kernel calls over batches of <= chunk_numel elements: big tensors are split, small
-        ones packed together, so the number of calls stays ~numel / chunk_numel."""
+    def _step_torch(self, items, gmul: float, hyper: dict[str, Any]) -> None:
+        # The fused kernel divides by grad_scale; None (not 1.0) keeps the gradient read-only.
+        grad_scale = None if gmul == 1.0 else torch.tensor(1.0 / gmul, dtype=torch.float32)
+        bulk = [(p, g, st) for p, g, st, d in items if d is None and grad_scale is None]
+        if bulk:
+            ps, gs, sts = zip(*bulk)
+            torch._fused_adamw_(list(ps), list(gs), [s["exp_avg"] for s in sts], [s["exp_avg_sq"] for s in sts], [],
+                                [s["step"] for s in sts], grad_scale=None, found_inf=None, **hyper)
+        rest = [it for it in items if it[3] is not None or grad_scale is not None]
+        if rest:
+            self._step_torch_chunked(rest, grad_scale, hyper)
+
+    def _step_torch_chunked(self, items, grad_scale: Tensor | None, hyper: dict[str, Any]) -> None:
+        """``_fused_adamw_`` over batches of <= chunk_numel elements (big tensors split, small
+        ones packed), each followed by its copy-out while the params are still in cache.
+
+        [Note: the fused kernel writes the unscaled gradient back] Given ``grad_scale``,
+        FusedAdamKernel.cpp stores ``grad / grad_scale`` into the gradient it is handed, so
+        each chunk of the gradient is first copied into a per-thread fp32 scratch and the
+        kernel gets that. DRAM traffic is unchanged (the copy reads the gradient once, the
+        kernel then works in cache); the cost is the in-cache copy and a call per chunk.
+        """
         limit = self._chunk_numel
-        scratch = self._scratch() if grad_scale is not None else None
-        # One batch: parallel lists of 1-D views; dst/src are the copy-out pairs.
-        ps: list[Tensor] = []; gs: list[Tensor] = []; ms: list[Tensor] = []; vs: list[Tensor] = []
-        ss: list[Tensor] = []; dst: list[Tensor] = []; src: list[Tensor] = []
+        scratch = None
+        if grad_scale is not None:
+            scratch = getattr(self._tls, "scratch", None)
+            if scratch is None or scratch.numel() < limit:
+                scratch = self._tls.scratch = torch.empty(limit, dtype=torch.float32)  # fp32 [chunk_numel]
+        ps, gs, ms, vs, ss, dst, src = [], [], [], [], [], [], []  # one batch of 1-D views
         filled = 0
 
         def flush() -> None:
             nonlocal filled
             grads = gs
             if scratch is not None:
-                # See [Note: the fused kernel writes the unscaled gradient back].
                 grads = list(scratch[:filled].split([g.numel() for g in gs]))
                 torch._foreach_copy_(grads, gs)
             torch._fused_adamw_(ps, grads, ms, vs, [], ss, grad_scale=grad_scale, found_inf=None, **hyper)
             if dst:
-                # The params of this batch were just written and are still in cache.
                 torch._foreach_copy_(dst, src)
             for lst in (ps, gs, ms, vs, ss, dst, src):
                 lst.clear()
             filled = 0
 
-        for p, g, m, v, s, d in items:
-            n = p.numel()
-            if n == 0:
+        for p, g, st, d in items:
+            if p.numel() == 0:
                 continue
-            pieces = zip(*(t.view(-1).split(limit) for t in (p, g, m, v)))
+            pieces = zip(*(t.view(-1).split(limit) for t in (p, g, st["exp_avg"], st["exp_avg_sq"])))
             d_pieces = d.view(-1).split(limit) if d is not None else None
             for k, (pp, gp, mp, vp) in enumerate(pieces):
                 if filled and filled + pp.numel() > limit:
                     flush()
-                ps.append(pp); gs.append(gp); ms.append(mp); vs.append(vp); ss.append(s)
+                ps.append(pp); gs.append(gp); ms.append(mp); vs.append(vp); ss.append(st["step"])
                 if d_pieces is not None:
                     dst.append(d_pieces[k]); src.append(pp)
                 filled += pp.numel()
