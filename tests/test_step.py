@@ -199,7 +199,8 @@ def test_lr_scheduler_and_state_dict_roundtrip():
     assert all(g["lr"] == pytest.approx(1e-2 * (1 - 0.9 * 2 / 4)) for g in opt.param_groups)
     state = copy.deepcopy(opt.state_dict())
     opt.load_state_dict(state)
-    assert opt.param_groups[0]["lr"] == opt.cpu_optimizer.param_groups[0]["lr"]
+    # The scheduler-advanced lr of our own groups survives the round trip (resume).
+    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in state["param_groups"]]
     engine.close()
 
 

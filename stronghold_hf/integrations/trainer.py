@@ -92,6 +92,11 @@ class _StrongholdTrainerMixin:
             self._stronghold_log_t0 = time.perf_counter()
             self._stronghold_log_steps = 0
 
+    def _move_model_to_device(self, model, device):
+        if getattr(self, "_stronghold_on", False):
+            return  # the engine places the model (also with plain TrainingArguments + STRONGHOLD=1)
+        return super()._move_model_to_device(model, device)
+
     # ------------------------------------------------------------------ start-up checks
     def _check_fits(self) -> None:
         try:

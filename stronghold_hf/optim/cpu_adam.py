@@ -33,6 +33,7 @@ bit-identically.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import hashlib
 import math
@@ -69,6 +70,7 @@ _NATIVE_SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 #include <omp.h>
+#include <vector>
 
 namespace {
 inline uint32_t bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
@@ -121,17 +123,26 @@ template <bool S, bool D> RangeFn pick2(bool w, int k) { return w ? pick3<S, D, 
 template <bool S> RangeFn pick1(bool d, bool w, int k) { return d ? pick2<S, true>(w, k) : pick2<S, false>(w, k); }
 }  // namespace
 
-extern "C" int sh_cpu_adam_abi() { return 1; }
+extern "C" int sh_cpu_adam_abi() { return 2; }
 
-// table: int64 [nt, 6] = numel, p, g, m, v, out addresses; kinds: int32 [nt];
-// coefs: fp32 [nt, 2] = -lr / bias_correction1, sqrt(bias_correction2).
-extern "C" void sh_adamw_step(int64_t nt, const int64_t* table, const int32_t* kinds, const float* coefs,
-                              float grad_mul, float decay, float lerp_w, float beta2, float one_minus_beta2,
-                              float eps, int32_t nthreads) {
-  const Hyper h{grad_mul, decay, lerp_w, beta2, one_minus_beta2, eps};
-  const bool scale = grad_mul != 1.0f, dec = decay != 1.0f, small_w = std::fabs(lerp_w) < 0.5f;
+// table: int64 [nt, 8] = numel, then the addresses of param, grad, exp_avg, exp_avg_sq (fp32
+// [numel]), out (bf16/fp16 [numel] or 0) and step (fp32 0-d), then the out kind (0/1/2).
+// Scalars arrive as doubles and are rounded to fp32 here, as FusedAdamKernel.cpp does.
+extern "C" void sh_adamw_step(int64_t nt, const int64_t* table, double lr, double beta1, double beta2,
+                              double weight_decay, double eps, double grad_mul, int32_t nthreads) {
+  const Hyper h{float(grad_mul), float(1.0 - lr * weight_decay), float(1.0 - beta1), float(beta2), float(1.0 - beta2), float(eps)};
+  const bool scale = grad_mul != 1.0, dec = weight_decay != 0.0, small_w = std::fabs(h.lerp_w) < 0.5f;
+  // As torch's _fused_adam: bump each step (in fp32), then derive the bias corrections in double.
+  std::vector<float> coefs(2 * nt);  // -lr / bias_correction1, sqrt(bias_correction2)
   int64_t total = 0;
-  for (int64_t t = 0; t < nt; ++t) total += table[6 * t];
+  for (int64_t t = 0; t < nt; ++t) {
+    const int64_t* e = table + 8 * t;
+    float* step = reinterpret_cast<float*>(e[6]);
+    *step = *step + 1.0f;
+    coefs[2 * t] = float(-(lr / (1.0 - std::pow(beta1, double(*step)))));
+    coefs[2 * t + 1] = float(std::sqrt(1.0 - std::pow(beta2, double(*step))));
+    total += e[0];
+  }
   // Below ~64K elements the fork/join costs more than the second core saves.
   const int threads = total >= 65536 ? std::max(1, int(nthreads)) : 1;
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -140,12 +151,13 @@ extern "C" void sh_adamw_step(int64_t nt, const int64_t* table, const int32_t* k
     const int64_t T = omp_get_num_threads(), id = omp_get_thread_num(), units = (total + 15) / 16;
     const int64_t lo = std::min(total, units * id / T * 16), hi = std::min(total, units * (id + 1) / T * 16);
     int64_t base = 0;
-    for (int64_t t = 0; t < nt && base < hi; base += table[6 * t], ++t) {
-      const int64_t* e = table + 6 * t;
+    for (int64_t t = 0; t < nt && base < hi; base += table[8 * t], ++t) {
+      const int64_t* e = table + 8 * t;
       const int64_t s = std::max(lo, base), end = std::min(hi, base + e[0]), off = s - base;
       if (s >= end) continue;
-      RangeFn fn = scale ? pick1<true>(dec, small_w, kinds[t]) : pick1<false>(dec, small_w, kinds[t]);
-      uint16_t* out = kinds[t] ? reinterpret_cast<uint16_t*>(e[5]) + off : nullptr;
+      const int kind = int(e[7]);
+      RangeFn fn = scale ? pick1<true>(dec, small_w, kind) : pick1<false>(dec, small_w, kind);
+      uint16_t* out = kind ? reinterpret_cast<uint16_t*>(e[5]) + off : nullptr;
       fn(reinterpret_cast<float*>(e[1]) + off, reinterpret_cast<const float*>(e[2]) + off,
          reinterpret_cast<float*>(e[3]) + off, reinterpret_cast<float*>(e[4]) + off, out, end - s, h,
          coefs[2 * t], coefs[2 * t + 1]);
@@ -202,6 +214,7 @@ def build_native_library(source: str, name: str) -> ctypes.CDLL:
 _native: ctypes.CDLL | None = None
 _native_error: str | None = None
 _native_lock = threading.Lock()
+_fallback_warned = threading.Event()  # warn once per process about kernel="auto" falling back
 
 
 def _load_native() -> ctypes.CDLL | None:
@@ -210,10 +223,10 @@ def _load_native() -> ctypes.CDLL | None:
         if _native is None and _native_error is None:
             try:
                 lib = build_native_library(_NATIVE_SOURCE, "cpu_adam")
-                if lib.sh_cpu_adam_abi() != 1:
+                if lib.sh_cpu_adam_abi() != 2:
                     raise RuntimeError("stale library ABI")
-                f, i64, i32, vp = ctypes.c_float, ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
-                lib.sh_adamw_step.argtypes = [i64, vp, vp, vp, f, f, f, f, f, f, i32]
+                f64 = ctypes.c_double
+                lib.sh_adamw_step.argtypes = [ctypes.c_int64, ctypes.c_void_p, f64, f64, f64, f64, f64, f64, ctypes.c_int32]
                 lib.sh_adamw_step.restype = None
                 _native = lib
             except Exception as e:  # any failure means: use the torch kernel
@@ -225,11 +238,6 @@ def native_kernel_error() -> str | None:
     """Why the native kernel is unavailable (building it if needed), or ``None`` if it works."""
     _load_native()
     return _native_error
-
-
-def _f32(x: float) -> float:
-    """Rounds like ``scalar_t(x)`` in C++, so both kernels see the same fp32 coefficients."""
-    return torch.tensor(x, dtype=torch.float32).item()
 
 
 def _is_true(flag: bool | Tensor | None) -> bool:
@@ -312,7 +320,8 @@ class CPUAdam(torch.optim.Optimizer):
                 self.kernel = "native"
             elif self._kernel_request == "native":
                 raise RuntimeError(f"CPUAdam(kernel='native'): the native kernel is unavailable ({_native_error}). Use kernel='torch' or 'auto'.")
-            else:
+            elif not _fallback_warned.is_set():
+                _fallback_warned.set()
                 warnings.warn(f"CPUAdam: native kernel unavailable ({_native_error}); using torch's fused kernel, which is slower for "
                               "copy-out and scaled gradients. Pass kernel='torch' to silence this.", stacklevel=3)
         self._lock = threading.Lock()  # guards lazy state insertion, _in_flight and _copy_out
@@ -467,31 +476,21 @@ class CPUAdam(torch.optim.Optimizer):
             items.append((p, g if g.is_contiguous() else g.contiguous(), self._state_for(p), self._copy_out.get(p)))
         if not items:
             return
-        # As torch's _fused_adam: the caller bumps the step before the kernel reads it.
-        torch._foreach_add_([st["step"] for _, _, st, _ in items], 1.0)
         beta1, beta2 = (float(b) for b in group["betas"])
         lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
         if self.kernel == "native":
-            self._step_native(items, gmul, lr, beta1, beta2, wd, eps)
+            # [Note: raw addresses] The table holds addresses only; every tensor it names is
+            # kept alive by `items` (grads made contiguous included) until the call returns.
+            table = array.array("q")  # int64 [n, 8], see sh_adamw_step
+            for p, g, st, d in items:
+                table.extend((p.numel(), p.data_ptr(), g.data_ptr(), st["exp_avg"].data_ptr(), st["exp_avg_sq"].data_ptr(),
+                              0 if d is None else d.data_ptr(), st["step"].data_ptr(), 0 if d is None else _OUT_KIND[d.dtype]))
+            # The kernel bumps the steps itself; the GIL is released for the whole call.
+            _native.sh_adamw_step(len(items), table.buffer_info()[0], lr, beta1, beta2, wd, eps, gmul, torch.get_num_threads())
         else:
+            # As torch's _fused_adam: the caller bumps the step before the kernel reads it.
+            torch._foreach_add_([st["step"] for _, _, st, _ in items], 1.0)
             self._step_torch(items, gmul, dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=eps, amsgrad=False, maximize=False))
-
-    def _step_native(self, items, gmul: float, lr: float, beta1: float, beta2: float, wd: float, eps: float) -> None:
-        coefs, by_step = [], {}
-        for _, _, st, _ in items:
-            s = st["step"].item()
-            if s not in by_step:  # same double math as FusedAdamKernel.cpp
-                by_step[s] = (-(lr / (1.0 - beta1**s)), math.sqrt(1.0 - beta2**s))
-            coefs.append(by_step[s])
-        # [Note: raw pointers] The table holds addresses only; every tensor it names is kept
-        # alive by `items` (grads made contiguous included) until the call returns.
-        table = torch.tensor([[p.numel(), p.data_ptr(), g.data_ptr(), st["exp_avg"].data_ptr(), st["exp_avg_sq"].data_ptr(),
-                               0 if d is None else d.data_ptr()] for p, g, st, d in items], dtype=torch.int64)  # int64 [n, 6]
-        kinds = torch.tensor([0 if d is None else _OUT_KIND[d.dtype] for _, _, _, d in items], dtype=torch.int32)  # int32 [n]
-        coef_t = torch.tensor(coefs, dtype=torch.float32)  # fp32 [n, 2]: -lr/bc1, sqrt(bc2)
-        _native.sh_adamw_step(len(items), table.data_ptr(), kinds.data_ptr(), coef_t.data_ptr(), _f32(gmul),
-                              _f32(1.0 - lr * wd) if wd != 0 else 1.0, _f32(1.0 - beta1), _f32(beta2), _f32(1.0 - beta2),
-                              _f32(eps), torch.get_num_threads())
 
     def _step_torch(self, items, gmul: float, hyper: dict[str, Any]) -> None:
         # The fused kernel divides by grad_scale; None (not 1.0) keeps the gradient read-only.
