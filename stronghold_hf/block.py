@@ -205,7 +205,8 @@ class OffloadedBlock:
         fresh = all(self.masters[k].grad is None for k in ids)
         if want_norm:
             # Only meaningful when this gradient is the whole accumulated gradient.
-            self.device_grad_sq_norm = dev.float().pow(2).sum() if fresh else None
+            # vector_norm(dtype=fp32) reduces in fp32 without a full-size fp32 temporary.
+            self.device_grad_sq_norm = torch.linalg.vector_norm(dev, dtype=torch.float32).square() if fresh else None
         self._d2h_into_master = fresh and grad_dtype == torch.float32
         if self._d2h_into_master:
             target = self.grad_flat

@@ -229,3 +229,16 @@ def test_custom_optimizer_refused_before_training(tmp_path):
         StrongholdTrainer(model=model, args=StrongholdTrainingArguments(output_dir=str(tmp_path), stronghold=True),
                           optimizers=(opt, None))
     assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters()), "nothing was offloaded"
+
+
+def test_run_that_cannot_fit_is_refused_before_allocation(tmp_path, monkeypatch):
+    import stronghold_hf.estimate as est
+
+    monkeypatch.setattr(est, "available_cpu_memory_bytes", lambda: 1 << 10)  # a 1 KiB machine
+    model = tiny_model("gpt2")
+    with pytest.raises(ValueError, match="(?i)cpu"):
+        StrongholdTrainer(model=model, args=StrongholdTrainingArguments(output_dir=str(tmp_path), stronghold=True))
+    assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters()), "nothing was offloaded"
+    # check_fit=False lets the user override the estimate.
+    StrongholdTrainer(model=model, args=StrongholdTrainingArguments(
+        output_dir=str(tmp_path), stronghold=True, stronghold_config={"check_fit": False}))
