@@ -59,8 +59,12 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class _PreBackward(torch.autograd.Function):
-    """Identity on a block's outputs; its backward marks the start of that block's backward."""
+class _CallInBackward(torch.autograd.Function):
+    """Identity on some tensors; its backward calls ``callback`` when their gradients are ready.
+
+    On a block's *outputs* it marks the start of that block's backward (pre-backward); on its
+    *inputs* it runs once the block's backward is complete (post-backward).
+    """
 
     @staticmethod
     def forward(ctx, callback, *tensors):
@@ -73,18 +77,7 @@ class _PreBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-class _PostBackward(torch.autograd.Function):
-    """Identity on a block's inputs; its backward runs once the block's backward is complete."""
-
-    @staticmethod
-    def forward(ctx, callback, *tensors):
-        ctx.callback = callback
-        return tensors
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.callback()
-        return (None, *grads)
+_PreBackward = _PostBackward = _CallInBackward
 
 
 def _wrap_grad_tensors(fn: type[torch.autograd.Function], callback, tree: Any) -> tuple[Any, bool]:
