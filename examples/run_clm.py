@@ -35,6 +35,7 @@ from script_utils import (
     load_config,
     load_raw_datasets,
     load_tokenizer,
+    long_sequences_expected,
     log_filled_defaults,
     parse_args,
     save_model_and_tokenizer,
@@ -93,11 +94,11 @@ class DataTrainingArguments:
     overwrite_cache: bool = field(default=False, metadata={"help": "Recompute the cached preprocessing."})
 
 
-#: Short-run hyper-parameters of the embedded default: about 3 minutes on two CPU cores.
+#: Short-run hyper-parameters of the embedded default: a few minutes on two CPU cores.
 EMBEDDED_DEFAULTS = [
-    CliDefault("max_steps", 300, unless=("num_train_epochs",), embedded_only=True),
+    CliDefault("max_steps", 200, unless=("num_train_epochs",), embedded_only=True),
     CliDefault("block_size", 128, embedded_only=True),
-    CliDefault("per_device_train_batch_size", 16, embedded_only=True),
+    CliDefault("per_device_train_batch_size", 8, embedded_only=True),
     CliDefault("per_device_eval_batch_size", 16, embedded_only=True),
     CliDefault("learning_rate", 2e-3, embedded_only=True),
     CliDefault("warmup_steps", 30, embedded_only=True),
@@ -143,7 +144,7 @@ def main(argv=None):
     if data_args.block_size and data_args.block_size > max_length:
         logger.warning("--block_size %d exceeds the model's %d positions; using %d.", data_args.block_size, max_length, block_size)
 
-    with training_args.main_process_first(desc="tokenizing and grouping"):
+    with training_args.main_process_first(desc="tokenizing and grouping"), long_sequences_expected():
         tokenized = raw.map(
             tokenize, batched=True, num_proc=data_args.preprocessing_num_workers, remove_columns=columns,
             load_from_cache_file=not data_args.overwrite_cache, desc="Tokenizing",

@@ -39,6 +39,7 @@ from script_utils import (
     load_metric,
     load_raw_datasets,
     load_tokenizer,
+    long_sequences_expected,
     log_filled_defaults,
     parse_args,
     save_model_and_tokenizer,
@@ -104,9 +105,9 @@ class DataTrainingArguments:
 
 #: Short-run hyper-parameters of the embedded default: a few minutes on two CPU cores.
 EMBEDDED_DEFAULTS = [
-    CliDefault("max_steps", 300, unless=("num_train_epochs",), embedded_only=True),
+    CliDefault("max_steps", 200, unless=("num_train_epochs",), embedded_only=True),
     CliDefault("max_seq_length", 128, embedded_only=True),
-    CliDefault("per_device_train_batch_size", 16, embedded_only=True),
+    CliDefault("per_device_train_batch_size", 8, embedded_only=True),
     CliDefault("per_device_eval_batch_size", 16, embedded_only=True),
     CliDefault("learning_rate", 1e-3, embedded_only=True),
     CliDefault("warmup_steps", 30, embedded_only=True),
@@ -161,7 +162,7 @@ def main(argv=None):
     max_length = min(tokenizer.model_max_length, getattr(config, "max_position_embeddings", 512) or 512, 512)
     max_seq_length = min(data_args.max_seq_length or max_length, max_length)
 
-    with training_args.main_process_first(desc="tokenizing"):
+    with training_args.main_process_first(desc="tokenizing"), long_sequences_expected():
         if data_args.line_by_line:
             padding = "max_length" if data_args.pad_to_max_length else False
 

@@ -13,6 +13,7 @@ A single ``.json`` argument works as in HF's scripts, with the same defaults.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -114,7 +115,8 @@ def setup_logging(training_args) -> None:
     if training_args.should_log:
         transformers.utils.logging.set_verbosity_info()
     log_level = training_args.get_process_log_level()
-    for name in ("__main__", __name__, embedded_default.__name__):
+    # stronghold_hf logs its window choice at INFO ("stronghold: 4 blocks ..., window_size=2").
+    for name in ("__main__", __name__, embedded_default.__name__, "stronghold_hf"):
         logging.getLogger(name).setLevel(log_level)
     datasets.utils.logging.set_verbosity(log_level)
     transformers.utils.logging.set_verbosity(log_level)
@@ -197,6 +199,22 @@ def group_texts(examples: dict[str, list], block_size: int) -> dict[str, list]:
     total = len(next(iter(concatenated.values())))
     total = (total // block_size) * block_size
     return {k: [t[i : i + block_size] for i in range(0, total, block_size)] for k, t in concatenated.items()}
+
+
+@contextlib.contextmanager
+def long_sequences_expected():
+    """Silences the tokenizer's "sequence length is longer than the maximum" warning.
+
+    Texts are tokenized whole and only then cut into blocks (`group_texts`), so long texts are
+    expected and the warning would only mislead.
+    """
+    tok_logger = logging.getLogger("transformers.tokenization_utils_base")
+    level = tok_logger.level
+    tok_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        tok_logger.setLevel(level)
 
 
 def take(dataset, n: int | None):

@@ -23,8 +23,9 @@ Two kernels do the math (docs/performance.md has the measurements):
   covers all tensors of a call. torch's fused kernel opens one region per tensor, and on a
   loaded machine each fork/join can wait for a descheduled thread.
 * ``"torch"``: ``torch._fused_adamw_`` (aten/src/ATen/native/cpu/FusedAdamKernel.cpp), used
-  when no compiler or no shared OpenMP runtime is available. Copy-out and scaled gradients
-  go through it chunk by chunk (see ``_step_torch_chunked``).
+  when no compiler or no shared OpenMP runtime is available. Copy-out is then a second pass
+  over the params, and a scaled gradient goes through it chunk by chunk
+  (``_step_torch_chunked``): about 1.4x the plain step time for either.
 
 The two agree to rounding (a few ulps per step), not bit for bit. Each is deterministic and
 independent of chunking and thread count, so a resumed run on the same kernel continues
@@ -54,10 +55,11 @@ from torch.autograd.profiler import record_function
 
 __all__ = ["CPUAdam", "DEFAULT_CHUNK_NUMEL", "native_kernel_error"]
 
-#: Elements per ``torch._fused_adamw_`` call on the torch kernel's chunked path. 2**18 fp32
-#: is 1 MiB per array: the params just written are still in L2/L3 when copied out, and the
-#: ~50 us of Python and OpenMP overhead per chunk stays a few percent of its memory time.
-DEFAULT_CHUNK_NUMEL = 1 << 18
+#: Elements per ``torch._fused_adamw_`` call when the torch kernel gets a scaled gradient.
+#: 2**19 fp32 (2 MiB per array) keeps the gradient scratch in cache, and the ~50 us of Python
+#: and OpenMP overhead per chunk a few percent of its memory time; 2**17..2**20 measured
+#: within noise of each other, 2**16 a third slower (docs/performance.md).
+DEFAULT_CHUNK_NUMEL = 1 << 19
 
 _OUT_KIND = {torch.bfloat16: 1, torch.float16: 2}
 
@@ -130,7 +132,8 @@ extern "C" int sh_cpu_adam_abi() { return 2; }
 // Scalars arrive as doubles and are rounded to fp32 here, as FusedAdamKernel.cpp does.
 extern "C" void sh_adamw_step(int64_t nt, const int64_t* table, double lr, double beta1, double beta2,
                               double weight_decay, double eps, double grad_mul, int32_t nthreads) {
-  const Hyper h{float(grad_mul), float(1.0 - lr * weight_decay), float(1.0 - beta1), float(beta2), float(1.0 - beta2), float(eps)};
+  const Hyper h{float(grad_mul), float(1.0 - lr * weight_decay), float(1.0 - beta1),
+                float(beta2), float(1.0 - beta2), float(eps)};
   const bool scale = grad_mul != 1.0, dec = weight_decay != 0.0, small_w = std::fabs(h.lerp_w) < 0.5f;
   // As torch's _fused_adam: bump each step (in fp32), then derive the bias corrections in double.
   std::vector<float> coefs(2 * nt);  // -lr / bias_correction1, sqrt(bias_correction2)
@@ -143,7 +146,8 @@ extern "C" void sh_adamw_step(int64_t nt, const int64_t* table, double lr, doubl
     coefs[2 * t + 1] = float(std::sqrt(1.0 - std::pow(beta2, double(*step))));
     total += e[0];
   }
-  // Below ~64K elements the fork/join costs more than the second core saves.
+  // Small calls run on the calling thread: below ~64K elements (~2 GRAIN_SIZEs of torch's
+  // parallel_for) a fork/join costs about what a second core saves, and risks a stall.
   const int threads = total >= 65536 ? std::max(1, int(nthreads)) : 1;
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
@@ -184,7 +188,8 @@ def build_native_library(source: str, name: str) -> ctypes.CDLL:
     except OSError:
         cpu = ""
     key = hashlib.sha256("\0".join([source, cxx, *_BUILD_FLAGS, platform.machine(), cpu]).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("STRONGHOLD_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "stronghold_hf")
+    xdg_cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    cache = Path(os.environ.get("STRONGHOLD_CACHE_DIR") or xdg_cache / "stronghold_hf")
     lib = cache / f"{name}-{key}.so"
     if not lib.exists():
         cache.mkdir(parents=True, exist_ok=True)
@@ -192,7 +197,8 @@ def build_native_library(source: str, name: str) -> ctypes.CDLL:
             src, out = Path(tmp) / f"{name}.cpp", Path(tmp) / f"{name}.so"
             src.write_text(source)
             for isa in (["-march=native"], []):
-                proc = subprocess.run([cxx, *_BUILD_FLAGS, *isa, str(src), "-o", str(out)], capture_output=True, text=True, timeout=300)
+                cmd = [cxx, *_BUILD_FLAGS, *isa, str(src), "-o", str(out)]
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
                 if proc.returncode == 0:
                     break
             else:
@@ -205,7 +211,8 @@ def build_native_library(source: str, name: str) -> ctypes.CDLL:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         maps = ""
-    runtimes = {ln.split()[-1] for ln in maps.splitlines() if any(r in ln.rsplit("/", 1)[-1] for r in ("libgomp", "libiomp", "libomp"))}
+    names = ("libgomp", "libiomp", "libomp")
+    runtimes = {ln.split()[-1] for ln in maps.splitlines() if any(r in ln.rsplit("/", 1)[-1] for r in names)}
     if len(runtimes) > 1:
         raise RuntimeError(f"two OpenMP runtimes are loaded ({sorted(runtimes)}); they would oversubscribe the cores")
     return handle
@@ -249,7 +256,8 @@ def _is_true(flag: bool | Tensor | None) -> bool:
 def _as_float(value: float | Tensor, name: str) -> float:
     out = float(value.item()) if isinstance(value, Tensor) else float(value)
     if not math.isfinite(out):
-        raise ValueError(f"CPUAdam: {name}={out} is not finite. Detect overflow before stepping and pass found_inf=True to skip the step instead.")
+        raise ValueError(f"CPUAdam: {name}={out} is not finite. Detect overflow before stepping and pass "
+                         "found_inf=True to skip the step instead.")
     return out
 
 
@@ -268,7 +276,7 @@ class CPUAdam(torch.optim.Optimizer):
         amsgrad, maximize: accepted for signature compatibility; only ``False`` is supported.
         kernel: ``"auto"`` (native if it builds, else torch, with one warning), ``"native"``
             (raise if unavailable) or ``"torch"``. ``self.kernel`` says which one runs.
-        chunk_numel: elements per call on the torch kernel's chunked path; a multiple of 16.
+        chunk_numel: elements per call on the torch kernel's scaled-gradient path; a multiple of 16.
 
     Thread-safety contract:
         * ``step_groups`` is the worker-thread entry point. Calls from several threads may
@@ -319,11 +327,13 @@ class CPUAdam(torch.optim.Optimizer):
             if _load_native() is not None:
                 self.kernel = "native"
             elif self._kernel_request == "native":
-                raise RuntimeError(f"CPUAdam(kernel='native'): the native kernel is unavailable ({_native_error}). Use kernel='torch' or 'auto'.")
+                raise RuntimeError(f"CPUAdam(kernel='native'): the native kernel is unavailable ({_native_error}). "
+                                   "Use kernel='torch' or 'auto'.")
             elif not _fallback_warned.is_set():
                 _fallback_warned.set()
-                warnings.warn(f"CPUAdam: native kernel unavailable ({_native_error}); using torch's fused kernel, which is slower for "
-                              "copy-out and scaled gradients. Pass kernel='torch' to silence this.", stacklevel=3)
+                warnings.warn(f"CPUAdam: native kernel unavailable ({_native_error}); using torch's fused kernel, which "
+                              "is slower for copy-out and scaled gradients. Pass kernel='torch' to silence this.",
+                              stacklevel=3)
         self._lock = threading.Lock()  # guards lazy state insertion, _in_flight and _copy_out
         self._in_flight: set[int] = set()
         self._copy_out: dict[Tensor, Tensor] = {}  # param -> bf16/fp16 dest; not optimizer state
@@ -356,21 +366,25 @@ class CPUAdam(torch.optim.Optimizer):
     def _validate_group(group: dict[str, Any], gi: int) -> None:
         where = f"CPUAdam param group {gi}"
         if group["amsgrad"]:
-            raise ValueError(f"{where}: amsgrad=True is not supported. Pass amsgrad=False, or use torch.optim.AdamW(amsgrad=True).")
+            raise ValueError(f"{where}: amsgrad=True is not supported. Pass amsgrad=False, "
+                             "or use torch.optim.AdamW(amsgrad=True).")
         if group["maximize"]:
             raise ValueError(f"{where}: maximize=True is not supported. Negate the loss instead (minimize -objective).")
         (beta1, beta2), lr, eps, wd = group["betas"], float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
         if not (lr >= 0.0 and eps >= 0.0 and wd >= 0.0 and 0.0 <= float(beta1) < 1.0 and 0.0 <= float(beta2) < 1.0):
-            raise ValueError(f"{where}: need lr, eps, weight_decay >= 0 and betas in [0, 1); got lr={lr}, eps={eps}, weight_decay={wd}, betas={group['betas']}.")
+            raise ValueError(f"{where}: need lr, eps, weight_decay >= 0 and betas in [0, 1); got lr={lr}, eps={eps}, "
+                             f"weight_decay={wd}, betas={group['betas']}.")
         for pi, p in enumerate(group["params"]):
             desc = f"{where}, parameter {pi} (shape {tuple(p.shape)}, {p.dtype}, device {p.device})"
             if p.device.type != "cpu":
-                raise ValueError(f"{desc} is not on the CPU. CPUAdam updates fp32 master weights in CPU memory: give it a CPU fp32 "
-                                 "master copy (master = p.detach().float().cpu(); materialize meta tensors first, e.g. "
-                                 "module.to_empty(device='cpu'), then load the weights), or use torch.optim.AdamW(fused=True) on the device.")
+                raise ValueError(f"{desc} is not on the CPU. CPUAdam updates fp32 master weights in CPU memory: give "
+                                 "it a CPU fp32 master copy (master = p.detach().float().cpu(); materialize meta tensors "
+                                 "first, e.g. module.to_empty(device='cpu'), then load the weights), or use "
+                                 "torch.optim.AdamW(fused=True) on the device.")
             if p.dtype != torch.float32:
                 raise ValueError(f"{desc} is not float32. CPUAdam keeps fp32 master weights: optimize an fp32 copy "
-                                 "(master = p.detach().float()) and mirror it into the low-precision tensor with register_copy_out(master, dest).")
+                                 "(master = p.detach().float()) and mirror it into the low-precision tensor with "
+                                 "register_copy_out(master, dest).")
             if p.layout != torch.strided or not p.is_contiguous():
                 raise ValueError(f"{desc} is not a contiguous dense tensor. Make it one first: p.data = p.data.contiguous().")
 
@@ -381,7 +395,8 @@ class CPUAdam(torch.optim.Optimizer):
         for state in self.state.values():
             # Old checkpoints / other optimizers may hold a number or a device tensor.
             step = state.get("step")
-            if step is not None and not (isinstance(step, Tensor) and step.dtype == torch.float32 and step.device.type == "cpu" and step.dim() == 0):
+            ok = isinstance(step, Tensor) and step.dtype == torch.float32 and step.device.type == "cpu" and step.dim() == 0
+            if step is not None and not ok:
                 state["step"] = torch.tensor(float(step), dtype=torch.float32)
 
     def _state_for(self, p: Tensor) -> dict[str, Tensor]:
@@ -390,7 +405,8 @@ class CPUAdam(torch.optim.Optimizer):
             return state
         # Allocate and zero outside the lock (the slow part); a param is in one group only,
         # so only the thread stepping that group ever initializes it.
-        fresh = {"step": torch.tensor(0.0, dtype=torch.float32), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        fresh = {"step": torch.tensor(0.0, dtype=torch.float32),  # fp32 0-d, as torch AdamW's
+                 "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}  # fp32, p's shape
         with self._lock:
             state = self.state[p]  # defaultdict insert: mutates the shared dict
             if not state:
@@ -407,12 +423,15 @@ class CPUAdam(torch.optim.Optimizer):
         without a gradient leave it as is. The mapping is not part of ``state_dict``.
         """
         if not any(param is p for g in self.param_groups for p in g["params"]):
-            raise ValueError(f"CPUAdam.register_copy_out: the tensor (shape {tuple(param.shape)}) is in no param group; pass the fp32 master this optimizer updates.")
+            raise ValueError(f"CPUAdam.register_copy_out: the tensor (shape {tuple(param.shape)}) is in no param group; "
+                             "pass the fp32 master this optimizer updates.")
         if not isinstance(dest, Tensor) or dest.dtype not in _OUT_KIND or dest.device.type != "cpu":
             got = f"{dest.dtype} on {dest.device}" if isinstance(dest, Tensor) else type(dest).__name__
-            raise ValueError(f"CPUAdam.register_copy_out: dest must be a bf16 or fp16 CPU tensor, got {got}; e.g. torch.empty(shape, dtype=torch.bfloat16).")
+            raise ValueError(f"CPUAdam.register_copy_out: dest must be a bf16 or fp16 CPU tensor, got {got}; "
+                             "e.g. torch.empty(shape, dtype=torch.bfloat16).")
         if dest.shape != param.shape or not dest.is_contiguous():
-            raise ValueError(f"CPUAdam.register_copy_out: dest must be contiguous with shape {tuple(param.shape)}, got {tuple(dest.shape)} "
+            raise ValueError(f"CPUAdam.register_copy_out: dest must be contiguous with shape {tuple(param.shape)}, "
+                             f"got {tuple(dest.shape)} "
                              f"(contiguous={dest.is_contiguous()}); use flat[offset:offset + param.numel()].view(param.shape).")
         with self._lock:
             self._copy_out[param] = dest
@@ -449,7 +468,8 @@ class CPUAdam(torch.optim.Optimizer):
         with self._lock:
             busy = self._in_flight.intersection(indices)
             if busy:
-                raise RuntimeError(f"CPUAdam.step_groups: groups {sorted(busy)} are being stepped by another thread; a group must be stepped by one thread at a time.")
+                raise RuntimeError(f"CPUAdam.step_groups: groups {sorted(busy)} are being stepped by another thread; "
+                                   "a group must be stepped by one thread at a time.")
             self._in_flight.update(indices)
         try:
             self._opt_called = True  # LR schedulers check this; step_groups bypasses step()
@@ -471,8 +491,9 @@ class CPUAdam(torch.optim.Optimizer):
             if g is None:
                 continue
             if g.layout != torch.strided or g.dtype != torch.float32 or g.device.type != "cpu" or g.shape != p.shape:
-                raise ValueError(f"CPUAdam param group {gi}, parameter {pi}: grad must be a dense fp32 CPU tensor of shape {tuple(p.shape)}, "
-                                 f"got {g.layout} {g.dtype} {tuple(g.shape)} on {g.device}; put an fp32 gradient in the master's .grad.")
+                raise ValueError(f"CPUAdam param group {gi}, parameter {pi}: grad must be a dense fp32 CPU tensor of "
+                                 f"shape {tuple(p.shape)}, got {g.layout} {g.dtype} {tuple(g.shape)} on {g.device}; "
+                                 "put an fp32 gradient in the master's .grad.")
             items.append((p, g if g.is_contiguous() else g.contiguous(), self._state_for(p), self._copy_out.get(p)))
         if not items:
             return
@@ -490,23 +511,27 @@ class CPUAdam(torch.optim.Optimizer):
         else:
             # As torch's _fused_adam: the caller bumps the step before the kernel reads it.
             torch._foreach_add_([st["step"] for _, _, st, _ in items], 1.0)
-            self._step_torch(items, gmul, dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=eps, amsgrad=False, maximize=False))
+            hyper = dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=eps, amsgrad=False, maximize=False)
+            self._step_torch(items, gmul, hyper)
 
     def _step_torch(self, items, gmul: float, hyper: dict[str, Any]) -> None:
-        # The fused kernel divides by grad_scale; None (not 1.0) keeps the gradient read-only.
-        grad_scale = None if gmul == 1.0 else torch.tensor(1.0 / gmul, dtype=torch.float32)
-        bulk = [(p, g, st) for p, g, st, d in items if d is None and grad_scale is None]
-        if bulk:
-            ps, gs, sts = zip(*bulk)
-            torch._fused_adamw_(list(ps), list(gs), [s["exp_avg"] for s in sts], [s["exp_avg_sq"] for s in sts], [],
-                                [s["step"] for s in sts], grad_scale=None, found_inf=None, **hyper)
-        rest = [it for it in items if it[3] is not None or grad_scale is not None]
-        if rest:
-            self._step_torch_chunked(rest, grad_scale, hyper)
+        if gmul != 1.0:  # see [Note: the fused kernel writes the unscaled gradient back]
+            self._step_torch_chunked(items, torch.tensor(1.0 / gmul, dtype=torch.float32), hyper)  # a divisor
+            return
+        # grad_scale=None (not 1.0) keeps the gradient read-only. Copy-out is a separate pass:
+        # chunking it to copy from cache measured no faster here (docs/performance.md), and
+        # one call per group means one OpenMP region per tensor instead of several.
+        ps, gs, sts = zip(*[(p, g, st) for p, g, st, _ in items])
+        torch._fused_adamw_(list(ps), list(gs), [s["exp_avg"] for s in sts], [s["exp_avg_sq"] for s in sts], [],
+                            [s["step"] for s in sts], grad_scale=None, found_inf=None, **hyper)
+        pairs = [(d, p) for p, _, _, d in items if d is not None]
+        if pairs:
+            torch._foreach_copy_(*map(list, zip(*pairs)))
 
     def _step_torch_chunked(self, items, grad_scale: Tensor | None, hyper: dict[str, Any]) -> None:
         """``_fused_adamw_`` over batches of <= chunk_numel elements (big tensors split, small
-        ones packed), each followed by its copy-out while the params are still in cache.
+        ones packed), each followed by its copy-out while the params are still in cache, for
+        a scaled gradient.
 
         [Note: the fused kernel writes the unscaled gradient back] Given ``grad_scale``,
         FusedAdamKernel.cpp stores ``grad / grad_scale`` into the gradient it is handed, so

@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# One-shot GPU check for a CUDA machine (written for an H200 session with a strict budget:
+# this script must finish within 8 minutes; the device session has 15 minutes in all,
+# including the machine's start).
+#
+#   bash scripts/gpu_check.sh            # from the repository root; results in ${OUT:-out}/
+#
+# What it runs, in order, each under `timeout` with its own budget (seconds):
+#   setup                       ~20  import check, nvidia-smi
+#   pytest -m gpu               90   the CUDA tests (tests/test_gpu.py)
+#   bench_step.py (fp32)        110  plain vs offloaded W=1,2,4 on a GPT-2-medium-like model
+#   bench_max_model.py --quick  130  largest trainable model under a 32 GB cap
+#   bench_train.py --quick      110  HF Trainer: plain vs --stronghold (auto, 1, 2), FSDP2 offload
+#   bench_step.py (bf16)        rest only if at least 60 s of the 8 minutes are left
+#   total                       <= 460 + the optional bf16 run, capped at 470
+# A piece that fails or times out is recorded and the script goes on: one broken piece must
+# not cost the others their (expensive) device time. The exit status is non-zero if any
+# piece failed.
+#
+# Output (at most 8 files, which the device tool collects from $OUT):
+#   env.txt  gpu_tests.txt  bench_step_cuda.jsonl  bench_max_model.jsonl  bench_train_cuda.jsonl
+#   bench_step_cuda_bf16.jsonl  stderr.log  summary.txt
+set -euo pipefail
+export PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+cd "$(dirname "$0")/.."
+OUT_DIR="${OUT:-out}"
+mkdir -p "$OUT_DIR"
+SUMMARY="$OUT_DIR/summary.txt"
+ERR="$OUT_DIR/stderr.log"
+: >"$SUMMARY"
+: >"$ERR"
+START=$SECONDS
+FAILED=0
+
+log() { echo "[$((SECONDS - START))s] $*" | tee -a "$SUMMARY"; }
+
+# run_piece NAME BUDGET_S OUTFILE CMD...: stdout to OUTFILE, stderr to stderr.log, never aborts.
+run_piece() {
+    local name=$1 budget=$2 outfile=$3
+    shift 3
+    local t0=$SECONDS rc=0
+    echo "===== $name ($*)" >>"$ERR"
+    timeout --kill-after=10 "$budget" "$@" >"$outfile" 2>>"$ERR" || rc=$?
+    if [ "$rc" -eq 0 ]; then
+        log "$name: ok in $((SECONDS - t0))s"
+    else
+        FAILED=1
+        if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+            log "$name: TIMED OUT after ${budget}s"
+        else
+            log "$name: FAILED (exit $rc) after $((SECONDS - t0))s"
+        fi
+    fi
+    # The last line of a benchmark is its JSON summary; copy it into summary.txt.
+    if [[ "$outfile" == *.jsonl ]] && [ -s "$outfile" ]; then
+        tail -n 1 "$outfile" >>"$SUMMARY"
+    fi
+}
+
+# ---------------------------------------------------------------------------- setup (~20 s)
+# The machine has torch with CUDA but not this package; the repository root on PYTHONPATH is
+# enough (an editable pip install would need setuptools from an index the machine cannot reach).
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+{
+    date -u
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || true
+} >"$OUT_DIR/env.txt" 2>&1
+# One interpreter for the whole check: importing transformers takes seconds.
+ENV_CHECK='import importlib.util as u, torch, transformers, accelerate, stronghold_hf
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+print("transformers", transformers.__version__, "accelerate", accelerate.__version__,
+      "deepspeed", u.find_spec("deepspeed") is not None)'
+if ! python -c "$ENV_CHECK" >>"$OUT_DIR/env.txt" 2>>"$ERR"; then
+    log "transformers/accelerate missing: trying pip install (needs a reachable index)"
+    pip install -q "transformers>=5.0" "accelerate>=1.10" datasets evaluate >>"$ERR" 2>&1 || true
+    if ! python -c "$ENV_CHECK" >>"$OUT_DIR/env.txt" 2>>"$ERR"; then
+        log "FATAL: cannot import torch/transformers/accelerate/stronghold_hf; see stderr.log"
+        exit 2
+    fi
+fi
+log "setup done"
+
+# ---------------------------------------------------------------------------- CUDA tests (90 s)
+run_piece "pytest -m gpu" 90 "$OUT_DIR/gpu_tests.txt" python -m pytest -m gpu tests -q -x -p no:cacheprovider
+tail -n 3 "$OUT_DIR/gpu_tests.txt" >>"$SUMMARY" || true
+
+# ---------------------------------------------------------------------------- bench_step fp32 (110 s)
+# GPT-2-medium-like: n_embd 1024, 24 layers, 16 heads, seq 512, batch 8. Each variant: 2 warm-up
+# steps, then 3 rounds x 3 steps (2 counted per round): 6 counted steps, 4 variants.
+run_piece "bench_step cuda fp32" 110 "$OUT_DIR/bench_step_cuda.jsonl" \
+    python benchmarks/bench_step.py --device cuda --model gpt2-medium-like --n_embd 1024 --n_layer 24 \
+    --seq 512 --batch 8 --windows 1,2,4 --warmup 2 --rounds 3 --block_steps 3
+
+# ---------------------------------------------------------------------------- bench_max_model (130 s)
+# hidden 2048, 16 heads; --quick: seq 512, batch 2, host RAM capped at 48 GiB, search budget 110 s.
+run_piece "bench_max_model quick 32GB" 130 "$OUT_DIR/bench_max_model.jsonl" \
+    python benchmarks/bench_max_model.py --quick --gpu_memory 32GB --time_budget_s 110
+
+# ---------------------------------------------------------------------------- bench_train (110 s)
+# GPT-2-small-like (n_embd 768, 12 layers, seq 512, batch 8): 2 rounds x 8 steps per variant.
+run_piece "bench_train cuda quick" 110 "$OUT_DIR/bench_train_cuda.jsonl" \
+    python benchmarks/bench_train.py --device cuda --quick --model_size gpt2-small-like --worker_timeout 45
+
+# ---------------------------------------------------------------------------- optional bf16 step
+LEFT=$((470 - (SECONDS - START)))
+if [ "$LEFT" -ge 60 ]; then
+    run_piece "bench_step cuda bf16" "$LEFT" "$OUT_DIR/bench_step_cuda_bf16.jsonl" \
+        python benchmarks/bench_step.py --device cuda --model gpt2-medium-like --seq 512 --batch 8 \
+        --windows 1,2,4 --precision bf16 --warmup 2 --rounds 3 --block_steps 3
+else
+    log "bench_step cuda bf16: skipped, only ${LEFT}s left"
+fi
+
+log "done in $((SECONDS - START))s, failed=$FAILED"
+exit "$FAILED"

@@ -1,0 +1,27 @@
+"""The benchmarks still run: each one's --smoke mode, as a subprocess, ends in a JSON summary."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_cpu_adam_smoke():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_cpu_adam.py"), "--smoke"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    rows = [json.loads(ln) for ln in lines]  # every line is one JSON object
+    summary = rows[-1]
+    assert summary["summary"] is True
+    for key in ("ratio_vs_torch_fused", "ratio_vs_bound", "ratio_vs_deepspeed", "ratio_bf16_copy_vs_deepspeed_bf16", "mparams_per_s"):
+        assert key in summary, key
+    assert summary["ratio_vs_torch_fused"] > 0 and summary["ratio_vs_bound"] > 0
+    assert {"cpu_adam", "torch_fused", "cpu_adam_bf16_copy"} <= summary["mparams_per_s"].keys()
+    assert any(r.get("study") == "gil" for r in rows)

@@ -1,0 +1,99 @@
+"""The training benchmarks run end to end (``--smoke``) and end with their documented summary line.
+
+The three scripts start together, each in its own process, so that the interpreter and
+library imports (most of each run) overlap; the test takes well under a minute on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+
+CASES = {
+    "bench_step.py": (
+        "ratio_offload_vs_plain", "ratio_offload_vs_plain_paired", "ratios_by_window", "tokens_per_s",
+        "median_step_s", "stats_per_step", "cpu_adam_hidden_fraction", "target_ratio_cpu", "meets_target",
+    ),
+    "bench_train.py": (
+        "ratio_stronghold_vs_plain", "ratio_stronghold_vs_zero_offload", "ratio_stronghold_vs_fsdp2_offload",
+        "tokens_per_s", "peak_memory_bytes", "skipped", "failed",
+    ),
+    "bench_max_model.py": (
+        "max_params_plain", "max_params_stronghold", "max_params_zero_offload",
+        "ratio_max_stronghold_vs_zero_offload", "skipped", "reason",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def smoke_runs():
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    procs = {
+        name: subprocess.Popen([sys.executable, str(BENCH / name), "--smoke"], cwd=ROOT, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for name in CASES
+    }
+    out = {}
+    for name, proc in procs.items():
+        try:
+            stdout, stderr = proc.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+        out[name] = (proc.returncode, stdout, stderr)
+    return out
+
+
+def _json_lines(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_smoke_summary(smoke_runs, name):
+    rc, stdout, stderr = smoke_runs[name]
+    assert rc == 0, f"{name} --smoke exited {rc}:\n{stderr[-2000:]}"
+    lines = _json_lines(stdout)  # every stdout line is JSON
+    summary = lines[-1]
+    assert summary.get("summary") is True, summary
+    missing = [k for k in CASES[name] if k not in summary]
+    assert not missing, f"{name}: summary lacks {missing}: {summary}"
+
+
+def test_step_smoke_values(smoke_runs):
+    summary = _json_lines(smoke_runs["bench_step.py"][1])[-1]
+    assert summary["ratio_offload_vs_plain"] > 0
+    assert summary["stats_per_step"]["h2d_bytes"] > 0 and summary["stats_per_step"]["d2h_bytes"] > 0
+    assert summary["stats_per_step"]["cpu_adam_s"] > 0
+    variants = [row["variant"] for row in _json_lines(smoke_runs["bench_step.py"][1]) if "variant" in row]
+    assert variants == ["plain", "offload_w2"]
+
+
+def test_train_smoke_values(smoke_runs):
+    lines = _json_lines(smoke_runs["bench_train.py"][1])
+    summary = lines[-1]
+    assert summary["ratio_stronghold_vs_plain"] > 0
+    assert summary["ratio_stronghold_vs_zero_offload"] is None or "deepspeed_zero2_offload" in summary["tokens_per_s"]
+    runs = {row["variant"]: row for row in lines if "tokens_per_s" in row and "variant" in row}
+    assert set(runs) >= {"plain", "stronghold_w1"}
+    assert runs["stronghold_w1"]["window_size"] == 1
+    # Same seed, data and hyperparameters: the offloaded Trainer reaches the same loss.
+    assert runs["stronghold_w1"]["loss"] == pytest.approx(runs["plain"]["loss"], rel=1e-4)
+
+
+def test_max_model_smoke_values(smoke_runs):
+    lines = _json_lines(smoke_runs["bench_max_model.py"][1])
+    summary = lines[-1]
+    assert summary["skipped"] is True and summary["smoke_probe_ok"] is True
+    bounds = summary["estimator"]
+    assert 1 <= bounds["stronghold_pred_layers"] <= bounds["cpu_bound_layers"]
+    probe = next(row for row in lines if row.get("probe"))
+    assert probe["ok"] and probe["params"] > 0 and probe["tokens_per_s"] > 0
