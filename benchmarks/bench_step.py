@@ -57,9 +57,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # [Note: OpenMP wait policy] On a CPU run, libgomp's default is to spin at every barrier while
 # the process has no more threads than cores. With other processes on the cores, a spinning
 # team waits out the scheduler's time slices of a descheduled partner at every parallel
-# region: plain training measured ~4x slower here (4.7 s vs 1.2 s per step), while a process
-# running STRONGHOLD's CPU Adam workers has more threads than cores, so libgomp throttles its
-# spinning and escapes. PASSIVE (sleep at once) puts every variant under the same policy; it
+# region: plain training measured ~4x slower here (median 4.7 s vs 1.3 s per step), while a
+# process running STRONGHOLD's CPU Adam workers (more threads than cores, so libgomp likely
+# throttles its spinning) escaped. PASSIVE (sleep at once) puts every variant under the same policy; it
 # must be set before torch loads. Set OMP_WAIT_POLICY yourself to override it.
 if "cuda" not in " ".join(sys.argv[1:]):
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -240,15 +240,20 @@ def run_block(v: Variant, batches: list[dict], start: int, n: int, record: bool)
         })
 
 
-def measure(variants: list[Variant], batches: list[dict], warmup: int, rounds: int, block_steps: int) -> None:
+def measure(variants: list[Variant], batches: list[dict], warmup: int, rounds: int, block_steps: int,
+            deadline: float | None = None) -> int:
+    """Warm-up, then interleaved rounds; stops early (after >= 1 round) past ``deadline``. Returns rounds run."""
     for v in variants:
         run_block(v, batches, 0, warmup, record=False)
     pos = warmup
     for r in range(rounds):
+        if r > 0 and deadline is not None and time.monotonic() > deadline:
+            return r
         order = variants[r % len(variants):] + variants[: r % len(variants)]
         for v in order:
             run_block(v, batches, pos, block_steps, record=True)
         pos += block_steps
+    return rounds
 
 
 def _median(xs: list[float]) -> float | None:
@@ -302,6 +307,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block_steps", type=int, default=None, help="steps per variant per round (first one not counted)")
     p.add_argument("--steps", type=int, default=None, help="counted steps per variant (sets --rounds from --block_steps)")
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--time_budget_s", type=float, default=None,
+                   help="start no new round after this many seconds (from start-up); the summary still comes")
     p.add_argument("--quick", action="store_true", help="the README's CPU numbers: bench-small, 6 rounds x 4 steps")
     p.add_argument("--smoke", action="store_true", help="tiny model, a few seconds (CI)")
     p.add_argument("--profile", default=None, metavar="DIR",
@@ -367,6 +374,7 @@ def profile_variants(variants: list[Variant], batches: list[dict], out_dir: str)
 
 
 def main(argv=None) -> int:
+    t_start = time.monotonic()
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -392,7 +400,8 @@ def main(argv=None) -> int:
     del base
     if args.profile:
         profile_variants(variants, batches, args.profile)
-    measure(variants, batches, args.warmup, args.rounds, args.block_steps)
+    deadline = None if args.time_budget_s is None else t_start + args.time_budget_s
+    rounds_run = measure(variants, batches, args.warmup, args.rounds, args.block_steps, deadline)
 
     plain = report(variants[0], tokens, device, params=n_params)
     emit(plain)
@@ -404,7 +413,7 @@ def main(argv=None) -> int:
     first = rows[0]
     summary = {
         "bench": "step", "summary": True, "device": str(device), "model": args.preset, "params": n_params,
-        "mode": args.mode, "window_size": first["window_size"],
+        "mode": args.mode, "window_size": first["window_size"], "rounds_run": rounds_run,
         "ratio_offload_vs_plain": first["ratio_vs_plain"],
         "ratio_offload_vs_plain_paired": first["ratio_vs_plain_paired"]["median"],
         "ratios_by_window": {str(r["window_size"]): r["ratio_vs_plain"] for r in rows},

@@ -63,9 +63,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # [Note: OpenMP wait policy] On a CPU run, libgomp's default is to spin at every barrier while
 # the process has no more threads than cores. With other processes on the cores, a spinning
 # team waits out the scheduler's time slices of a descheduled partner at every parallel
-# region: plain training measured ~4x slower here (4.7 s vs 1.2 s per step), while a process
-# running STRONGHOLD's CPU Adam workers has more threads than cores, so libgomp throttles its
-# spinning and escapes. PASSIVE (sleep at once) puts every variant under the same policy; it
+# region: plain training measured ~4x slower here (median 4.7 s vs 1.3 s per step), while a
+# process running STRONGHOLD's CPU Adam workers (more threads than cores, so libgomp likely
+# throttles its spinning) escaped. PASSIVE (sleep at once) puts every variant under the same policy; it
 # must be set before torch loads. Set OMP_WAIT_POLICY yourself to override it.
 if "cuda" not in " ".join(sys.argv[1:]):
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -294,10 +294,13 @@ def run_worker(opts, variant: str, steps: int) -> dict:
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(_free_port()))
     try:
+        timeout = opts.worker_timeout
+        if getattr(opts, "deadline", None) is not None:
+            timeout = max(5.0, min(timeout, opts.deadline - time.monotonic() + 5.0))
         proc = subprocess.run(_worker_cmd(opts, variant, steps), capture_output=True, text=True, env=env,
-                              timeout=opts.worker_timeout)
+                              timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"variant": variant, "error": f"timed out after {opts.worker_timeout} s"}
+        return {"variant": variant, "error": f"timed out after {timeout:.0f} s"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
@@ -337,6 +340,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="CPU peak RSS per variant from a subprocess (default: subprocess, none with --smoke)")
     p.add_argument("--memory_steps", type=int, default=3)
     p.add_argument("--worker_timeout", type=int, default=600, help="seconds per subprocess run")
+    p.add_argument("--time_budget_s", type=float, default=None,
+                   help="start no new run after this many seconds (from start-up); the summary still comes")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--quick", action="store_true", help="the README's CPU numbers (< 5 min on 2 cores)")
     p.add_argument("--smoke", action="store_true", help="tiny model, plain + stronghold_w1 only, seconds (CI)")
@@ -382,6 +387,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    t_start = time.monotonic()
     opts = parse_args(argv)
     if opts.threads:
         torch.set_num_threads(opts.threads)
@@ -413,10 +419,17 @@ def main(argv=None) -> int:
     run_medians: dict[str, list[float]] = {v: [] for v in runnable}  # one per round: drift and pairing
     extra: dict[str, dict] = {v: {} for v in runnable}
     failed: dict[str, str] = {}
+    deadline = None if opts.time_budget_s is None else t_start + opts.time_budget_s
+    opts.deadline = deadline
+    truncated: list[str] = []
     for r in range(opts.rounds):
         order = runnable[r % len(runnable):] + runnable[: r % len(runnable)] if runnable else []
         for v in order:
             if v in failed:
+                continue
+            # Round 0 of the in-process variants always runs, so the headline ratio exists.
+            if deadline is not None and time.monotonic() > deadline and not (r == 0 and v in IN_PROCESS):
+                truncated.append(f"round {r}: {v}")
                 continue
             res = run_variant(v, base, opts, opts.steps) if v in IN_PROCESS else run_worker(opts, v, opts.steps)
             if "error" in res:
@@ -432,7 +445,10 @@ def main(argv=None) -> int:
                 info["peak_memory_bytes"] = max(info.get("peak_memory_bytes", 0), res["peak_memory_bytes"])
     if opts.memory == "subprocess" and device.type == "cpu":
         for v in runnable:
-            if v in IN_PROCESS and v not in failed:
+            if deadline is not None and time.monotonic() > deadline:
+                extra[v]["memory_error"] = "not measured: --time_budget_s exhausted"
+                continue
+            if v in IN_PROCESS and v not in failed and times[v]:
                 res = run_worker(opts, v, opts.memory_steps)
                 if "error" in res:
                     extra[v]["memory_error"] = res["error"]
@@ -443,6 +459,10 @@ def main(argv=None) -> int:
     for v in runnable:
         if v in failed:
             emit({"bench": "train", "variant": v, "failed": True, "error": failed[v]})
+            continue
+        if not times[v]:
+            emit({"bench": "train", "variant": v, "failed": True, "error": "not run: --time_budget_s exhausted"})
+            failed[v] = "not run: --time_budget_s exhausted"
             continue
         med = statistics.median(times[v])
         row = {"bench": "train", "variant": v, "device": str(device), "params": n_params,
@@ -479,7 +499,7 @@ def main(argv=None) -> int:
         "ratio_stronghold_vs_fsdp2_offload": ratio("fsdp2_cpu_offload"),
         "tokens_per_s": {v: r["tokens_per_s"] for v, r in rows.items()},
         "peak_memory_bytes": {v: r["peak_memory_bytes"] for v, r in rows.items()},
-        "skipped": skipped, "failed": failed,
+        "skipped": skipped, "failed": failed, "not_run_for_time": truncated,
     })
     return 0
 

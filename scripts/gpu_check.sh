@@ -88,27 +88,31 @@ tail -n 3 "$OUT_DIR/gpu_tests.txt" >>"$SUMMARY" || true
 
 # ---------------------------------------------------------------------------- bench_step fp32 (110 s)
 # GPT-2-medium-like: n_embd 1024, 24 layers, 16 heads, seq 512, batch 8. Each variant: 2 warm-up
-# steps, then 3 rounds x 3 steps (2 counted per round): 6 counted steps, 4 variants.
+# steps, then 3 rounds x 3 steps (2 counted per round): 6 counted steps, 4 variants; no new round
+# after 90 s.
 run_piece "bench_step cuda fp32" 110 "$OUT_DIR/bench_step_cuda.jsonl" \
     python benchmarks/bench_step.py --device cuda --model gpt2-medium-like --n_embd 1024 --n_layer 24 \
-    --seq 512 --batch 8 --windows 1,2,4 --warmup 2 --rounds 3 --block_steps 3
+    --seq 512 --batch 8 --windows 1,2,4 --warmup 2 --rounds 3 --block_steps 3 --time_budget_s 90
 
 # ---------------------------------------------------------------------------- bench_max_model (130 s)
-# hidden 2048, 16 heads; --quick: seq 512, batch 2, host RAM capped at 48 GiB, search budget 110 s.
+# hidden 2048, 16 heads; --quick: seq 512, batch 2, host RAM capped at 48 GiB; search budget 100 s
+# (after ~15 s of imports and estimator bounds), probes bounded by what is left.
 run_piece "bench_max_model quick 32GB" 130 "$OUT_DIR/bench_max_model.jsonl" \
-    python benchmarks/bench_max_model.py --quick --gpu_memory 32GB --time_budget_s 110
+    python benchmarks/bench_max_model.py --quick --gpu_memory 32GB --time_budget_s 100
 
 # ---------------------------------------------------------------------------- bench_train (110 s)
-# GPT-2-small-like (n_embd 768, 12 layers, seq 512, batch 8): 2 rounds x 8 steps per variant.
+# GPT-2-small-like (n_embd 768, 12 layers, seq 512, batch 8): 2 rounds x 8 steps per variant; no new
+# run after 85 s (round 0 of plain and stronghold always runs), so the summary line always comes.
 run_piece "bench_train cuda quick" 110 "$OUT_DIR/bench_train_cuda.jsonl" \
-    python benchmarks/bench_train.py --device cuda --quick --model_size gpt2-small-like --worker_timeout 45
+    python benchmarks/bench_train.py --device cuda --quick --model_size gpt2-small-like --worker_timeout 45 \
+    --time_budget_s 85
 
 # ---------------------------------------------------------------------------- optional bf16 step
 LEFT=$((470 - (SECONDS - START)))
 if [ "$LEFT" -ge 60 ]; then
     run_piece "bench_step cuda bf16" "$LEFT" "$OUT_DIR/bench_step_cuda_bf16.jsonl" \
         python benchmarks/bench_step.py --device cuda --model gpt2-medium-like --seq 512 --batch 8 \
-        --windows 1,2,4 --precision bf16 --warmup 2 --rounds 3 --block_steps 3
+        --windows 1,2,4 --precision bf16 --warmup 2 --rounds 3 --block_steps 3 --time_budget_s $((LEFT - 20))
 else
     log "bench_step cuda bf16: skipped, only ${LEFT}s left"
 fi

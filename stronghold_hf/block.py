@@ -27,6 +27,7 @@ import enum
 
 import torch
 from torch import nn
+from torch.autograd.profiler import record_function
 
 from .discovery import BlockSpec
 from .memory import DeviceSlotPool, HostArena, ParamSlice, layout_params
@@ -149,11 +150,12 @@ class OffloadedBlock:
     # ------------------------------------------------------------------ transitions
     def begin_fetch(self) -> None:
         assert self.state is BlockState.ON_CPU, f"{self.fqn}: begin_fetch from {self.state}"
-        self.refresh_host_copy()
-        self.pool.acquire(self.index)
-        self._storage.resize_(self.slot_bytes)  # on the compute stream, see transfer.py notes
-        after = self.transfer.compute_event()
-        self._h2d = self.transfer.copy_h2d(self.index, self.device_flat, self.host_copy, after)
+        with record_function(f"stronghold.fetch:{self.fqn}"):
+            self.refresh_host_copy()
+            self.pool.acquire(self.index)
+            self._storage.resize_(self.slot_bytes)  # on the compute stream, see transfer.py notes
+            after = self.transfer.compute_event()
+            self._h2d = self.transfer.copy_h2d(self.index, self.device_flat, self.host_copy, after)
         self.state = BlockState.H2D_IN_FLIGHT
 
     def wait_resident(self) -> None:
@@ -186,6 +188,10 @@ class OffloadedBlock:
         self.state = BlockState.D2H_IN_FLIGHT
 
     def _start_grad_d2h(self, *, want_norm: bool) -> None:
+        with record_function(f"stronghold.grads_out:{self.fqn}"):
+            self._pack_and_send_grads(want_norm=want_norm)
+
+    def _pack_and_send_grads(self, *, want_norm: bool) -> None:
         ids = [k for k, p in enumerate(self.params) if p.grad is not None]
         self._d2h_param_ids = ids
         if not ids:
@@ -193,7 +199,8 @@ class OffloadedBlock:
             self.device_grad_sq_norm = None
             return
         grad_dtype = self.params[ids[0]].grad.dtype
-        # [numel] param dtype on the device: every gradient in the block's flat layout.
+        # [numel] param dtype on the device: every gradient in the block's flat layout. Zeros,
+        # not empty: the alignment padding between parameters must not add to the norm.
         dev = torch.zeros(self.numel, dtype=grad_dtype, device=self.device)
         dst = [self._view(dev, self.slices[k]) for k in ids]
         src = [self.params[k].grad for k in ids]

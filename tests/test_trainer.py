@@ -242,3 +242,18 @@ def test_run_that_cannot_fit_is_refused_before_allocation(tmp_path, monkeypatch)
     # check_fit=False lets the user override the estimate.
     StrongholdTrainer(model=model, args=StrongholdTrainingArguments(
         output_dir=str(tmp_path), stronghold=True, stronghold_config={"check_fit": False}))
+
+
+def test_bf16_trainer_on_cpu_with_layernorm_model(tmp_path):
+    """CPU autocast keeps LayerNorm in the input dtype, so device copies stay fp32 on CPU."""
+    ref = tiny_model("gpt2")
+    model = copy.deepcopy(ref)
+    kw = dict(COMMON, bf16=True)
+    t_ref = Trainer(model=ref, args=TrainingArguments(output_dir=str(tmp_path / "a"), **kw), train_dataset=TinyDataset("gpt2"))
+    t_ref.train()
+    t = StrongholdTrainer(model=model, args=StrongholdTrainingArguments(output_dir=str(tmp_path / "b"), stronghold=True, **kw),
+                          train_dataset=TinyDataset("gpt2"))
+    t.train()
+    assert all(b.param_dtype == torch.float32 for b in t.stronghold_engine.blocks)
+    # Same weights, same autocast: only reassociation separates the two runs.
+    assert _losses(t) == pytest.approx(_losses(t_ref), rel=1e-3)

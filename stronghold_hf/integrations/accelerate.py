@@ -72,7 +72,7 @@ def prepare_stronghold(
         plugin = StrongholdPlugin(config=config) if config is not None else StrongholdPlugin()
     cfg = plugin.stronghold_config
     mp = str(getattr(accelerator, "mixed_precision", "no"))
-    if cfg.param_dtype is None and mp in ("bf16", "fp16"):
+    if cfg.param_dtype is None and mp in ("bf16", "fp16") and accelerator.device.type == "cuda":  # see trainer.py
         cfg = cfg.replace(param_dtype=torch.bfloat16 if mp == "bf16" else torch.float16)
     engine = offload_model(model, cfg, device=accelerator.device)
     optimizer = engine.build_optimizer(param_groups, **(optimizer_kwargs or {}))

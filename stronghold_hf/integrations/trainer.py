@@ -78,10 +78,11 @@ class _StrongholdTrainerMixin:
                     f"--stronghold trains with AdamW semantics (CPU Adam); --optim {optim_name} is not supported. "
                     "Use the default --optim adamw_torch(_fused)."
                 )
-            if args.bf16 and cfg.param_dtype is None:
-                cfg = cfg.replace(param_dtype=torch.bfloat16)
-            elif args.fp16 and cfg.param_dtype is None:
-                cfg = cfg.replace(param_dtype=torch.float16)
+            # Low-precision device copies halve PCIe traffic on CUDA, where autocast runs norms in
+            # fp32. CPU autocast does not (a bf16 LayerNorm weight next to an fp32 residual
+            # stream fails), so on CPU the copies stay in the model's dtype.
+            if cfg.param_dtype is None and args.device.type == "cuda" and (args.bf16 or args.fp16):
+                cfg = cfg.replace(param_dtype=torch.bfloat16 if args.bf16 else torch.float16)
             self._stronghold_config = cfg
         super().__init__(model, args, *pos, **kwargs)
         if on:

@@ -84,16 +84,17 @@ inline uint16_t to_bf16(float f) {
   const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
   return (u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t(0x7FC0) : uint16_t(r);
 }
-// c10 fp16_ieee_from_fp32_value: branch-free, round to nearest even, vectorizes.
+// c10 fp16_ieee_from_fp32_value: round to nearest even, NaN -> 0x7E00, written to vectorize.
 inline uint16_t to_fp16(float f) {
   float base = (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
   const uint32_t w = bits(f), shl1_w = w + w, sign = w & 0x80000000u;
-  uint32_t bias = shl1_w & 0xFF000000u;
-  bias = bias < 0x71000000u ? 0x71000000u : bias;
+  const uint32_t bias = std::max(shl1_w & 0xFF000000u, 0x71000000u);
   base = from_bits((bias >> 1) + 0x07800000u) + base;
   const uint32_t b = bits(base);
   const uint32_t nonsign = ((b >> 13) & 0x00007C00u) + (b & 0x00000FFFu);
-  return uint16_t((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+  // Selects by mask, not ?:, which GCC 12 turns into a branch that stops vectorization.
+  const uint32_t nan = 0u - uint32_t(shl1_w > 0xFF000000u);
+  return uint16_t((sign >> 16) | (nan & 0x7E00u) | (~nan & nonsign));
 }
 
 struct Hyper { float grad_mul, decay, lerp_w, beta2, one_minus_beta2, eps; };
@@ -103,6 +104,20 @@ using RangeFn = void (*)(float*, const float*, float*, float*, uint16_t*, int64_
 template <bool kScale, bool kDecay, bool kSmallW, int kOut>
 void adam_range(float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v,
                 uint16_t* __restrict out, int64_t n, const Hyper& h, float neg_step, float bc2_sqrt) {
+#if defined(__F16C__) && defined(__FLT16_MAX__)
+  if constexpr (kOut == 2) {
+    // GCC vectorizes a plain float -> _Float16 loop (vcvtps2ph) but not inside the Adam loop,
+    // so convert each 4 KiB block of params right after updating it, from L1.
+    _Float16* __restrict o = reinterpret_cast<_Float16*>(out);
+    for (int64_t b = 0; b < n; b += 1024) {
+      const int64_t nb = std::min<int64_t>(1024, n - b);
+      adam_range<kScale, kDecay, kSmallW, 0>(p + b, g + b, m + b, v + b, nullptr, nb, h, neg_step, bc2_sqrt);
+#pragma omp simd
+      for (int64_t i = 0; i < nb; ++i) o[b + i] = static_cast<_Float16>(p[b + i]);
+    }
+    return;
+  }
+#endif
   const float w = kSmallW ? h.lerp_w : h.lerp_w - 1.0f;
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
