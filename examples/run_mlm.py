@@ -31,6 +31,7 @@ from transformers import AutoModelForMaskedLM, DataCollatorForLanguageModeling, 
 
 import embedded_default
 from script_utils import (
+    train_and_evaluate,
     CliDefault,
     add_perplexity,
     build_model,
@@ -42,7 +43,6 @@ from script_utils import (
     long_sequences_expected,
     log_filled_defaults,
     parse_args,
-    save_model_and_tokenizer,
     setup_logging,
     standard_defaults,
     take,
@@ -211,23 +211,7 @@ def main(argv=None):
         preprocess_logits_for_metrics=preprocess_logits,
     )
 
-    if training_args.do_train:
-        result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-        save_model_and_tokenizer(trainer, tokenizer)
-        metrics = result.metrics
-        metrics["train_samples"] = len(train_dataset)
-        trainer.log_metrics("train", metrics)
-        trainer.save_metrics("train", metrics)
-        trainer.save_state()
-    elif trainer.is_world_process_zero():
-        tokenizer.save_pretrained(training_args.output_dir)
-
-    if training_args.do_eval:
-        metrics = add_perplexity(trainer.evaluate())
-        metrics["eval_samples"] = len(eval_dataset)
-        trainer.log_metrics("eval", metrics)
-        trainer.save_metrics("eval", metrics)
-    return trainer
+    return train_and_evaluate(trainer, tokenizer, train_dataset, eval_dataset, eval_metrics=add_perplexity)
 
 
 if __name__ == "__main__":

@@ -315,5 +315,32 @@ def save_model_and_tokenizer(trainer, tokenizer, output_dir: str | None = None) 
         tokenizer.save_pretrained(output_dir)
 
 
+def train_and_evaluate(trainer, tokenizer, train_dataset, eval_dataset, *, eval_metrics=lambda m: m):
+    """The ``--do_train`` / ``--do_eval`` tail every Trainer script shares, as HF's examples write it.
+
+    Trains (resuming if asked), saves model and tokenizer, writes ``train_results.json`` and
+    ``eval_results.json`` (``all_results.json`` is kept up to date by ``save_metrics``).
+    ``eval_metrics`` post-processes the evaluation metrics (for example to add perplexity).
+    """
+    args = trainer.args
+    if args.do_train:
+        result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+        save_model_and_tokenizer(trainer, tokenizer)
+        metrics = result.metrics
+        metrics["train_samples"] = len(train_dataset)
+        trainer.log_metrics("train", metrics)
+        trainer.save_metrics("train", metrics)
+        trainer.save_state()
+    elif trainer.is_world_process_zero():
+        tokenizer.save_pretrained(args.output_dir)
+
+    if args.do_eval:
+        metrics = eval_metrics(trainer.evaluate())
+        metrics["eval_samples"] = len(eval_dataset)
+        trainer.log_metrics("eval", metrics)
+        trainer.save_metrics("eval", metrics)
+    return trainer
+
+
 def env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}

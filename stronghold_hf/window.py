@@ -368,9 +368,8 @@ class WindowEngine(StepMixin):
             return
         self._backward_started.add(b.index)
         # Blocks after ``b`` have finished their backward; ship anything they still hold.
-        for other in self.blocks[b.index + 1 :]:
-            if other.state in (BlockState.ON_DEVICE, BlockState.H2D_IN_FLIGHT):
-                self._release(other)
+        for idx in sorted(j for j in self.pool.in_use if j > b.index):
+            self._release(self.blocks[idx])
         lo = max(0, b.index - self.window_size)
         self._slide(list(range(b.index, lo - 1, -1)))
         self._ensure_resident(b)
