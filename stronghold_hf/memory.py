@@ -1,108 +1,254 @@
-"""Host arenas and the device slot pool.
+"""Host memory and block layouts: what each block owns on the host, and how it is pinned.
 
-Why arenas: the CUDA host allocator rounds every pinned allocation up to a power of two, so
-pinning thousands of per-parameter tensors can nearly double host RAM. We pin a few large
-arenas and hand out aligned slices. On a machine without CUDA pinning is impossible, so the
-arenas are ordinary (pageable) memory and copies are synchronous; the layout is the same.
+Host bytes per parameter set the largest model one machine can train (MegaTrain, 2026:
+~12 B/param; ZeRO-Offload: 16). This module decides where every byte goes:
 
-Why a slot pool: each block's device copy is one flat allocation ("slot") that its
-parameters view. Evicting a block resizes that allocation's storage to zero bytes, so the
-parameters keep their identity (and autograd's saved views of them stay valid for the
-refill before backward); fetching resizes it back. On CUDA the bytes come from torch's
-caching allocator, which after the first step hands the same ``W + 1`` segments back
-round-robin, so steady state performs no ``cudaMalloc``. `DeviceSlotPool` is the accounting
-that makes the ``W + 1`` bound explicit and checked.
+* A *trainable* parameter has an fp32 master (4 B), an fp32 gradient (4 B) and, in the CPU
+  optimizer, two fp32 Adam moments (8 B): 16 B. When the device computes in bf16/fp16 a
+  compute-dtype copy (2 B) is what crosses the link: 18 B. With fp32 compute the master
+  itself crosses, so nothing is duplicated.
+* A *frozen* parameter keeps only its stored bytes (4 B fp32, 2 B bf16): no master, no
+  gradient, no optimizer state. It crosses the link in its stored dtype.
+
+The bytes that cross the link form the block's *image*: one flat host buffer laid out
+exactly like the block's device slot, so a fetch is one copy. Only transfer buffers want to
+be page-locked (the image, and the gradient staging buffers in ``grads.py``); masters,
+gradients and Adam state stay pageable.
+
+[Note: pinning without rounding] ``torch.empty(..., pin_memory=True)`` goes through the CUDA
+caching host allocator, which rounds every request up to a power of two: a 260 MiB block
+would take 512 MiB. We allocate pageable memory of the exact size and page-lock it in place
+with ``cudaHostRegister`` instead, up to ``StrongholdConfig.max_pinned_bytes``; past the
+bound, or when the system refuses, the buffer stays pageable (correct, slower copies) and
+the ledger says which is which.
 """
 
 from __future__ import annotations
 
 import math
 import threading
+import warnings
 from dataclasses import dataclass
 
 import torch
 
-#: Elements of each parameter start on a 64-byte boundary inside a flat buffer, so
-#: vectorised kernels (CPU Adam, the copy kernels) see aligned rows.
+from .ledger import MemoryLedger
+
+#: Every parameter starts on a 64-byte boundary inside a flat buffer, so vectorised kernels
+#: (CPU Adam, copy kernels) see aligned rows, and byte views can be reinterpreted as any dtype.
 ALIGN_BYTES = 64
+_PAGE = 4096
 
 
-def aligned_numel(numel: int, dtype: torch.dtype) -> int:
-    per = max(1, ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
-    return int(math.ceil(numel / per) * per)
+def align_up(n: int, to: int = ALIGN_BYTES) -> int:
+    return int(math.ceil(n / to) * to)
+
+
+def element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# ---------------------------------------------------------------------------- layouts
+@dataclass(frozen=True, slots=True)
+class ParamEntry:
+    """Where one parameter of a block lives."""
+
+    name: str
+    shape: torch.Size
+    numel: int
+    device_dtype: torch.dtype
+    stored_dtype: torch.dtype
+    trainable: bool
+    byte_offset: int  # in the device slot and in the host image
+    grad_offset: int  # element offset in the gradient layout (and the master layout); -1 if frozen
 
 
 @dataclass(frozen=True, slots=True)
-class ParamSlice:
-    """Where one parameter lives inside its block's flat buffers."""
+class BlockLayout:
+    """The flat layouts of one block: slot/image bytes, and trainable elements (grads, masters)."""
 
-    name: str
-    offset: int  # in elements
-    numel: int
-    shape: torch.Size
+    entries: tuple[ParamEntry, ...]
+    slot_bytes: int
+    grad_numel: int
+    grad_dtype: torch.dtype | None  # device dtype of the trainable parameters (one per block)
 
+    @property
+    def masters_in_image(self) -> bool:
+        """With fp32 compute the fp32 masters are the image itself (nothing duplicated)."""
+        return self.grad_dtype == torch.float32
 
-def layout_params(named_shapes: list[tuple[str, torch.Size]], dtype: torch.dtype) -> tuple[list[ParamSlice], int]:
-    """Packs parameters back to back with 64-byte alignment; returns slices and total elements."""
-    slices: list[ParamSlice] = []
-    offset = 0
-    for name, shape in named_shapes:
-        numel = int(math.prod(shape)) if len(shape) else 1
-        slices.append(ParamSlice(name, offset, numel, torch.Size(shape)))
-        offset += aligned_numel(numel, dtype)
-    return slices, max(offset, 1)
+    @property
+    def trainable(self) -> tuple[ParamEntry, ...]:
+        return tuple(e for e in self.entries if e.trainable)
 
 
-def can_pin() -> bool:
-    return torch.cuda.is_available()
+def layout_block(fqn: str, named: list[tuple[str, torch.nn.Parameter]], param_dtype: torch.dtype | None) -> BlockLayout:
+    """Packs a block's parameters: trainable ones in ``param_dtype`` (default: their own
+    dtype), frozen ones in their stored dtype, each at a 64-byte-aligned offset."""
+    trainable_dtypes = {p.dtype for _, p in named if p.requires_grad}
+    if param_dtype is None and len(trainable_dtypes) > 1:
+        raise ValueError(
+            f"Block {fqn} has trainable parameters of several dtypes {sorted(map(str, trainable_dtypes))}; set "
+            "StrongholdConfig(param_dtype=...) so their device copies (and gradients) share one dtype."
+        )
+    grad_dtype = (param_dtype or next(iter(trainable_dtypes))) if trainable_dtypes else None
+    entries, byte_off, grad_off = [], 0, 0
+    grad_align = ALIGN_BYTES // 4  # elements: 64 B of fp32, 32 B of bf16; both vector aligned
+    for name, p in named:
+        trainable = p.requires_grad
+        dev_dtype = grad_dtype if trainable else p.dtype
+        numel = p.numel()
+        entries.append(ParamEntry(name, p.shape, numel, dev_dtype, p.dtype, trainable, byte_off,
+                                  grad_off if trainable else -1))
+        byte_off += align_up(numel * element_size(dev_dtype))
+        if trainable:
+            grad_off += align_up(numel, grad_align)
+    return BlockLayout(tuple(entries), max(byte_off, ALIGN_BYTES), grad_off, grad_dtype)
 
 
-class HostArena:
-    """A few big host allocations sliced into flat per-block buffers.
+def typed_view(flat_bytes: torch.Tensor, offset: int, numel: int, dtype: torch.dtype, shape) -> torch.Tensor:
+    """``shape``-shaped ``dtype`` view of ``numel`` elements at byte ``offset`` of a uint8 buffer."""
+    nbytes = numel * element_size(dtype)
+    return flat_bytes[offset : offset + nbytes].view(dtype).view(shape)
 
-    One arena per dtype. An arena grows in chunks of at least ``chunk_bytes``; each chunk is
-    pinned once (when ``pin`` and CUDA is available). Slices are never freed individually:
-    the engine's buffers live as long as the engine.
+
+# ---------------------------------------------------------------------------- pinning
+class CudaHostRegister:
+    """Page-locks existing host memory in place (see [Note: pinning without rounding])."""
+
+    def pin(self, t: torch.Tensor) -> bool:
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        return int(getattr(err, "value", err)) == 0
+
+    def unpin(self, t: torch.Tensor) -> None:
+        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+
+class NoPinning:
+    """A CPU-only machine: nothing can be pinned (and nothing needs to be)."""
+
+    def pin(self, t: torch.Tensor) -> bool:
+        return False
+
+    def unpin(self, t: torch.Tensor) -> None:
+        return None
+
+
+class SimulatedPinning:
+    """The CPU test mode's pinning: books buffers as pinned without locking pages.
+
+    ``fail_after_bytes`` makes it refuse once that many bytes are pinned, to exercise the
+    pageable fallback on a machine without CUDA.
     """
 
-    def __init__(self, *, pin: bool, chunk_bytes: int = 256 << 20) -> None:
-        self.pin = bool(pin and can_pin())
-        self.chunk_bytes = int(chunk_bytes)
-        self._chunks: dict[torch.dtype, list[torch.Tensor]] = {}
-        self._cursor: dict[torch.dtype, int] = {}
-        self._lock = threading.Lock()
-        self.bytes_reserved = 0
+    def __init__(self, fail_after_bytes: int | None = None) -> None:
+        self.fail_after_bytes = fail_after_bytes
+        self.pinned = 0
 
-    def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """Returns a zeroed 1-D tensor of ``numel`` elements (64-byte aligned start)."""
-        numel = aligned_numel(numel, dtype)
+    def pin(self, t: torch.Tensor) -> bool:
+        nbytes = t.numel() * t.element_size()
+        if self.fail_after_bytes is not None and self.pinned + nbytes > self.fail_after_bytes:
+            return False
+        self.pinned += nbytes
+        return True
+
+    def unpin(self, t: torch.Tensor) -> None:
+        self.pinned -= t.numel() * t.element_size()
+
+
+def default_pinning():
+    return CudaHostRegister() if torch.cuda.is_available() else NoPinning()
+
+
+class HostAllocator:
+    """Exact-size host buffers, page-locked while the budget allows, each booked in the ledger."""
+
+    def __init__(self, ledger: MemoryLedger, *, pin: bool, pinning=None, max_pinned_bytes: int | None = None) -> None:
+        self.ledger = ledger
+        self.pin = pin
+        self.pinning = pinning if pinning is not None else default_pinning()
+        self.max_pinned_bytes = max_pinned_bytes
+        self._pinned_total = 0
+        self._buffers: list[tuple[torch.Tensor, int, bool]] = []  # (tensor, booked bytes, pinned)
+        self._lock = threading.Lock()
+        self._warned = False
+
+    def allocate(self, nbytes: int, *, transfer: bool) -> torch.Tensor:
+        """A zeroed uint8 buffer of ``nbytes`` (64-byte aligned start). ``transfer=True``:
+        it is read or written by device copies, so pin it if allowed."""
+        nbytes = align_up(max(nbytes, 1))
+        want_pin = transfer and self.pin and not isinstance(self.pinning, NoPinning)
+        if want_pin:
+            # Page-aligned start and length: what page-locking works in.
+            raw = torch.zeros(nbytes + 2 * _PAGE, dtype=torch.uint8)
+            start = (-raw.data_ptr()) % _PAGE
+            buf = raw[start : start + align_up(nbytes, _PAGE)]
+            pinned = self._try_pin(buf)
+            out, booked, keep = buf[:nbytes], raw.numel(), buf
+        else:
+            raw = torch.zeros(nbytes + ALIGN_BYTES, dtype=torch.uint8)
+            start = (-raw.data_ptr()) % ALIGN_BYTES
+            out = raw[start : start + nbytes]
+            pinned, booked, keep = False, raw.numel(), raw
         with self._lock:
-            chunks = self._chunks.setdefault(dtype, [])
-            cursor = self._cursor.get(dtype, 0)
-            if not chunks or cursor + numel > chunks[-1].numel():
-                itemsize = torch.empty((), dtype=dtype).element_size()
-                chunk_numel = max(numel, self.chunk_bytes // itemsize)
-                chunk = torch.zeros(chunk_numel, dtype=dtype, pin_memory=self.pin)
-                chunks.append(chunk)
-                self.bytes_reserved += chunk_numel * itemsize
-                cursor = 0
-            out = chunks[-1][cursor : cursor + numel]
-            self._cursor[dtype] = cursor + numel
-            return out
+            self._buffers.append((keep, booked, pinned))
+        self.ledger.host_alloc(booked, pinned=pinned)
+        return out
+
+    def _try_pin(self, buf: torch.Tensor) -> bool:
+        nbytes = buf.numel()
+        with self._lock:
+            if self.max_pinned_bytes is not None and self._pinned_total + nbytes > self.max_pinned_bytes:
+                return False
+            self._pinned_total += nbytes
+        ok = False
+        try:
+            ok = bool(self.pinning.pin(buf))
+        except (RuntimeError, OSError):
+            ok = False
+        if not ok:
+            with self._lock:
+                self._pinned_total -= nbytes
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    "stronghold: page-locking host memory failed; transfer buffers fall back to pageable memory "
+                    "(same results, slower host-to-device copies). Lower StrongholdConfig.max_pinned_bytes or "
+                    "raise the memlock limit (ulimit -l) to pin.",
+                    stacklevel=4,
+                )
+        return ok
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self._pinned_total
+
+    def release_all(self) -> None:
+        """Unpins and forgets every buffer (the tensors are freed once nothing views them)."""
+        with self._lock:
+            buffers, self._buffers = self._buffers, []
+            self._pinned_total = 0
+        for t, booked, pinned in buffers:
+            if pinned:
+                try:
+                    self.pinning.unpin(t)
+                except (RuntimeError, OSError):  # pragma: no cover - nothing left to do at teardown
+                    pass
+            self.ledger.host_free(booked, pinned=pinned)
 
 
 class DeviceSlotPool:
     """Counts device slots in use and enforces the resident bound.
 
-    ``capacity`` is ``W + 1``: the working window plus the one block being prefetched.
-    `acquire` raises if a caller would exceed it, which turns a scheduling bug into an
-    immediate, named failure instead of a silent out-of-memory an hour into a run.
+    ``capacity`` is ``W + 1``: the working window plus the block being prefetched. `acquire`
+    raises if a caller would exceed it, turning a scheduling bug into an immediate, named
+    failure instead of an out-of-memory an hour into a run.
     """
 
-    def __init__(self, capacity: int, slot_bytes: int) -> None:
+    def __init__(self, capacity: int) -> None:
         assert capacity >= 1
         self.capacity = capacity
-        self.slot_bytes = slot_bytes
         self._in_use: set[int] = set()
         self.peak_in_use = 0
 
@@ -124,6 +270,10 @@ class DeviceSlotPool:
     @property
     def in_use(self) -> frozenset[int]:
         return frozenset(self._in_use)
+
+    @property
+    def full(self) -> bool:
+        return len(self._in_use) >= self.capacity
 
     def resize(self, capacity: int) -> None:
         """Changes the capacity (after the auto window size is chosen); only while idle."""

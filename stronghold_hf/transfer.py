@@ -1,37 +1,69 @@
-"""The transfer context: streams, events and in-flight copies.
+"""The transfer context: copy streams, events, and the waits between them.
 
-One object owns every copy between host and device. On CUDA it has a host-to-device stream
-and a device-to-host stream, and every buffer that crosses streams travels in a small
-NamedTuple together with the CUDA event that says when it is safe to touch (the FSDP2
-``AllGatherState`` pattern). On a CPU-only machine the same API runs with synchronous
-copies and events that are complete at once, so the engine's state machine is identical and
-testable without a GPU.
+One object owns every copy between host and device. Each copy returns an *event*; nothing
+may use the destination before waiting on it. There are three modes with one API:
+
+* ``"cuda"``: a host-to-device and a device-to-host ``torch.cuda.Stream``; events are
+  ``torch.cuda.Event``. The compute stream waits on a fetch's event without blocking the
+  host; the host blocks on a gradient copy's event only when it reads the bytes.
+* ``"sync"``: CPU only, copies happen at once and events are complete. The state machine is
+  the same, so the schedule and the ledger are tested without a GPU.
+* ``"delayed"``: CPU, *behaves like a GPU*. Each direction has a copy thread that plays the
+  role of a stream: it runs copies in order, each after an injected delay, and sets the
+  copy's event when it lands. The compute "stream" is the training thread, so waiting for a
+  fetch blocks it. A missing wait then reads bytes that have not arrived, and a test sees
+  wrong numbers (the FSDP2 test suite injects delays before copies for the same reason).
+  `stronghold_hf.testing.simulated_device` turns it on.
 
 [Note: allocation stream] A block's device storage is (re)allocated with ``resize_`` while
-the *compute* stream is current, so the caching allocator associates it with the compute
-stream and frees on that stream are ordered after the block's last kernel. The H2D stream
-therefore waits on an event recorded on the compute stream right after the allocation,
-before it writes into the new bytes: the allocator may have handed back memory that a
-compute kernel enqueued earlier is still reading.
+the *compute* stream is current, so the caching allocator orders its reuse after the block's
+last kernel. The H2D stream therefore waits on an event recorded on the compute stream right
+after the allocation, before it writes into the new bytes: the allocator may have handed
+back memory that a compute kernel enqueued earlier is still reading.
 
-[Note: D2H lifetime] A device-to-host gradient copy reads a device buffer that was
-allocated on the compute stream. That buffer is kept alive inside `InFlightD2H` until its
-event has completed, and only then dropped; dropping it earlier would let the allocator
-reuse the bytes for a compute kernel that can run before the copy. The host never reads the
-pinned destination before ``event.synchronize()`` (or a true ``query()``): a non-blocking
-D2H copy returns immediately and the bytes arrive later.
+[Note: D2H lifetime] A device-to-host copy reads a device buffer that was allocated on the
+compute stream. Its owner (a gradient lane in ``grads.py``) keeps the buffer alive until the
+copy's event has completed; dropping it earlier would let the allocator hand the bytes to a
+compute kernel that runs before the copy. The host never reads the pinned destination before
+`host_wait` returns: a non-blocking D2H copy returns at once and the bytes arrive later.
 """
 
 from __future__ import annotations
 
+import os
+import queue
+import threading
 import time
-from typing import NamedTuple
+import weakref
+from typing import Literal
 
 import torch
 
+from .ledger import MemoryLedger
+from .stats import EngineStats
+
+TransferMode = Literal["cuda", "sync", "delayed"]
+
+#: Set by `stronghold_hf.testing.simulated_device`: the copy delay of the ``"delayed"`` mode.
+#: The environment variable lets a whole test run use it (milliseconds).
+_simulated_copy_delay_s: float | None = None
+SIMULATE_ENV = "STRONGHOLD_SIMULATE_COPY_DELAY_MS"
+
+
+def simulated_copy_delay() -> float | None:
+    if _simulated_copy_delay_s is not None:
+        return _simulated_copy_delay_s
+    raw = os.environ.get(SIMULATE_ENV)
+    if raw:
+        try:
+            return max(0.0, float(raw) / 1e3)
+        except ValueError:
+            raise ValueError(f"{SIMULATE_ENV}={raw!r} is not a number of milliseconds.") from None
+    return None
+
 
 class _CompletedEvent:
-    """Stand-in for ``torch.cuda.Event`` on the CPU path: always complete."""
+    """The ``"sync"`` mode's event: always complete."""
 
     def query(self) -> bool:
         return True
@@ -39,119 +71,170 @@ class _CompletedEvent:
     def synchronize(self) -> None:
         return None
 
-    def wait(self, stream=None) -> None:  # noqa: ARG002 - same signature as torch.cuda.Event.wait
-        return None
-
 
 _DONE = _CompletedEvent()
 
 
-class InFlightH2D(NamedTuple):
-    """A host-to-device block fetch: the destination stays unusable until ``event``."""
+class _HostEvent:
+    """The ``"delayed"`` mode's event: set by a copy thread when the copy landed (or failed)."""
 
-    block_index: int
-    event: object  # torch.cuda.Event | _CompletedEvent
-
-
-class InFlightD2H(NamedTuple):
-    """A device-to-host gradient copy and everything that must live until ``event``."""
-
-    block_index: int
-    device_buffer: torch.Tensor | None  # kept alive until the copy completes (see [Note: D2H lifetime])
-    host_buffer: torch.Tensor  # pinned destination; read only after event.synchronize()
-    event: object
-
-
-class TransferStats:
-    """Counters for one optimizer step; the Trainer logs and resets them."""
-
-    __slots__ = ("h2d_bytes", "d2h_bytes", "h2d_s", "d2h_s", "blocked_s", "cpu_adam_s", "fetches_on_demand")
+    __slots__ = ("_flag", "error")
 
     def __init__(self) -> None:
-        self.reset()
+        self._flag = threading.Event()
+        self.error: BaseException | None = None
 
-    def reset(self) -> None:
-        self.h2d_bytes = 0
-        self.d2h_bytes = 0
-        self.h2d_s = 0.0
-        self.d2h_s = 0.0
-        self.blocked_s = 0.0
-        self.cpu_adam_s = 0.0
-        self.fetches_on_demand = 0
+    def query(self) -> bool:
+        return self._flag.is_set()
 
-    def as_dict(self) -> dict[str, float]:
-        return {k: getattr(self, k) for k in self.__slots__}
+    def synchronize(self) -> None:
+        self._flag.wait()
+        if self.error is not None:
+            raise RuntimeError(f"stronghold: a simulated device copy failed: {self.error!r}") from self.error
+
+
+class _CopyThread:
+    """One simulated stream: copies run in submission order, each after ``delay_s``."""
+
+    def __init__(self, name: str, delay_s: float) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        # The thread holds only its queue; a dropped context still stops it (finalizer).
+        self._thread = threading.Thread(target=_run_copies, args=(self._jobs, delay_s), name=name, daemon=True)
+        self._thread.start()
+        weakref.finalize(self, self._jobs.put, None)
+
+    def submit(self, dst: torch.Tensor, src: torch.Tensor) -> _HostEvent:
+        event = _HostEvent()
+        self._jobs.put((dst, src, event))
+        return event
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+
+
+def _run_copies(jobs: queue.SimpleQueue, delay_s: float) -> None:
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        dst, src, event = job
+        try:
+            time.sleep(delay_s)
+            # A destination freed while its copy was in flight is a scheduling bug: say so
+            # instead of writing through a dangling pointer.
+            need = (dst.storage_offset() + dst.numel()) * dst.element_size()
+            if dst.untyped_storage().nbytes() < need or src.untyped_storage().nbytes() == 0:
+                raise RuntimeError("copy source or destination was freed while the copy was in flight")
+            with torch.no_grad():
+                dst.copy_(src)
+        except BaseException as err:  # reported to whoever waits on the event
+            event.error = err
+        event._flag.set()
+        del dst, src, event, job
 
 
 class TransferContext:
-    """Owns the copy streams (CUDA) or performs synchronous copies (CPU)."""
+    """Owns the copy streams (or their CPU stand-ins) and books traffic in the ledger."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, ledger: MemoryLedger, stats: EngineStats) -> None:
         self.device = device
-        self.is_cuda = device.type == "cuda"
-        self.stats = TransferStats()
-        if self.is_cuda:
+        self.ledger = ledger
+        self.stats = stats
+        self.mode: TransferMode
+        if device.type == "cuda":
+            self.mode = "cuda"
             self.h2d_stream = torch.cuda.Stream(device=device)
             self.d2h_stream = torch.cuda.Stream(device=device)
         else:
-            self.h2d_stream = None
-            self.d2h_stream = None
+            delay = simulated_copy_delay()
+            self.mode = "sync" if delay is None else "delayed"
+            self.h2d_stream = self.d2h_stream = None
+            if delay is not None:
+                self._h2d_thread = _CopyThread("stronghold-sim-h2d", delay)
+                self._d2h_thread = _CopyThread("stronghold-sim-d2h", delay)
 
-    # ------------------------------------------------------------------ helpers
-    def _new_event(self):
-        return torch.cuda.Event() if self.is_cuda else _DONE
+    @property
+    def is_cuda(self) -> bool:
+        return self.mode == "cuda"
+
+    @property
+    def is_async(self) -> bool:
+        """Whether copies complete later than they are issued (CUDA, or the delayed mode)."""
+        return self.mode != "sync"
 
     def compute_event(self):
-        """An event recorded on the current (compute) stream, or a completed stand-in."""
-        if not self.is_cuda:
+        """An event on the compute stream (CUDA); on the CPU compute is the host thread: done."""
+        if self.mode != "cuda":
             return _DONE
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.device))
         return ev
 
     # ------------------------------------------------------------------ host -> device
-    def copy_h2d(self, block_index: int, dst: torch.Tensor, src: torch.Tensor, after) -> InFlightH2D:
-        """Copies ``src`` (host) into ``dst`` (device) once ``after`` (an event) has fired."""
-        nbytes = src.numel() * src.element_size()
-        self.stats.h2d_bytes += nbytes
-        if not self.is_cuda:
+    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, *, fetch: bool):
+        """Starts copying host ``src`` into device ``dst``; returns the event that says it landed."""
+        self.ledger.count_h2d(src.numel() * src.element_size(), fetch=fetch)
+        self.stats.add("h2d_bytes", src.numel() * src.element_size())
+        if self.mode == "sync":
             t0 = time.perf_counter()
             dst.copy_(src)
-            self.stats.h2d_s += time.perf_counter() - t0
-            return InFlightH2D(block_index, _DONE)
+            self.stats.add("h2d_s", time.perf_counter() - t0)
+            return _DONE
+        if self.mode == "delayed":
+            return self._h2d_thread.submit(dst, src)
+        after = self.compute_event()  # see [Note: allocation stream]
         event = torch.cuda.Event()
         with torch.cuda.stream(self.h2d_stream):
-            self.h2d_stream.wait_event(after)  # see [Note: allocation stream]
+            self.h2d_stream.wait_event(after)
             dst.copy_(src, non_blocking=True)
             event.record(self.h2d_stream)
-        return InFlightH2D(block_index, event)
+        return event
 
-    def wait_h2d(self, inflight: InFlightH2D) -> None:
-        """Makes the compute stream wait for a fetch; the host does not block."""
-        if self.is_cuda:
-            torch.cuda.current_stream(self.device).wait_event(inflight.event)
+    def device_wait(self, event) -> None:
+        """Orders compute after ``event``: the compute stream waits (CUDA) or the host does."""
+        if self.mode == "cuda":
+            torch.cuda.current_stream(self.device).wait_event(event)
+        else:
+            self.host_wait(event)
 
     # ------------------------------------------------------------------ device -> host
-    def copy_d2h(self, block_index: int, host_dst: torch.Tensor, device_src: torch.Tensor) -> InFlightD2H:
-        """Starts copying ``device_src`` into ``host_dst`` after the compute stream's current work."""
-        self.stats.d2h_bytes += device_src.numel() * device_src.element_size()
-        if not self.is_cuda:
+    def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor):
+        """Starts copying device ``src`` into host ``dst`` after the compute work queued so far.
+
+        The caller keeps ``src`` alive and ``dst`` unread until `host_wait` on the returned
+        event (see [Note: D2H lifetime])."""
+        self.ledger.count_d2h(src.numel() * src.element_size())
+        self.stats.add("d2h_bytes", src.numel() * src.element_size())
+        if self.mode == "sync":
             t0 = time.perf_counter()
-            host_dst.copy_(device_src)
-            self.stats.d2h_s += time.perf_counter() - t0
-            return InFlightD2H(block_index, None, host_dst, _DONE)
+            dst.copy_(src)
+            self.stats.add("d2h_s", time.perf_counter() - t0)
+            return _DONE
+        if self.mode == "delayed":
+            return self._d2h_thread.submit(dst, src)
         ready = self.compute_event()
         event = torch.cuda.Event()
         with torch.cuda.stream(self.d2h_stream):
             self.d2h_stream.wait_event(ready)
-            host_dst.copy_(device_src, non_blocking=True)
+            dst.copy_(src, non_blocking=True)
             event.record(self.d2h_stream)
-        return InFlightD2H(block_index, device_src, host_dst, event)
+        return event
 
-    def wait_d2h(self, inflight: InFlightD2H) -> torch.Tensor:
-        """Blocks the host until the copy landed; returns the host buffer, now safe to read."""
-        if self.is_cuda and not inflight.event.query():
-            t0 = time.perf_counter()
-            inflight.event.synchronize()
-            self.stats.blocked_s += time.perf_counter() - t0
-        return inflight.host_buffer
+    def host_wait(self, event) -> None:
+        """Blocks the host until ``event`` completed; afterwards the copy's bytes may be read."""
+        if not event.query():
+            self._block_on(event)
+        elif isinstance(event, _HostEvent):
+            event.synchronize()  # re-raises a failed simulated copy
+
+    def _block_on(self, event) -> None:
+        t0 = time.perf_counter()
+        event.synchronize()
+        self.stats.add("blocked_s", time.perf_counter() - t0)
+
+    def close(self) -> None:
+        if self.mode == "delayed":
+            self._h2d_thread.close()
+            self._d2h_thread.close()
+            self.mode = "sync"

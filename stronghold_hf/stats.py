@@ -1,0 +1,46 @@
+"""Per-period counters of the engine: traffic, waits and CPU optimizer time.
+
+The Trainer logs them every ``logging_steps`` and resets them; the benchmarks read them per
+step. They are written from the training thread and from the CPU worker, so every update
+goes through one lock (a float ``+=`` from two threads can lose an update). Byte totals
+since the engine started live in the memory ledger; these are the resettable view.
+"""
+
+from __future__ import annotations
+
+import threading
+
+_FIELDS = (
+    "h2d_bytes",
+    "d2h_bytes",
+    "h2d_s",
+    "d2h_s",
+    "blocked_s",
+    "cpu_adam_s",
+    "fetches_on_demand",
+    "forward_stall_s",
+    "update_total_s",
+    "first_block_ready_s",
+    "steps",
+)
+
+
+class EngineStats:
+    __slots__ = ("_lock", *_FIELDS)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            for name in _FIELDS:
+                setattr(self, name, 0.0 if name.endswith("_s") else 0)
+
+    def add(self, name: str, value: float) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + value)
+
+    def as_dict(self) -> dict[str, float]:
+        with self._lock:
+            return {name: getattr(self, name) for name in _FIELDS}
