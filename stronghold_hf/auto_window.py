@@ -101,6 +101,8 @@ class AutoWindowProbe:
         cached_free = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         # The first step's activations and temporaries must still fit next to a larger window.
         step_extra = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
+        # The gradient lanes are already counted in the first step's peak (they are K buffers
+        # whatever W is); what grows with W is one slot per extra block.
         budget = max(0, free + cached_free - step_extra - HEADROOM_BYTES)
-        # One slot holds a block's parameters; its gradient buffer is the same size again.
-        return choose_window(profiles, link, device_bytes_free=budget, slot_bytes=2 * engine.pool.slot_bytes)
+        slot_bytes = max(b.slot_bytes for b in engine.blocks)
+        return choose_window(profiles, link, device_bytes_free=budget, slot_bytes=slot_bytes)

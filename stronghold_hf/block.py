@@ -1,24 +1,31 @@
-"""One offloaded block: its buffers and its residency state machine.
+"""One offloaded block: its host buffers, its device slot, and its residency state machine.
 
-A block owns, on the host, a flat fp32 master (the values the optimizer updates), a flat fp32
-gradient buffer that the optimizer reads, and a flat compute-dtype copy that is sent to the
-device in one copy (for fp32 compute the master *is* that copy, so nothing is duplicated).
-On the device it owns one flat allocation, its slot; every parameter of the block is a view
-into the slot, so the ``nn.Parameter`` objects never change.
+Host side (``memory.py`` explains the bytes): the *image*, laid out like the device slot
+(what one fetch copies); fp32 *masters* of the trainable parameters (views into the image
+when the device computes in fp32, a separate flat buffer otherwise); fp32 *gradients* of the
+trainable parameters. Device side: one flat *slot* whose storage is freed while the block is
+on the host.
+
+[Note: parameters always point at real memory] A block parameter's ``.data`` is a view into
+the slot while the block is on the device, and a view into its host master (trainable) or
+its stored bytes (frozen) while it is not. So between steps every parameter holds its
+current value: reading it never touches freed memory, and writing it (in place, or through
+``.data`` as PEFT's merge does) writes the master. Before the next fetch the block notices
+writes it did not make (a ``.data`` that is no longer our view, or a bumped version
+counter) and refreshes the compute-dtype image from the masters.
+
+[Note: why the slot storage is resized] Autograd saves views of a block's weights during
+forward (``weight.t()`` for a linear layer). Those views alias the slot's *storage object*.
+Resizing that storage to zero frees the bytes while keeping the object; resizing it back and
+refilling it before the block's backward makes every saved view valid again. A saved
+parameter itself (a leaf) is unpacked as the parameter, which points at the slot again by
+then (the pre-backward hook fetched the block). The refill writes the flat slot tensor, not
+the parameters, so autograd's version checks stay quiet.
 
 States and the only transitions (each method asserts where it starts)::
 
-    ON_CPU --begin_fetch--> H2D_IN_FLIGHT --wait_resident--> ON_DEVICE
-    ON_DEVICE --evict--> ON_CPU
-    ON_DEVICE --offload_grads_and_evict--> D2H_IN_FLIGHT --finish_grads--> ON_CPU
-
-[Note: why resize_ and not .data swaps] Autograd saves views of a block's weights during
-forward (``weight.t()`` for a linear layer, for example). Those views alias the slot's
-*storage object*. Resizing that storage to zero frees the bytes while keeping the object;
-resizing it back and refilling it before the block's backward makes every saved view valid
-again. Swapping ``p.data`` instead would leave the saved views on the old bytes. The refill
-goes through ``Tensor.copy_`` on the flat slot tensor (not on the parameters), which does not
-bump the parameters' version counters, so autograd's in-place checks stay quiet.
+    ON_HOST --begin_fetch--> FETCHING --wait_resident--> ON_DEVICE --evict--> ON_HOST
+    FETCHING --evict--> ON_HOST   (a prefetch that is no longer wanted; waits for the copy)
 """
 
 from __future__ import annotations
@@ -30,30 +37,23 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from .discovery import BlockSpec
-from .memory import DeviceSlotPool, HostArena, ParamSlice, layout_params
-from .transfer import InFlightD2H, InFlightH2D, TransferContext
+from .grads import GradLane
+from .ledger import MemoryLedger
+from .memory import BlockLayout, DeviceSlotPool, HostAllocator, element_size, layout_block, typed_view
+from .transfer import TransferContext
 
 
-class BlockState(enum.Enum):
-    ON_CPU = "on_cpu"
-    H2D_IN_FLIGHT = "h2d_in_flight"
+class Residency(enum.Enum):
+    ON_HOST = "on_host"
+    FETCHING = "fetching"
     ON_DEVICE = "on_device"
-    D2H_IN_FLIGHT = "d2h_in_flight"
 
 
 class OffloadedBlock:
-    """Buffers and residency of one block; driven by `WindowEngine`."""
+    """Buffers and residency of one block; the schedule (`WindowEngine`) drives it."""
 
-    def __init__(
-        self,
-        spec: BlockSpec,
-        *,
-        device: torch.device,
-        param_dtype: torch.dtype | None,
-        arena: HostArena,
-        transfer: TransferContext,
-        pool: DeviceSlotPool,
-    ) -> None:
+    def __init__(self, spec: BlockSpec, *, device: torch.device, param_dtype: torch.dtype | None,
+                 host: HostAllocator, transfer: TransferContext, pool: DeviceSlotPool, ledger: MemoryLedger) -> None:
         self.index = spec.index
         self.fqn = spec.fqn
         self.module = spec.module
@@ -62,182 +62,339 @@ class OffloadedBlock:
         self.device = device
         self.transfer = transfer
         self.pool = pool
-        dtypes = {p.dtype for p in self.params}
-        if param_dtype is None and len(dtypes) > 1:
-            raise ValueError(
-                f"Block {self.fqn} mixes parameter dtypes {sorted(map(str, dtypes))}; set "
-                "StrongholdConfig(param_dtype=...) so its device copy has one dtype."
-            )
-        self.param_dtype = param_dtype or next(iter(dtypes), torch.float32)
-        self.slices: list[ParamSlice]
-        self.slices, self.numel = layout_params([(n, p.shape) for n, p in spec.params], torch.float32)
+        self.ledger = ledger
+        self.layout: BlockLayout = layout_block(spec.fqn, list(spec.params), param_dtype)
+        lay = self.layout
 
-        # Host side. [numel] fp32 each; masters/grads are per-parameter views into them.
-        self.master_flat = arena.allocate(self.numel, torch.float32)[: self.numel]
-        self.grad_flat = arena.allocate(self.numel, torch.float32)[: self.numel]
-        with torch.no_grad():
-            for s, p in zip(self.slices, self.params):
-                self.master_flat[s.offset : s.offset + s.numel].copy_(p.detach().reshape(-1).float())
-        self.masters: list[nn.Parameter] = [
-            nn.Parameter(self._view(self.master_flat, s), requires_grad=p.requires_grad)
-            for s, p in zip(self.slices, self.params)
-        ]
-        if self.param_dtype == torch.float32:
-            self.host_copy = self.master_flat  # [numel] fp32: the master is what travels
+        # ---- host buffers
+        # uint8 [slot_bytes], pinned when allowed: what one fetch copies to the slot.
+        self.image = host.allocate(lay.slot_bytes, transfer=True)
+        self.image_views = [typed_view(self.image, e.byte_offset, e.numel, e.device_dtype, e.shape) for e in lay.entries]
+        n = lay.grad_numel
+        if n and not lay.masters_in_image:
+            # fp32 [grad_numel], gradient layout: masters when the device computes in bf16/fp16.
+            self.master_flat = host.allocate(4 * n, transfer=False).view(torch.float32)
         else:
-            self.host_copy = arena.allocate(self.numel, self.param_dtype)[: self.numel]
-            self.host_copy.copy_(self.master_flat)
-        self._synced_version = self.master_flat._version
-        # Staging for gradients that must be *added* to existing master grads (accumulation) or
-        # that arrive in a low-precision dtype. Allocated on first need.
-        self._arena = arena
-        self._grad_staging: torch.Tensor | None = None
+            self.master_flat = None
+        # fp32 [grad_numel]: the gradient the optimizer reads.
+        self.grad_flat = host.allocate(4 * n, transfer=False).view(torch.float32) if n else None
+        self.masters: list[nn.Parameter | None] = []
+        self.host_views: list[torch.Tensor] = []  # what each parameter's .data is while on the host
+        self.grad_views: list[torch.Tensor | None] = []
+        with torch.no_grad():
+            for e, p, img in zip(lay.entries, self.params, self.image_views):
+                if e.trainable:
+                    if lay.masters_in_image:
+                        master = img
+                    else:
+                        master = self.master_flat[e.grad_offset : e.grad_offset + e.numel].view(e.shape)
+                    master.copy_(p.detach())
+                    if master is not img:
+                        img.copy_(master)
+                    self.masters.append(nn.Parameter(master, requires_grad=True))
+                    self.host_views.append(master)
+                    self.grad_views.append(self.grad_flat[e.grad_offset : e.grad_offset + e.numel].view(e.shape))
+                else:
+                    img.copy_(p.detach())
+                    self.masters.append(None)
+                    self.host_views.append(img)
+                    self.grad_views.append(None)
 
-        # Device side: one slot; parameters become views into it, storage freed until fetched.
-        self.device_flat = torch.empty(self.numel, dtype=self.param_dtype, device=device)
-        for s, p in zip(self.slices, self.params):
-            p.data = self._view(self.device_flat, s)
-        self._storage = self.device_flat.untyped_storage()
+        # ---- device slot: one flat allocation, storage freed while on the host
+        self.slot = torch.empty(lay.slot_bytes, dtype=torch.uint8, device=device)
+        self.slot_views = [typed_view(self.slot, e.byte_offset, e.numel, e.device_dtype, e.shape) for e in lay.entries]
+        self._storage = self.slot.untyped_storage()
         self.slot_bytes = self._storage.nbytes()
         self._storage.resize_(0)
+        for p, view in zip(self.params, self.host_views):
+            p.data = view
+        self._record_host_state()
 
-        self.state = BlockState.ON_CPU
-        self._h2d: InFlightH2D | None = None
-        self._d2h: InFlightD2H | None = None
-        self._d2h_into_master = False
-        self._d2h_param_ids: list[int] = []
-        # Filled by the engine: squared L2 norm of the gradient that left in the last flush
-        # (a device scalar), or None when the host must recompute it (accumulated grads).
-        self.device_grad_sq_norm: torch.Tensor | None = None
-        # Set by the engine under data parallelism: averages a flat device gradient in place.
-        self.grad_reducer = None
-
-    @staticmethod
-    def _view(flat: torch.Tensor, s: ParamSlice) -> torch.Tensor:
-        return flat[s.offset : s.offset + s.numel].view(s.shape)
+        self.state = Residency.ON_HOST
+        self._h2d_event = None
+        self.image_stale = False  # the compute-dtype image lags the masters (refresh before a fetch)
+        # ---- use counting (driven by the engine)
+        self.forward_holds = 0  # forward calls of this block in progress (0 or 1, more when re-entered)
+        self.backward_holds = 0  # uses whose backward started and is not done
+        self.pending_backward = 0  # uses whose backward has not run yet
+        # ---- gradients
+        self.lane: GradLane | None = None
+        self._lane_views: list[torch.Tensor | None] | None = None  # the .grad views while a lane is attached
+        self.grad_touched = [False] * len(self.params)  # set by post-accumulate-grad hooks
+        self.grad_valid = [False] * len(self.params)  # the host gradient holds a value (exposed as .grad)
+        self.flushes = 0  # flushes folded into the host gradient since it was last empty
+        self.device_sq_norm: torch.Tensor | None = None  # valid while the host grad is one untouched flush
+        self._exposed_grad_versions: list[int] = []
+        self.taken_grads = False  # this backward already took the exposed gradients from the user
+        self.valid_at_pass_start = list(self.grad_valid)  # to roll back a backward that raised
+        self.flushes_this_pass = 0
+        self.grads_poisoned = False  # a failed backward added into accumulated gradients
 
     # ------------------------------------------------------------------ queries
+    @property
+    def trainable(self) -> bool:
+        return self.layout.grad_numel > 0
+
+    @property
+    def holds(self) -> int:
+        return self.forward_holds + self.backward_holds
+
     @property
     def holds_device_storage(self) -> bool:
         return self._storage.nbytes() > 0
 
-    @property
-    def nbytes_device(self) -> int:
-        return self.slot_bytes
-
-    def has_device_grads(self) -> bool:
-        return any(p.grad is not None for p in self.params)
-
-    def master_of(self, param: nn.Parameter) -> nn.Parameter:
+    def master_of(self, param: nn.Parameter) -> nn.Parameter | None:
         for p, m in zip(self.params, self.masters):
             if p is param:
                 return m
         raise KeyError(param)
 
-    # ------------------------------------------------------------------ host copy refresh
-    def refresh_host_copy(self) -> None:
-        """Re-derives the compute-dtype host copy after the masters changed (optimizer step)."""
-        if self.host_copy is self.master_flat:
-            return
-        if self.master_flat._version != self._synced_version:
-            self.host_copy.copy_(self.master_flat)
-            self._synced_version = self.master_flat._version
+    # ------------------------------------------------------------------ host state
+    def _record_host_state(self) -> None:
+        self._host_versions = [p._version for p in self.params]
 
-    def mark_host_copy_synced(self) -> None:
-        """Called after CPU Adam wrote the compute-dtype copy itself (copy-out)."""
-        self._synced_version = self.master_flat._version
+    def adopt_host_writes(self) -> bool:
+        """Takes in writes made to the parameters while on the host; True if any trainable changed.
+
+        See [Note: parameters always point at real memory]. A ``.data`` that was replaced
+        (``p.data = t``) is copied into the master; an in-place write to our view shows as a
+        bumped version counter (writes through a ``.data`` alias do not: with bf16/fp16
+        compute call ``engine.mark_parameters_changed()`` after such writes)."""
+        changed = False
+        with torch.no_grad():
+            for k, (p, view) in enumerate(zip(self.params, self.host_views)):
+                if p.data.data_ptr() != view.data_ptr() or p.data.dtype != view.dtype or p.data.shape != view.shape:
+                    if p.data.shape != view.shape:
+                        raise ValueError(
+                            f"stronghold: parameter {self.fqn}.{self.names[k]} was given shape {tuple(p.data.shape)}, "
+                            f"its block was laid out for {tuple(view.shape)}. Change shapes before offload_model, or "
+                            "close the engine first (engine.close())."
+                        )
+                    view.copy_(p.data)
+                    p.data = view
+                    changed |= self.layout.entries[k].trainable
+                elif p._version != self._host_versions[k]:
+                    changed |= self.layout.entries[k].trainable
+        if changed and not self.layout.masters_in_image:
+            self.image_stale = True
+        return changed
+
+    def refresh_image(self) -> None:
+        """Re-derives the compute-dtype image of trainable parameters from the fp32 masters."""
+        if not self.image_stale:
+            return
+        with torch.no_grad():
+            for e, img, master in zip(self.layout.entries, self.image_views, self.masters):
+                if e.trainable and master is not None and img.data_ptr() != master.data_ptr():
+                    img.copy_(master)
+        self.image_stale = False
 
     # ------------------------------------------------------------------ transitions
     def begin_fetch(self) -> None:
-        assert self.state is BlockState.ON_CPU, f"{self.fqn}: begin_fetch from {self.state}"
+        assert self.state is Residency.ON_HOST, f"{self.fqn}: begin_fetch from {self.state}"
         with record_function(f"stronghold.fetch:{self.fqn}"):
-            self.refresh_host_copy()
+            self.adopt_host_writes()
+            self.refresh_image()
             self.pool.acquire(self.index)
-            self._storage.resize_(self.slot_bytes)  # on the compute stream, see transfer.py notes
-            after = self.transfer.compute_event()
-            self._h2d = self.transfer.copy_h2d(self.index, self.device_flat, self.host_copy, after)
-        self.state = BlockState.H2D_IN_FLIGHT
+            self._storage.resize_(self.slot_bytes)  # on the compute stream: [Note: allocation stream]
+            self.ledger.device_alloc(self.slot_bytes)
+            self._h2d_event = self.transfer.copy_h2d(self.slot, self.image, fetch=True)
+            for p, view in zip(self.params, self.slot_views):
+                p.data = view
+        self.state = Residency.FETCHING
 
     def wait_resident(self) -> None:
-        if self.state is BlockState.H2D_IN_FLIGHT:
-            assert self._h2d is not None
-            self.transfer.wait_h2d(self._h2d)
-            self._h2d = None
-            self.state = BlockState.ON_DEVICE
-        assert self.state is BlockState.ON_DEVICE, f"{self.fqn}: wait_resident from {self.state}"
+        if self.state is Residency.FETCHING:
+            self.transfer.device_wait(self._h2d_event)
+            self._h2d_event = None
+            self.state = Residency.ON_DEVICE
+        assert self.state is Residency.ON_DEVICE, f"{self.fqn}: wait_resident from {self.state}"
 
     def evict(self) -> None:
-        assert self.state is BlockState.ON_DEVICE, f"{self.fqn}: evict from {self.state}"
-        assert not self.has_device_grads(), f"{self.fqn}: evict with gradients still on the device"
+        """Frees the slot; the parameters point at their host memory again."""
+        assert self.state is not Residency.ON_HOST, f"{self.fqn}: evict from {self.state}"
+        assert self.holds == 0, f"{self.fqn}: evict while held ({self.holds})"
+        assert self.lane is None, f"{self.fqn}: evict with a gradient buffer still attached"
+        if self.state is Residency.FETCHING:
+            self.wait_resident()  # the copy must land before its destination is freed
         self._storage.resize_(0)
+        self.ledger.device_free(self.slot_bytes)
         self.pool.release(self.index)
-        self.state = BlockState.ON_CPU
+        for p, view in zip(self.params, self.host_views):
+            p.data = view
+        self._record_host_state()
+        self.state = Residency.ON_HOST
 
-    def offload_grads_and_evict(self, *, want_norm: bool) -> None:
-        """Packs device grads into one flat buffer, starts its D2H copy, and frees the slot."""
-        assert self.state is BlockState.ON_DEVICE, f"{self.fqn}: offload_grads from {self.state}"
-        self._start_grad_d2h(want_norm=want_norm)
-        self._storage.resize_(0)
-        self.pool.release(self.index)
-        self.state = BlockState.D2H_IN_FLIGHT
+    # ------------------------------------------------------------------ gradients
+    def take_exposed_grads(self) -> None:
+        """Reads what the user left in ``.grad`` between steps: the source of truth for accumulation.
 
-    def offload_late_grads(self, *, want_norm: bool) -> None:
-        """Gradients that autograd produced after the block was already evicted (rare)."""
-        assert self.state is BlockState.ON_CPU, f"{self.fqn}: late grads from {self.state}"
-        self._start_grad_d2h(want_norm=want_norm)
-        self.state = BlockState.D2H_IN_FLIGHT
-
-    def _start_grad_d2h(self, *, want_norm: bool) -> None:
-        with record_function(f"stronghold.grads_out:{self.fqn}"):
-            self._pack_and_send_grads(want_norm=want_norm)
-
-    def _pack_and_send_grads(self, *, want_norm: bool) -> None:
-        ids = [k for k, p in enumerate(self.params) if p.grad is not None]
-        self._d2h_param_ids = ids
-        if not ids:
-            self._d2h = None
-            self.device_grad_sq_norm = None
+        ``model.zero_grad()`` sets it to None (the next flush overwrites); our host view
+        means "accumulate onto it"; any other tensor is copied in first."""
+        if self.taken_grads:
             return
-        grad_dtype = self.params[ids[0]].grad.dtype
-        # [numel] param dtype on the device: every gradient in the block's flat layout. Zeros,
-        # not empty: the alignment padding between parameters must not add to the norm.
-        dev = torch.zeros(self.numel, dtype=grad_dtype, device=self.device)
-        dst = [self._view(dev, self.slices[k]) for k in ids]
-        src = [self.params[k].grad for k in ids]
-        torch._foreach_copy_(dst, src)
-        for k in ids:
-            self.params[k].grad = None
-        if self.grad_reducer is not None:
-            self.grad_reducer(dev)  # data parallel: average while still on the device
-        fresh = all(self.masters[k].grad is None for k in ids)
-        if want_norm:
-            # Only meaningful when this gradient is the whole accumulated gradient.
-            # vector_norm(dtype=fp32) reduces in fp32 without a full-size fp32 temporary.
-            self.device_grad_sq_norm = torch.linalg.vector_norm(dev, dtype=torch.float32).square() if fresh else None
-        self._d2h_into_master = fresh and grad_dtype == torch.float32
-        if self._d2h_into_master:
-            target = self.grad_flat
-        else:
-            if self._grad_staging is None or self._grad_staging.dtype != grad_dtype:
-                self._grad_staging = self._arena.allocate(self.numel, grad_dtype)[: self.numel]
-            target = self._grad_staging
-        self._d2h = self.transfer.copy_d2h(self.index, target, dev)
-
-    def finish_grads(self) -> None:
-        """Waits for the gradient copy and folds it into the masters' ``.grad`` (copy or add)."""
-        assert self.state is BlockState.D2H_IN_FLIGHT, f"{self.fqn}: finish_grads from {self.state}"
-        if self._d2h is not None:
-            host = self.transfer.wait_d2h(self._d2h)
-            self._d2h = None  # drops the device buffer only now, see [Note: D2H lifetime]
-            for k in self._d2h_param_ids:
-                master = self.masters[k]
-                view = self._view(self.grad_flat, self.slices[k])
-                if self._d2h_into_master:
-                    master.grad = view
-                elif master.grad is None:
-                    view.copy_(self._view(host, self.slices[k]))
-                    master.grad = view
+        self._check_not_poisoned()
+        self.taken_grads = True
+        with torch.no_grad():
+            for k, (p, gv) in enumerate(zip(self.params, self.grad_views)):
+                if gv is None:
+                    continue
+                g = p.grad
+                if g is None:
+                    self.grad_valid[k] = False
+                elif g is gv:
+                    self.grad_valid[k] = True
                 else:
-                    master.grad.add_(self._view(host, self.slices[k]))
-        self._d2h_param_ids = []
-        self.state = BlockState.ON_CPU
+                    gv.copy_(g)
+                    self.grad_valid[k] = True
+                p.grad = None
+        if not any(self.grad_valid):
+            self.flushes = 0
+            self.device_sq_norm = None
+        elif not self._exposed_unchanged():
+            self.device_sq_norm = None
+
+    def _check_not_poisoned(self) -> None:
+        if not self.grads_poisoned:
+            return
+        if all(p.grad is None for p, gv in zip(self.params, self.grad_views) if gv is not None):
+            self.grads_poisoned = False  # the user zeroed them: nothing partial is left
+            return
+        raise RuntimeError(
+            f"stronghold: a backward pass raised after adding part of its gradients into the accumulated gradients "
+            f"of {self.fqn}; they can no longer be separated. Call optimizer.zero_grad() (or model.zero_grad()) and "
+            "redo the gradient-accumulation window."
+        )
+
+    def _exposed_unchanged(self) -> bool:
+        return bool(self._exposed_grad_versions) and all(
+            gv is None or gv._version == v for gv, v in zip(self.grad_views, self._exposed_grad_versions)
+        )
+
+    def attach_lane(self, lane: GradLane) -> None:
+        """Points the trainable parameters' ``.grad`` at the lane: autograd accumulates there."""
+        assert self.lane is None and self.state is Residency.ON_DEVICE, f"{self.fqn}: attach_lane in {self.state}"
+        self.lane = lane
+        self._lane_views = [lane.device_view(e.grad_offset, e.numel, e.shape) if e.trainable else None
+                            for e in self.layout.entries]
+        for k, (p, view) in enumerate(zip(self.params, self._lane_views)):
+            if view is not None:
+                p.grad = view
+                self.grad_touched[k] = False
+
+    def collect_into_lane(self) -> list[int]:
+        """Before a flush: moves gradients that autograd put elsewhere into the lane; returns
+        the indices of the parameters that received a gradient since the lane was attached."""
+        assert self.lane is not None
+        touched = []
+        views = self._lane_views or [None] * len(self.params)
+        with torch.no_grad():
+            for k, (e, p) in enumerate(zip(self.layout.entries, self.params)):
+                if not e.trainable:
+                    continue
+                g = p.grad
+                view = views[k] if views[k] is not None else self.lane.device_view(e.grad_offset, e.numel, e.shape)
+                if g is not None and g is not view:  # create_graph=True accumulates out of place
+                    view.add_(g.to(view.dtype))
+                    self.grad_touched[k] = True
+                p.grad = None
+                if self.grad_touched[k]:
+                    touched.append(k)
+        self._lane_views = None
+        return touched
+
+    def fold(self, staged: torch.Tensor, touched: list[int], accumulate: list[bool]) -> None:
+        """Worker thread: adds (or copies) the staged lane into the fp32 host gradient."""
+        entries = self.layout.entries
+        if len(touched) == sum(e.trainable for e in entries) and len(set(accumulate)) <= 1:
+            # The usual case: one flat pass over the whole block.
+            if accumulate and accumulate[0]:
+                self.grad_flat.add_(staged)
+            else:
+                self.grad_flat.copy_(staged)
+            return
+        for k, acc in zip(touched, accumulate):
+            e = entries[k]
+            src = staged[e.grad_offset : e.grad_offset + e.numel]
+            dst = self.grad_flat[e.grad_offset : e.grad_offset + e.numel]
+            if acc:
+                dst.add_(src)
+            else:
+                dst.copy_(src)
+
+    def expose_grads(self) -> None:
+        """After a backward: ``.grad`` of every trainable parameter is its host gradient (or None)."""
+        versions = []
+        for k, (p, m, gv) in enumerate(zip(self.params, self.masters, self.grad_views)):
+            if gv is None:
+                versions.append(0)
+                continue
+            g = gv if self.grad_valid[k] else None
+            p.grad = g
+            m.grad = g
+            versions.append(gv._version)
+        self._exposed_grad_versions = versions
+        self.taken_grads = False
+
+    def clear_grads(self) -> None:
+        for k, (p, m, gv) in enumerate(zip(self.params, self.masters, self.grad_views)):
+            if gv is not None:
+                p.grad = None
+                m.grad = None
+                self.grad_valid[k] = False
+        self.flushes = 0
+        self.device_sq_norm = None
+        self._exposed_grad_versions = []
+
+    def host_grad_sq_norm(self) -> torch.Tensor:
+        """Squared L2 norm of the exposed gradients, computed on the host (fp32 scalar)."""
+        grads = [p.grad for p, gv in zip(self.params, self.grad_views) if gv is not None and p.grad is not None]
+        if not grads:
+            return torch.zeros((), dtype=torch.float32)
+        norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
+        return torch.stack([n.float() for n in norms]).square().sum()
+
+    def device_norm_valid(self) -> bool:
+        return self.device_sq_norm is not None and self.flushes == 1 and self._exposed_unchanged() and all(
+            p.grad is gv for p, gv, valid in zip(self.params, self.grad_views, self.grad_valid) if gv is not None and valid
+        )
+
+    def sync_master_grads(self) -> bool:
+        """Before an optimizer update: the masters' ``.grad`` follow the exposed ``.grad``
+        (which ``zero_grad`` or the user may have changed). Returns whether any is set."""
+        self._check_not_poisoned()
+        any_grad = False
+        with torch.no_grad():
+            for p, m, gv in zip(self.params, self.masters, self.grad_views):
+                if gv is None:
+                    continue
+                g = p.grad
+                if g is None:
+                    m.grad = None
+                    continue
+                if g is not gv:
+                    gv.copy_(g)
+                m.grad = gv
+                any_grad = True
+        return any_grad
+
+    # ------------------------------------------------------------------ teardown
+    def restore_parameters(self, device: torch.device) -> None:
+        """Gives each parameter an ordinary tensor of its stored dtype on ``device`` (engine.close)."""
+        assert self.state is Residency.ON_HOST and self.lane is None
+        with torch.no_grad():
+            for e, p, view in zip(self.layout.entries, self.params, self.host_views):
+                grad = p.grad
+                p.grad = None
+                p.data = view.to(device=device, dtype=e.stored_dtype, copy=True)
+                if grad is not None:
+                    p.grad = grad.to(device=device, dtype=e.stored_dtype, copy=True)
+        self.masters = [None] * len(self.params)
+
+    @property
+    def image_nbytes(self) -> int:
+        return self.image.numel()
+
+    @property
+    def grad_nbytes_device(self) -> int:
+        return self.layout.grad_numel * (element_size(self.layout.grad_dtype) if self.layout.grad_dtype else 0)

@@ -63,8 +63,9 @@ class StrongholdConfig:
     `engine.build_optimizer` steps the same masters synchronously with torch AdamW."""
 
     cpu_threads: int | None = None
-    """Worker threads for the CPU optimizer. ``None`` sizes them from the cores available to
-    this process (``len(os.sched_getaffinity(0))``), leaving one for the training thread."""
+    """CPU threads inside each host-side kernel (CPU Adam, gradient folds), which run one block
+    at a time in block order, so block 0 is ready first. ``None``: the intra-op thread count
+    of the process (``torch.get_num_threads()``), i.e. every core it may use."""
 
     pin_memory: bool = True
     """Pin the host arenas (page-locked) so host-to-device copies are asynchronous. Ignored,
@@ -80,11 +81,23 @@ class StrongholdConfig:
     keeps the model's dtype. ``bfloat16``/``float16`` halve the bytes on the link; the fp32
     masters on the CPU stay exact. Strings such as ``"bf16"`` are accepted."""
 
+    grad_buffers: int = 2
+    """``K``: block gradients that may be on their way from the device to the host at once
+    (the gradient queue). Each costs one device buffer and one pinned host buffer of the
+    largest block's trainable parameters. A block's gradient leaves the device as soon as its
+    backward is done, so device memory stays ``(W + 1)`` slots plus ``K`` gradient buffers,
+    whatever the depth. 2 overlaps one copy with the next block's backward."""
+
+    max_pinned_bytes: int | str | None = None
+    """Upper bound on page-locked host memory (``"64GB"``, ``"512MiB"`` or bytes). Transfer
+    buffers are pinned until the bound is reached, then allocated pageable (slower
+    host-to-device copies, same results). ``None``: no bound; pinning still falls back to
+    pageable memory, with one warning, when the system refuses it."""
+
     check_fit: bool = True
-    """At Trainer start-up, run the fits/does-not-fit estimate (`stronghold_hf.estimate`) and
-    refuse a run that cannot fit, before anything is allocated. ``False`` skips it (for
-    example when the estimate's sequence length, the model's ``max_position_embeddings``,
-    is far above what you train with)."""
+    """At Trainer start-up, run the fits/does-not-fit estimate (`stronghold_hf.estimate`) with
+    the sequence length actually trained, and refuse a run that cannot fit before anything
+    is allocated. ``False`` skips it."""
 
     offload_activations: bool = False
     """Reserved for activation offloading. Only ``False`` is implemented; ``True`` is refused
@@ -121,6 +134,19 @@ class StrongholdConfig:
                 )
             object.__setattr__(self, "block_classes", classes)
         object.__setattr__(self, "param_dtype", parse_dtype(self.param_dtype))
+        if isinstance(self.grad_buffers, bool) or not isinstance(self.grad_buffers, int) or self.grad_buffers < 1:
+            raise ValueError(
+                f"StrongholdConfig.grad_buffers={self.grad_buffers!r}; use an int >= 1 (gradient buffers in flight "
+                "to the host at once; 2 is the default)."
+            )
+        if self.max_pinned_bytes is not None:
+            from .estimate import parse_memory  # estimate imports this module at load time
+
+            try:
+                limit = parse_memory(self.max_pinned_bytes)
+            except ValueError as err:
+                raise ValueError(f"StrongholdConfig.max_pinned_bytes: {err}") from None
+            object.__setattr__(self, "max_pinned_bytes", limit)
         if self.offload_activations:
             raise ValueError(
                 "StrongholdConfig.offload_activations=True is not implemented yet; leave it False "
@@ -192,11 +218,10 @@ class StrongholdConfig:
     def resolved_cpu_threads(self) -> int:
         if self.cpu_threads is not None:
             return self.cpu_threads
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except AttributeError:  # not Linux
-            cores = os.cpu_count() or 1
-        return max(1, cores - 1)
+        # The same team size as the training thread: torch's thread setting also reaches
+        # process-wide libraries (MKL), so a different size here would change the training
+        # thread's kernels and their rounding.
+        return max(1, torch.get_num_threads())
 
 
 def parse_window_size(value: Any, *, field_name: str = "window_size") -> WindowSize:

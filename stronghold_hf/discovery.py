@@ -10,8 +10,9 @@ Discovery, in order:
    instances of those class names.
 2. ``nn.ModuleList``s whose children are instances of a class named in the model's
    ``_no_split_modules`` or of ``transformers.modeling_layers.GradientCheckpointingLayer``.
-3. Failing that, the largest homogeneous ``nn.ModuleList`` (same child class, >= 2 children,
-   each child holding parameters).
+3. Failing that, the largest homogeneous ``nn.ModuleList`` (same child class, each child
+   holding parameters; lists of >= 2 children first, then of one, for ALBERT's single
+   shared layer group).
 
 A parameter is windowed only if it belongs to exactly one block: a weight that is also
 registered elsewhere (tied into another block, or shared with a resident module) stays
@@ -106,48 +107,62 @@ def find_block_stacks(model: nn.Module, block_classes: tuple[str, ...] | None = 
         raise ValueError(
             f"{type(model).__name__} has no repeated blocks to window: searched nn.ModuleLists of "
             f"_no_split_modules classes {sorted(class_names) or '[]'}, of GradientCheckpointingLayer, and "
-            f"homogeneous nn.ModuleLists of >= 2 parameterised modules ({len(lists)} ModuleList(s) seen). "
+            f"homogeneous nn.ModuleLists of parameterised modules ({len(lists)} ModuleList(s) seen). "
             "Pass StrongholdConfig(block_classes=[...]) naming the block class."
         )
     return [BlockStack(n, tuple(m)) for n, m in _drop_nested(found)]
 
 
 def _largest_homogeneous(lists: list[tuple[str, nn.ModuleList]]) -> list[tuple[str, nn.ModuleList]]:
-    best: tuple[str, nn.ModuleList] | None = None
-    best_params = 0
-    for name, mlist in lists:
-        if len(mlist) < 2 or len({type(c) for c in mlist}) != 1:
-            continue
-        if any(next(c.parameters(), None) is None for c in mlist):
-            continue
-        n_params = sum(p.numel() for p in mlist.parameters())
-        if n_params > best_params:
-            best, best_params = (name, mlist), n_params
-    return [best] if best is not None else []
+    """The homogeneous ``ModuleList`` holding the most parameters; lists of >= 2 first.
+
+    A list of one block is taken only when nothing longer exists: ALBERT with one layer
+    group keeps ``albert_layer_groups = ModuleList([group])`` and applies that group at every
+    layer, so its single block is what the window streams (once per pass, however often used).
+    """
+    for min_len in (2, 1):
+        best: tuple[str, nn.ModuleList] | None = None
+        best_params = 0
+        for name, mlist in lists:
+            if len(mlist) < min_len or len({type(c) for c in mlist}) != 1:
+                continue
+            if any(next(c.parameters(), None) is None for c in mlist):
+                continue
+            n_params = sum(p.numel() for p in mlist.parameters())
+            if n_params > best_params:
+                best, best_params = (name, mlist), n_params
+        if best is not None:
+            return [best]
+    return []
 
 
 def build_block_specs(model: nn.Module, stacks: list[BlockStack]) -> list[BlockSpec]:
-    """Lays the stacks out as one sequence and assigns each block the parameters it alone owns."""
-    owners: dict[int, int] = {}  # id(param) -> number of registrations in the whole model
-    for _, p in model.named_parameters(remove_duplicate=False):
-        owners[id(p)] = owners.get(id(p), 0) + 1
+    """Lays the stacks out as one sequence and assigns each block the parameters it alone owns.
+
+    A module that appears several times (the same layer object at several positions of a
+    list) is one block: it is streamed once per use. A parameter is owned by a block when
+    every module that registers it lies inside that block, so weights tied across blocks or
+    shared with resident modules stay resident.
+    """
+    registrars: dict[int, set[int]] = {}  # id(param) -> ids of the modules registering it
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is not None:
+                registrars.setdefault(id(p), set()).add(id(module))
     specs: list[BlockSpec] = []
+    seen_blocks: set[int] = set()
     for stack in stacks:
         for i, block in enumerate(stack.blocks):
-            local: dict[int, int] = {}
-            named = list(block.named_parameters(remove_duplicate=False))
-            for _, p in named:
-                local[id(p)] = local.get(id(p), 0) + 1
-            seen: set[int] = set()
+            if id(block) in seen_blocks:
+                continue
+            seen_blocks.add(id(block))
+            inside = {id(m) for m in block.modules()}
             owned: list[tuple[str, nn.Parameter]] = []
-            for name, p in named:
-                if id(p) in seen:
-                    continue
-                seen.add(id(p))
-                # Owned only if every registration of this tensor is inside this block.
-                if owners[id(p)] == local[id(p)] and p.is_floating_point():
+            for name, p in block.named_parameters():  # unique tensors, first name
+                if registrars[id(p)] <= inside and p.is_floating_point():
                     owned.append((name, p))
-            specs.append(BlockSpec(len(specs), f"{stack.fqn}.{i}" if stack.fqn else str(i), block, tuple(owned)))
+            if owned:  # a block whose weights all live elsewhere has nothing to stream
+                specs.append(BlockSpec(len(specs), f"{stack.fqn}.{i}" if stack.fqn else str(i), block, tuple(owned)))
     return specs
 
 

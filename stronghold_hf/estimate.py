@@ -10,16 +10,19 @@ live model at start-up (`estimate_for_model`, what the Trainer integration calls
 What is counted (per parameter ``p``; ``c`` = compute-dtype bytes, 4 for fp32, 2 for
 bf16/fp16):
 
-* CPU, block parameters only: fp32 masters 4 B, Adam ``exp_avg`` + ``exp_avg_sq`` 8 B, fp32
-  gradient buffers 4 B (gradient accumulation adds into them), the pinned compute-dtype
-  copy that is sent to the device ``c`` B, except in fp32 where the pinned copy *is* the
-  master (0 extra), and ``W + 1`` pinned gradient staging slots of the largest block. Plus a
-  fixed process allowance (`CPU_PROCESS_BYTES`: Python, torch, CUDA host-side runtime).
+* CPU, trainable block parameters: fp32 masters 4 B, Adam ``exp_avg`` + ``exp_avg_sq`` 8 B,
+  fp32 gradients 4 B (gradient accumulation adds into them), the pinned compute-dtype image
+  that is sent to the device ``c`` B, except in fp32 where the image *is* the master (0
+  extra). Frozen block parameters: their stored bytes only. ``K`` (``grad_buffers``) pinned
+  gradient staging buffers of the largest block. Plus a fixed process allowance
+  (`CPU_PROCESS_BYTES`: Python, torch, CUDA host-side runtime). This is what the engine's
+  memory ledger books (a test holds the two within 5%).
 * GPU: resident parameters (embeddings, final norm, heads; tied weights once) with their
   gradients and GPU AdamW state, 16 B/param (fp32 parameter, gradient, two moments); under
   bf16/fp16 mixed precision the resident parameters stay fp32 (HF autocast) and autocast
   keeps a compute-dtype copy of each weight, 18 B/param. The window: ``W + 1`` slots of the
-  largest block, each parameters + gradients in the compute dtype. Activations (below). A
+  largest block's parameters, and ``K`` gradient buffers of its gradients, in the compute
+  dtype (the gradient queue bounds them whatever the depth). Activations (below). A
   workspace allowance: `GPU_WORKSPACE_FIXED_BYTES` (CUDA context, cuBLAS workspaces) plus
   `GPU_WORKSPACE_PERCENT` of everything else (caching-allocator fragmentation).
 * Plain training (everything on the GPU), for contrast: 16 B/param fp32, 18 B/param mixed
@@ -141,6 +144,9 @@ class _Counts:
     resident_params: int
     buffer_bytes: int
     logits_width: int
+    trainable_block_params: int  # the rest of block_params is frozen: stored bytes only
+    frozen_block_bytes: int
+    largest_trainable_params: int
 
 
 def _count(model: nn.Module, block_classes: tuple[str, ...] | None, encoder_decoder: bool) -> _Counts:
@@ -162,7 +168,10 @@ def _count(model: nn.Module, block_classes: tuple[str, ...] | None, encoder_deco
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     width = out.weight.shape[0] if out is not None and getattr(out, "weight", None) is not None else 0
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    return _Counts(tuple(layers), block_params, total - block_params, buffers, width)
+    trainable = [sum(p.numel() for _, p in spec.params if p.requires_grad) for spec in specs]
+    frozen_bytes = sum(p.numel() * p.element_size() for spec in specs for _, p in spec.params if not p.requires_grad)
+    return _Counts(tuple(layers), block_params, total - block_params, buffers, width, sum(trainable), frozen_bytes,
+                   max(trainable, default=0))
 
 
 def _cfg(config: Any, *names: str) -> Any:
@@ -230,6 +239,7 @@ class Estimate:
     gpu_resident_bytes: int
     gpu_window_bytes: int
     gpu_slot_bytes: int
+    gpu_grad_buffer_bytes: int
     gpu_block_activation_bytes: int
     gpu_head_activation_bytes: int
     gpu_workspace_bytes: int
@@ -311,7 +321,7 @@ def _workspace(other: int) -> int:
 def _assemble(
     counts: _Counts, config: Any, *, model_name: str, seq_len: int, batch_size: int, dtype: str,
     gradient_checkpointing: bool, window_size: int | str | None, gpu_memory_bytes: int | None,
-    cpu_memory_bytes: int | None, decoder_seq_len: int | None, notes: list[str],
+    cpu_memory_bytes: int | None, decoder_seq_len: int | None, notes: list[str], grad_buffers: int = 2,
 ) -> Estimate:
     if seq_len < 1 or batch_size < 1:
         raise ValueError(f"seq_len and batch_size must be >= 1, got seq_len={seq_len}, batch_size={batch_size}.")
@@ -323,10 +333,13 @@ def _assemble(
     if requested != "auto" and requested > n:
         notes.append(f"window_size={requested} exceeds the {n} blocks; evaluated at {n}")
 
-    # CPU: everything per offloaded parameter, plus staging slots and the process itself.
-    master, adam, grad = 4 * counts.block_params, ADAM_STATE_BYTES * counts.block_params, 4 * counts.block_params
-    pinned = 0 if c == 4 else c * counts.block_params
-    staging = (w + 1) * largest * c
+    # CPU: per trainable offloaded parameter an fp32 master, gradient and Adam state, plus its
+    # compute-dtype image when that is not fp32; frozen parameters keep their stored bytes;
+    # K pinned staging buffers of the largest block's gradient; the process itself.
+    trainable = counts.trainable_block_params
+    master, adam, grad = 4 * trainable, ADAM_STATE_BYTES * trainable, 4 * trainable
+    pinned = (0 if c == 4 else c * trainable) + counts.frozen_block_bytes
+    staging = grad_buffers * counts.largest_trainable_params * c
     cpu_needed = master + adam + grad + pinned + staging + CPU_PROCESS_BYTES
 
     # Activations, from the config's shape.
@@ -358,8 +371,9 @@ def _assemble(
     # GPU: resident state, the slot pool, activations, workspace.
     state_per_param = 16 if c == 4 else 18
     resident = state_per_param * counts.resident_params + counts.buffer_bytes
-    slot = 2 * largest * c  # parameters + gradients of the largest block, compute dtype
-    fixed = resident + block_act + head
+    slot = largest * c  # the largest block's parameters, compute dtype
+    lanes = grad_buffers * counts.largest_trainable_params * c  # the gradient queue, K buffers
+    fixed = resident + block_act + head + lanes
 
     def gpu_needed(window: int) -> int:
         other = fixed + (window + 1) * slot
@@ -395,7 +409,7 @@ def _assemble(
         cpu_grad_staging_bytes=staging, cpu_process_bytes=CPU_PROCESS_BYTES, cpu_bytes_needed=cpu_needed,
         cpu_memory_bytes=cpu_memory_bytes,
         gpu_resident_bytes=resident, gpu_window_bytes=(w + 1) * slot, gpu_slot_bytes=slot,
-        gpu_block_activation_bytes=block_act, gpu_head_activation_bytes=head,
+        gpu_grad_buffer_bytes=lanes, gpu_block_activation_bytes=block_act, gpu_head_activation_bytes=head,
         gpu_workspace_bytes=gpu_need - fixed - (w + 1) * slot, gpu_bytes_needed=gpu_need,
         gpu_memory_bytes=gpu_memory_bytes, max_window_size=max_w,
         plain_state_bytes=plain_state, plain_workspace_bytes=plain_ws, plain_gpu_bytes_needed=plain_need,
@@ -477,6 +491,7 @@ def estimate(
     model_config: Any, *, seq_len: int, batch_size: int, dtype: str = "fp32", gpu_memory_bytes: int,
     cpu_memory_bytes: int, gradient_checkpointing: bool = False, window_size: int | str | None = None,
     auto_class: Any = None, decoder_seq_len: int | None = None, block_classes: Sequence[str] | None = None,
+    grad_buffers: int = 2,
 ) -> Estimate:
     """Estimates STRONGHOLD and plain-training memory for a config (built on the meta device).
 
@@ -493,7 +508,7 @@ def estimate(
         counts, model_config, model_name=type(model).__name__, seq_len=seq_len, batch_size=batch_size,
         dtype=_dtype_label(dtype), gradient_checkpointing=gradient_checkpointing, window_size=window_size,
         gpu_memory_bytes=parse_memory(gpu_memory_bytes), cpu_memory_bytes=parse_memory(cpu_memory_bytes),
-        decoder_seq_len=decoder_seq_len, notes=[],
+        decoder_seq_len=decoder_seq_len, notes=[], grad_buffers=grad_buffers,
     )
 
 
@@ -501,7 +516,7 @@ def estimate_for_model(
     model: nn.Module, *, seq_len: int, batch_size: int, dtype: str | torch.dtype | None = None,
     gpu_memory_bytes: int | None = None, cpu_memory_bytes: int | None = None,
     gradient_checkpointing: bool | None = None, window_size: int | str | None = None,
-    block_classes: Sequence[str] | None = None, decoder_seq_len: int | None = None,
+    block_classes: Sequence[str] | None = None, decoder_seq_len: int | None = None, grad_buffers: int = 2,
     device: torch.device | str | int | None = None,
 ) -> Estimate:
     """The same estimate from a live, already built model (call before moving it to the GPU).
@@ -538,6 +553,7 @@ def estimate_for_model(
         counts, config, model_name=type(model).__name__, seq_len=seq_len, batch_size=batch_size,
         dtype=_dtype_label(dtype), gradient_checkpointing=gradient_checkpointing, window_size=window_size,
         gpu_memory_bytes=gpu_memory_bytes, cpu_memory_bytes=cpu_memory_bytes, decoder_seq_len=decoder_seq_len,
+        grad_buffers=grad_buffers,
         notes=notes,
     )
 
@@ -569,14 +585,15 @@ def _table(e: Estimate) -> str:
         row("fp32 master weights (4 B/param)", e.cpu_master_bytes),
         row(f"Adam state ({ADAM_STATE_BYTES} B/param)", e.cpu_adam_bytes),
         row("fp32 gradient buffers (4 B/param)", e.cpu_grad_bytes),
-        row("pinned copies (fp32: the masters are the pinned copy)" if c == 4 else f"pinned {e.dtype} copies ({c} B/param)",
-            e.cpu_pinned_copy_bytes),
-        row(f"pinned gradient staging ({e.window_size + 1} slots)", e.cpu_grad_staging_bytes),
+        row("pinned images (fp32: the masters; frozen: stored bytes)" if c == 4
+            else f"pinned {e.dtype} images ({c} B/param; frozen: stored bytes)", e.cpu_pinned_copy_bytes),
+        row("pinned gradient staging (K buffers)", e.cpu_grad_staging_bytes),
         row("process allowance (Python, torch, CUDA runtime)", e.cpu_process_bytes),
         total("total", e.cpu_bytes_needed, e.cpu_memory_bytes, e.cpu_fits),
         f"GPU (STRONGHOLD, window_size={e.window_size})",
         row(f"resident params+grads+Adam ({e.resident_params / 1e6:.1f} M x {16 if c == 4 else 18} B)", e.gpu_resident_bytes),
-        row(f"window slots ({e.window_size + 1} x {e.gpu_slot_bytes / MiB:.1f} MiB params+grads)", e.gpu_window_bytes),
+        row(f"window slots ({e.window_size + 1} x {e.gpu_slot_bytes / MiB:.1f} MiB params)", e.gpu_window_bytes),
+        row("gradient buffers in flight (K)", e.gpu_grad_buffer_bytes),
         row(f"block activations ({'checkpointed' if e.gradient_checkpointing else 'all stored'})", e.gpu_block_activation_bytes),
         row("head activations (final norm, logits, loss)", e.gpu_head_activation_bytes),
         row(f"workspace ({GPU_WORKSPACE_FIXED_BYTES / GiB:.1f} GiB + {GPU_WORKSPACE_PERCENT}%)", e.gpu_workspace_bytes),

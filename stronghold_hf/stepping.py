@@ -1,25 +1,35 @@
-"""The engine's side of the optimizer step: global gradient norm, clipping, loss scaling,
-and the bookkeeping of in-flight CPU updates.
+"""The step coordinator: what happens between the end of backward and the next forward.
 
-Kept apart from `window.py` (the schedule) because it is a separate concern: what happens
-between the end of backward and the next forward.
+The engine owns one `StepCoordinator` (``engine.coordinator``). It holds the state of the
+optimizer step that is not the schedule's: the global gradient norm, the clip coefficient,
+the fp16 loss scale and its overflow verdict, and the tickets of the CPU updates in flight.
 
-Exact global clipping without an extra pass over CPU gradients: when a block's gradient
-leaves the device and is the whole gradient of the step (no accumulation onto an earlier
-micro-batch), its squared norm is computed on the device right there (one reduction over a
-buffer that is being read anyway). Only blocks whose gradient was accumulated on the CPU
-(gradient accumulation) are re-normed on the host. The coefficient is then folded into the
-CPU Adam kernel, so clipping itself costs no pass either.
+The protocol with the optimizer (`optim/hybrid.py`) is narrow:
+
+* ``take_step_scalars()``: the verdict (skip on overflow), the clip coefficient and the
+  inverse loss scale the CPU kernel folds into its update;
+* ``submit_update(block, fn)``: runs ``fn`` (one block's CPU Adam) on the host worker;
+* ``synchronize()`` before touching optimizer state or hyperparameters.
+
+The schedule calls ``wait_update(block)`` before it fetches a block (the update writes what
+the fetch reads) and ``update_pending(block)`` so a prefetch never blocks on an update.
+
+Exact global clipping without an extra pass over host gradients: when a block's gradient
+leaves the device and is its whole gradient for the step, its squared norm is computed on
+the device right there (``window._flush``). Only blocks whose gradient was accumulated on
+the host (gradient accumulation, several uses, a late gradient) are re-normed on the host.
+The coefficient is then folded into the CPU Adam kernel, so clipping itself costs no pass.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from typing import NamedTuple
 
 import torch
 
-from .workers import CPUWorkers, UpdateTicket
+from .workers import Ticket
 
 
 class StepScalars(NamedTuple):
@@ -30,140 +40,129 @@ class StepScalars(NamedTuple):
     inv_loss_scale: float
 
 
-class StepMixin:
-    """Mixed into `WindowEngine`; needs ``self.blocks``, ``self.device``, ``self.model``."""
-
-    def _init_stepping(self) -> None:
-        self._pending_updates: dict[int, UpdateTicket] = {}
-        self._deferred_zero: dict[int, bool] = {}
-        self._optimizer = None
+class StepCoordinator:
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.optimizer = None
+        self._tickets: dict[int, Ticket] = {}
+        self._step_started_at: float | None = None
+        self._submitted = 0  # updates submitted in the current step
         self._clip_coef: float | None = None
         self._found_inf: bool | None = None
         self._resident_unscaled = False
-        self._workers = CPUWorkers(self.config.resolved_cpu_threads())
         self.last_grad_norm: float | None = None
 
-    # ------------------------------------------------------------------ optimizer
-    def build_optimizer(self, params=None, **adamw_kwargs):
-        """One `torch.optim.Optimizer` for the whole model: CPU Adam on the masters of the
-        offloaded blocks (in worker threads, pipelined with the next forward) and a device
-        AdamW on the resident parameters. ``params`` may be None (all trainable
-        parameters), a list of model parameters, or Trainer-style param-group dicts.
-        ``fp16_loss_scaling=True`` adds one global dynamic loss scaler (use
-        `scale_loss`)."""
-        from .optim.hybrid import build_optimizer
-
-        return build_optimizer(self, params, **adamw_kwargs)
-
-    def _attach_optimizer(self, optimizer) -> None:
-        if self._optimizer is not None:
+    # ------------------------------------------------------------------ the optimizer
+    def attach_optimizer(self, optimizer) -> None:
+        if self.optimizer is not None:
             raise ValueError("build_optimizer was already called for this engine; reuse the optimizer it returned.")
-        self._optimizer = optimizer
+        self.optimizer = optimizer
 
-    @property
-    def optimizer(self):
-        return self._optimizer
-
-    def block_of(self, param):
-        return self._block_param_ids[id(param)]
-
-    # ------------------------------------------------------------------ in-flight updates
-    def _submit_update(self, block, task) -> None:
-        assert block.index not in self._pending_updates, f"{block.fqn}: update submitted twice"
-        self._pending_updates[block.index] = self._workers.submit(block.index, block.fqn, task)
-
-    def _wait_update(self, block) -> None:
-        ticket = self._pending_updates.pop(block.index, None)
-        if ticket is not None:
-            self.stats.blocked_s += ticket.wait()
-        zero = self._deferred_zero.pop(block.index, None)
-        if zero is not None:
-            self._zero_block_grads(block, set_to_none=zero)
-
-    def synchronize(self) -> None:
-        """Waits for every in-flight CPU update (before reading masters, saving, clipping)."""
-        for block in self.blocks:
-            if block.index in self._pending_updates or block.index in self._deferred_zero:
-                self._wait_update(block)
-
-    def shutdown_workers(self) -> None:
-        """Finishes pending updates and joins the worker threads (restarted on demand)."""
-        self.synchronize()
-        self._workers.shutdown()
-
-    def zero_master_grads(self, set_to_none: bool = True) -> None:
-        for block in self.blocks:
-            if block.index in self._pending_updates:
-                self._deferred_zero[block.index] = set_to_none  # the worker still reads them
-            else:
-                self._zero_block_grads(block, set_to_none=set_to_none)
-
-    @staticmethod
-    def _zero_block_grads(block, *, set_to_none: bool) -> None:
-        block.device_grad_sq_norm = None
-        for m in block.masters:
-            if m.grad is None:
-                continue
-            if set_to_none:
-                m.grad = None
-            else:
-                m.grad.zero_()
-
-    # ------------------------------------------------------------------ loss scaling
     @property
     def scaler(self):
-        return None if self._optimizer is None else self._optimizer.scaler
+        return None if self.optimizer is None else self.optimizer.scaler
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Multiplies the loss by the global fp16 loss scale (identity without a scaler)."""
         return loss if self.scaler is None else self.scaler.scale_loss(loss)
 
-    # ------------------------------------------------------------------ norms and clipping
-    def _resident_grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self.resident_parameters() if p.grad is not None]
+    def optimizer_state_bytes(self) -> int:
+        cpu = getattr(self.optimizer, "cpu_optimizer", None)
+        if cpu is None:
+            return 0
+        total = 0
+        for state in list(cpu.state.values()):
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    total += value.numel() * value.element_size()
+        return total
 
-    def _global_grad_sq_norm(self) -> torch.Tensor:
+    # ------------------------------------------------------------------ updates in flight
+    def begin_updates(self) -> None:
+        self._step_started_at = time.perf_counter()
+        self._submitted = 0
+        self.engine.stats.add("steps", 1)
+
+    def submit_update(self, block, fn) -> None:
+        assert block.index not in self._tickets, f"{block.fqn}: update submitted twice"
+        stats = self.engine.stats
+        started = self._step_started_at
+        first = self._submitted == 0
+        self._submitted += 1
+
+        def timed() -> None:
+            t0 = time.perf_counter()
+            fn()
+            t1 = time.perf_counter()
+            stats.add("cpu_adam_s", t1 - t0)
+            stats.add("update_total_s", t1 - t0)
+            if first and started is not None:
+                stats.add("first_block_ready_s", t1 - started)
+
+        self._tickets[block.index] = self.engine.worker.submit(f"the CPU optimizer update of block {block.fqn}", timed)
+
+    def update_pending(self, block) -> bool:
+        ticket = self._tickets.get(block.index)
+        return ticket is not None and not ticket.done()
+
+    def wait_update(self, block) -> None:
+        ticket = self._tickets.pop(block.index, None)
+        if ticket is not None:
+            waited = ticket.wait()
+            self.engine.stats.add("blocked_s", waited)
+            self.engine.stats.add("forward_stall_s", waited)
+
+    def synchronize(self) -> None:
+        """Waits for every in-flight CPU update (before reading masters, saving, clipping)."""
+        for index in list(self._tickets):
+            ticket = self._tickets.pop(index)
+            self.engine.stats.add("blocked_s", ticket.wait())
+
+    # ------------------------------------------------------------------ norms and clipping
+    def resident_grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.engine.resident_parameters() if p.grad is not None]
+
+    def _offloaded_grads(self) -> list[torch.Tensor]:
+        return [p.grad for b in self.engine.blocks for p, gv in zip(b.params, b.grad_views)
+                if gv is not None and p.grad is not None]
+
+    def global_grad_sq_norm(self) -> torch.Tensor:
         """Sum of squared gradient entries over all parameters, as a device fp32 scalar."""
-        self.synchronize()
+        engine = self.engine
+        engine._settle()
+        device = engine.device
         parts: list[torch.Tensor] = []
-        for block in self.blocks:
-            grads = [m.grad for m in block.masters if m.grad is not None]
-            if not grads:
+        for block in engine.blocks:
+            if not block.trainable or not any(block.grad_valid):
                 continue
-            if block.device_grad_sq_norm is not None:
-                parts.append(block.device_grad_sq_norm.to(self.device))
-            else:  # accumulated on the host: norm it there
-                sq = sum(torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in grads)
-                parts.append(torch.as_tensor(sq, dtype=torch.float32).to(self.device))
-        resident = self._resident_grads()
+            if block.device_norm_valid():
+                parts.append(block.device_sq_norm.to(device))
+            else:
+                parts.append(block.host_grad_sq_norm().to(device))
+        resident = self.resident_grads()
         if resident:
             norms = torch._foreach_norm(resident)
-            parts.append(torch.stack([n.float() for n in norms]).pow(2).sum())
+            parts.append(torch.stack([n.float() for n in norms]).square().sum())
         if not parts:
-            return torch.zeros((), dtype=torch.float32, device=self.device)
+            return torch.zeros((), dtype=torch.float32, device=device)
         return torch.stack(parts).sum()
-
-    def invalidate_grad_norms(self) -> None:
-        """Forgets the device partial norms (gradients were rescaled in place, e.g. fp16 unscale)."""
-        for block in self.blocks:
-            block.device_grad_sq_norm = None
 
     def global_grad_norm(self) -> torch.Tensor:
         """The total L2 norm of all gradients (unscaled), without clipping anything."""
         inv_scale = 1.0 if self.scaler is None else self.scaler.inv_scale
-        return self._global_grad_sq_norm().sqrt() * inv_scale
+        return self.global_grad_sq_norm().sqrt() * inv_scale
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Exact global clipping over every parameter, offloaded or resident.
 
         Returns the total (unscaled) gradient norm, like ``torch.nn.utils.clip_grad_norm_``.
-        Resident gradients are scaled in place now; offloaded ones are scaled inside the CPU
-        Adam kernel of the next ``optimizer.step()`` (or in place here when the optimizer is
-        not the engine's own).
+        Resident gradients are scaled in place now; offloaded ones inside the CPU Adam kernel
+        of the next ``optimizer.step()``, or in place here when the engine's optimizer is not
+        in use (a plain torch optimizer over ``engine.optimizer_parameters()``).
         """
         if float(norm_type) != 2.0:
             raise ValueError(f"clip_grad_norm_: only norm_type=2.0 is supported, got {norm_type}.")
-        total_sq = self._global_grad_sq_norm()
+        total_sq = self.global_grad_sq_norm()
         inv_scale = 1.0 if self.scaler is None else self.scaler.inv_scale
         total = total_sq.sqrt() * inv_scale
         found_inf = not math.isfinite(float(total_sq))  # one scalar sync: the step needs it
@@ -175,27 +174,25 @@ class StepMixin:
         coef = min(1.0, float(max_norm) / (float(total) + 1e-6))
         self._clip_coef = coef
         self.last_grad_norm = float(total)
-        resident_mul = coef * inv_scale
-        resident = self._resident_grads()
-        if resident and resident_mul != 1.0:
-            torch._foreach_mul_(resident, resident_mul)
+        resident = self.resident_grads()
+        if resident and coef * inv_scale != 1.0:
+            torch._foreach_mul_(resident, coef * inv_scale)
         self._resident_unscaled = True
-        if self._optimizer is None and coef != 1.0:
-            for block in self.blocks:
-                for m in block.masters:
-                    if m.grad is not None:
-                        m.grad.mul_(coef)
+        if self.optimizer is None and coef != 1.0:
+            offloaded = self._offloaded_grads()
+            if offloaded:
+                torch._foreach_mul_(offloaded, coef)
             self._clip_coef = 1.0
         return total
 
-    def _take_step_scalars(self) -> StepScalars:
+    def take_step_scalars(self) -> StepScalars:
         """Called by the optimizer's step: the verdict and coefficients, then reset."""
         inv_scale = 1.0 if self.scaler is None else self.scaler.inv_scale
         found_inf = self._found_inf
         if found_inf is None and self.scaler is not None:
-            found_inf = not math.isfinite(float(self._global_grad_sq_norm()))
+            found_inf = not math.isfinite(float(self.global_grad_sq_norm()))
         if not self._resident_unscaled and inv_scale != 1.0 and not found_inf:
-            resident = self._resident_grads()
+            resident = self.resident_grads()
             if resident:
                 torch._foreach_mul_(resident, inv_scale)
         out = StepScalars(bool(found_inf), self._clip_coef if self._clip_coef is not None else 1.0, inv_scale)

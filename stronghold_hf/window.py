@@ -2,25 +2,28 @@
 
 Schedule over the global block sequence ``0..N-1`` (all stacks, encoder before decoder):
 
-* forward of block ``i``: wait for ``i`` to be resident, prefetch ``i+W``; afterwards evict
-  ``i`` unless it is one of the last ``W`` blocks of a forward that will be followed by
-  backward (those are needed first, so nothing moves at the turn);
-* backward of block ``i`` (detected by an autograd node on the block's outputs): wait for
-  ``i``, prefetch ``i-W``; once the gradients w.r.t. the block's inputs exist (an autograd node
-  on its inputs), pack its parameter gradients, start their device-to-host copy, evict;
-* after the whole backward (an autograd engine callback): fold every gradient into the fp32
-  masters' ``.grad`` and release everything.
+* **forward** of block ``i``: its CPU update (if any) must be done; make it resident and
+  prefetch ``i+1..i+W``; blocks already passed are evicted when a slot is needed. The last
+  ``W`` blocks of a differentiable pass stay resident: backward needs them first, so
+  nothing moves at the turn.
+* **backward** of a use of block ``i`` (pre-backward node on its outputs): make it resident,
+  give its trainable parameters a gradient lane (``grads.py``), prefetch ``i-1..i-W``. When
+  the block's last pending use is done (post-backward node on its inputs), its lane is
+  flushed to the host and the block is evicted: gradients drain during backward.
+* **after the backward** (an autograd engine callback): late gradients are flushed, every
+  block is evicted, the folds are awaited, and each trainable parameter's ``.grad`` is its
+  fp32 host gradient.
 
-At most ``W + 1`` blocks hold device storage at any time: the window plus the prefetch. The
-`DeviceSlotPool` enforces it. Blocks visited out of order (``generate()`` restarting the
-decoder, a model that skips a layer) are fetched on demand, so the result is always correct;
-only the overlap is lost.
+Residency is counted per use (``hooks.BlockUse``): a block may run several times in one step
+(two forwards and one backward; ALBERT's shared group at every layer), or be recomputed by
+gradient checkpointing inside backward. At most ``W + 1`` blocks hold device storage at any
+time (the `DeviceSlotPool` enforces it) and at most ``K`` gradient lanes exist, so device
+memory does not grow with depth; `memory_stats()` shows it on CPU as well as on CUDA.
 
-Gradient checkpointing needs nothing special: transformers 5.x checkpoints ``forward`` inside
-the module call, so our hooks run once per forward, and the recompute inside backward happens
-after the block was made resident by its pre-backward node. If hooks *do* fire inside backward
-(older transformers, user-applied checkpointing), ``_in_backward()`` recognises the recompute
-and only keeps the block resident.
+Between steps every block is on the host and its parameters point at their host memory, so
+they are always safe to read and write (block.py, [Note: parameters always point at real
+memory]). A backward that raises half-way is noticed at the next call into the engine and
+rolled back: its device gradients are dropped, and gradients it already folded are removed.
 """
 
 from __future__ import annotations
@@ -28,25 +31,31 @@ from __future__ import annotations
 import enum
 import logging
 import warnings
-import weakref
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .auto_window import AutoWindowProbe
-from .block import BlockState, OffloadedBlock
 from . import distributed
+from .auto_window import AutoWindowProbe
+from .block import OffloadedBlock, Residency
 from .config import DEFAULT_WINDOW_SIZE, StrongholdConfig
 from .discovery import build_block_specs, describe, find_block_stacks
-from .memory import DeviceSlotPool, HostArena, can_pin
-from .stepping import StepMixin
+from .grads import GradientQueue
+from .hooks import BlockUse, current_graph_task, in_backward, wrap_differentiable
+from .ledger import MemoryLedger
+from .memory import DeviceSlotPool, HostAllocator, element_size
+from .stats import EngineStats
+from .stepping import StepCoordinator
 from .transfer import TransferContext
+from .workers import HostWorker
 
 logger = logging.getLogger("stronghold_hf")
 
 _ENGINE_ATTR = "_stronghold_engine"
+
+#: Set by `stronghold_hf.testing.simulated_device`: the pinning stand-in of the CPU test mode.
+_simulated_pinning = None
 
 
 class Phase(enum.Enum):
@@ -55,109 +64,81 @@ class Phase(enum.Enum):
     BACKWARD = "backward"
 
 
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
-
-class _CallInBackward(torch.autograd.Function):
-    """Identity on some tensors; its backward calls ``callback`` when their gradients are ready.
-
-    On a block's *outputs* it marks the start of that block's backward (pre-backward); on its
-    *inputs* it runs once the block's backward is complete (post-backward).
-    """
-
-    @staticmethod
-    def forward(ctx, callback, *tensors):
-        ctx.callback = callback
-        return tensors
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.callback()
-        return (None, *grads)
-
-
-_PreBackward = _PostBackward = _CallInBackward
-
-
-def _wrap_grad_tensors(fn: type[torch.autograd.Function], callback, tree: Any) -> tuple[Any, bool]:
-    leaves, spec = tree_flatten(tree)
-    idx = [k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
-    if not idx:
-        return tree, False
-    outs = fn.apply(callback, *[leaves[k] for k in idx])
-    for k, o in zip(idx, outs):
-        leaves[k] = o
-    return tree_unflatten(leaves, spec), True
-
-
-class WindowEngine(StepMixin):
-    """The handle `offload_model` returns. It owns the blocks, the transfers and the hooks."""
+class WindowEngine:
+    """The handle `offload_model` returns. It owns the blocks, the transfers, the hooks and the step."""
 
     def __init__(self, model: nn.Module, config: StrongholdConfig, device: torch.device) -> None:
         self.model = model
         self.config = config
         self.device = device
-        stacks = find_block_stacks(model, config.block_classes)
-        specs = build_block_specs(model, stacks)
+        specs = build_block_specs(model, find_block_stacks(model, config.block_classes))
         if not any(s.params for s in specs):
             raise ValueError(f"{type(model).__name__}: the discovered blocks ({describe(specs)}) own no parameters to offload.")
-        if config.pin_memory and not can_pin() and device.type != "cpu":
-            warnings.warn("stronghold: pin_memory=True ignored, CUDA is not available.", stacklevel=3)
-        self.transfer = TransferContext(device)
-        self.arena = HostArena(pin=config.pin_memory)
+        self.ledger = MemoryLedger()
+        self.stats = EngineStats()
+        self.transfer = TransferContext(device, self.ledger, self.stats)
+        self.host = HostAllocator(self.ledger, pin=config.pin_memory, pinning=_simulated_pinning,
+                                  max_pinned_bytes=config.max_pinned_bytes)
+        self.window_choice = None
+        self._probe: AutoWindowProbe | None = None
         self.window_size = self._initial_window_size(len(specs))
-        self.pool = DeviceSlotPool(capacity=self.window_size + 1, slot_bytes=0)
+        self.pool = DeviceSlotPool(capacity=self.window_size + 1)
         self.blocks = [
-            OffloadedBlock(s, device=device, param_dtype=config.param_dtype, arena=self.arena, transfer=self.transfer, pool=self.pool)
+            OffloadedBlock(s, device=device, param_dtype=config.param_dtype, host=self.host, transfer=self.transfer,
+                           pool=self.pool, ledger=self.ledger)
             for s in specs
         ]
-        self.pool.slot_bytes = max(b.slot_bytes for b in self.blocks)
-        self._block_of_module = {id(b.module): b for b in self.blocks}
         self._block_param_ids = {id(p): b for b in self.blocks for p in b.params}
+        self.worker = HostWorker(config.resolved_cpu_threads())
+        max_grad_bytes = max(b.grad_nbytes_device for b in self.blocks)
+        self.grad_queue = GradientQueue(config.grad_buffers, max_grad_bytes, device=device, host=self.host,
+                                        transfer=self.transfer, ledger=self.ledger, worker=self.worker)
+        self.coordinator = StepCoordinator(self)
         self._move_resident_parts(model, device)
         if distributed.world_size() > 1:
             # Ranks start from rank 0's weights and average every gradient (see distributed.py).
-            distributed.broadcast_from_rank0_(
-                [b.master_flat for b in self.blocks] + [p.data for p in self.resident_parameters()]
-            )
-            for b in self.blocks:
-                b.refresh_host_copy()
-                b.grad_reducer = distributed.average_
+            distributed.broadcast_from_rank0_([b.image for b in self.blocks] + [
+                b.master_flat for b in self.blocks if b.master_flat is not None] + [p.data for p in self.resident_parameters()])
         self.phase = Phase.IDLE
-        self._keep_for_backward = False
-        self._callback_queued = False
-        self._backward_started: set[int] = set()
-        self._post_backward_attached: set[int] = set()
-        self._want_device_norms = True
-        self._init_stepping()
+        self._backward_task: int | None = None  # graph task whose end-of-backward callback is queued
+        self._forward_stack: list[tuple[OffloadedBlock, BlockUse | None]] = []
+        self._prefetched: set[int] = set()  # fetched ahead of need (a fetch at need counts as on demand)
+        self._closed = False
         if getattr(self, "_auto_pending", False):
             self._probe = AutoWindowProbe(self)
         self._handles: list[Any] = []
         self._install_hooks()
         setattr(model, _ENGINE_ATTR, self)
+        stats = self.memory_stats()
         logger.info(
-            "stronghold: %d blocks (%s), window_size=%d, %.1f MB per block on %s, %d resident parameters",
-            len(self.blocks), describe(specs), self.window_size, self.pool.slot_bytes / 1e6, device,
+            "stronghold: %d blocks (%s), window_size=%d, %.1f MB per block on %s, %d offloaded parameters "
+            "(%d trainable), host %.2f GB (%.1f B/offloaded param), %d resident parameters",
+            len(self.blocks), describe(specs), self.window_size, max(b.slot_bytes for b in self.blocks) / 1e6, device,
+            stats["offloaded_params"], stats["offloaded_trainable_params"],
+            (stats["pinned_host_bytes"] + stats["pageable_host_bytes"]) / 1e9, stats["host_bytes_per_param"],
             sum(p.numel() for p in self.resident_parameters()),
         )
 
     # ------------------------------------------------------------------ setup
     def _initial_window_size(self, num_blocks: int) -> int:
         ws = self.config.window_size
-        self.window_choice = None
-        self._probe: AutoWindowProbe | None = None
         if ws == "auto":
             if self.device.type == "cuda":
                 # The first training step runs with the default; auto_window.py then decides.
-                ws = DEFAULT_WINDOW_SIZE
                 self._auto_pending = True
+                ws = DEFAULT_WINDOW_SIZE
             else:
                 from .planner import choose_window_for_cpu
 
                 self.window_choice = choose_window_for_cpu(num_blocks)
                 logger.info("stronghold: %s", self.window_choice.reason)
                 ws = self.window_choice.window_size
+        elif ws > num_blocks:
+            warnings.warn(
+                f"stronghold: window_size={ws} is larger than the model's {num_blocks} blocks; using "
+                f"window_size={num_blocks} (every block resident, nothing to slide).",
+                stacklevel=4,
+            )
         return max(1, min(int(ws), num_blocks))
 
     def _apply_window_choice(self) -> None:
@@ -187,6 +168,16 @@ class WindowEngine(StepMixin):
             self._handles.append(m.register_state_dict_post_hook(self._make_state_dict_hook(b)))
             self._handles.append(m._register_load_state_dict_pre_hook(self._make_load_pre_hook(b)))
             self._handles.append(m.register_load_state_dict_post_hook(self._make_load_post_hook(b)))
+            for k, (e, p) in enumerate(zip(b.layout.entries, b.params)):
+                if e.trainable:
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._make_touched_hook(b, k)))
+
+    @staticmethod
+    def _make_touched_hook(b: OffloadedBlock, k: int):
+        def hook(param):
+            b.grad_touched[k] = True
+
+        return hook
 
     # ------------------------------------------------------------------ public queries
     def resident_parameters(self) -> list[nn.Parameter]:
@@ -200,22 +191,25 @@ class WindowEngine(StepMixin):
         return out
 
     def master_parameters(self) -> list[nn.Parameter]:
-        """The fp32 CPU masters of all offloaded block parameters."""
-        return [m for b in self.blocks for m in b.masters]
+        """The fp32 CPU masters of the trainable offloaded parameters (what CPU Adam steps)."""
+        return [m for b in self.blocks for m in b.masters if m is not None]
 
     def optimizer_parameters(self) -> list[nn.Parameter]:
-        """What an optimizer must update: the CPU masters for blocks, live parameters for the rest."""
-        return [m for m in self.master_parameters() if m.requires_grad] + [
-            p for p in self.resident_parameters() if p.requires_grad
-        ]
+        """What a plain torch optimizer can step: every trainable parameter of the model.
+
+        Between steps an offloaded parameter *is* its fp32 host master and its ``.grad`` the
+        fp32 host gradient, so ``torch.optim.AdamW(engine.optimizer_parameters())`` trains
+        (synchronously, on the host); `build_optimizer` is the overlapped CPU Adam path."""
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     def optimizer_target(self, param: nn.Parameter) -> nn.Parameter:
-        """Maps a model parameter to the tensor the optimizer steps (its master, or itself)."""
-        block = self._block_param_ids.get(id(param))
-        return param if block is None else block.master_of(param)
+        return param
 
     def is_offloaded(self, param: nn.Parameter) -> bool:
         return id(param) in self._block_param_ids
+
+    def block_of(self, param: nn.Parameter) -> OffloadedBlock:
+        return self._block_param_ids[id(param)]
 
     def resident_blocks(self) -> list[int]:
         return [b.index for b in self.blocks if b.holds_device_storage]
@@ -224,69 +218,91 @@ class WindowEngine(StepMixin):
     def num_blocks(self) -> int:
         return len(self.blocks)
 
-    @property
-    def stats(self):
-        return self.transfer.stats
+    def memory_stats(self) -> dict[str, float]:
+        """The memory ledger: every byte this engine allocated, and its traffic so far.
 
-    # ------------------------------------------------------------------ window moves
-    def _ensure_resident(self, b: OffloadedBlock, *, on_demand_ok: bool = True) -> None:
-        if b.state is BlockState.D2H_IN_FLIGHT:
-            b.finish_grads()
-        if b.state is BlockState.ON_CPU:
-            self.transfer.stats.fetches_on_demand += 1
-            self._make_room(keep={b.index})
-            self._wait_update(b)
-            b.begin_fetch()
-        b.wait_resident()
+        ``device_bytes``/``device_peak_bytes``: slots and gradient lanes on the compute
+        device (activations and the resident parameters are not the engine's).
+        ``pinned_host_bytes``/``pageable_host_bytes``: arenas, staging, and the CPU
+        optimizer's state. ``blocks_resident``, ``grads_in_flight``: right now.
+        ``h2d_bytes``, ``d2h_bytes``, ``fetches``: cumulative. ``host_bytes_per_param``: host
+        bytes over offloaded parameters."""
+        out: dict[str, float] = dict(self.ledger.snapshot())
+        opt_bytes = self.coordinator.optimizer_state_bytes()
+        out["optimizer_state_bytes"] = opt_bytes
+        out["pageable_host_bytes"] += opt_bytes
+        out["blocks_resident"] = len(self.pool.in_use)
+        out["grads_in_flight"] = self.grad_queue.busy
+        offloaded = sum(e.numel for b in self.blocks for e in b.layout.entries)
+        trainable = sum(e.numel for b in self.blocks for e in b.layout.entries if e.trainable)
+        out["offloaded_params"] = offloaded
+        out["offloaded_trainable_params"] = trainable
+        out["host_bytes_per_param"] = (out["pinned_host_bytes"] + out["pageable_host_bytes"]) / max(offloaded, 1)
+        out["window_size"] = self.window_size
+        out["slot_bytes"] = max(b.slot_bytes for b in self.blocks)
+        out["grad_buffer_bytes"] = self.grad_queue.max_bytes
+        return out
 
-    def _make_room(self, keep: set[int]) -> None:
-        """Frees slots of blocks outside ``keep`` until one slot is available."""
-        if len(self.pool.in_use) < self.pool.capacity:
-            return
-        for idx in sorted(self.pool.in_use, key=lambda j: -abs(j - min(keep))):
-            if idx in keep:
-                continue
-            self._release(self.blocks[idx])
-            if len(self.pool.in_use) < self.pool.capacity:
-                return
+    def reset_peak_memory_stats(self) -> None:
+        self.ledger.reset_peak()
+
+    # ------------------------------------------------------------------ residency
+    def _fetch(self, b: OffloadedBlock) -> None:
+        self.coordinator.wait_update(b)  # the update writes the bytes the fetch reads
+        b.begin_fetch()
 
     def _release(self, b: OffloadedBlock) -> None:
-        """Evicts a resident block, shipping its gradients first if it has any."""
-        if b.state is BlockState.H2D_IN_FLIGHT:
-            b.wait_resident()
-        if b.state is BlockState.ON_DEVICE:
-            if b.has_device_grads():
-                self._wait_update(b)  # the master grads may still be read by its last update
-                b.offload_grads_and_evict(want_norm=self._want_device_norms)
-            else:
-                b.evict()
+        """Ships a block's gradients (if it has a lane) and evicts it."""
+        if b.lane is not None:
+            self._flush(b)
+        if b.state is not Residency.ON_HOST:
+            b.evict()
 
-    def _slide(self, wanted: list[int]) -> None:
-        """Evicts residents outside ``wanted``, then starts fetches for the wanted blocks.
-
-        A prefetch never blocks on an unfinished CPU update: that block is skipped now and
-        retried at the next hook (or fetched on demand), so the device is never starved
-        waiting for an update it does not need yet.
-        """
-        wanted_set = set(wanted)
-        for idx in list(self.pool.in_use):
-            if idx not in wanted_set:
-                self._release(self.blocks[idx])
-        self._prefetch(wanted)
-
-    def _prefetch(self, indices) -> None:
-        for idx in indices:
+    def _evict_idle(self, keep: set[int]) -> None:
+        for idx in sorted(self.pool.in_use):
             b = self.blocks[idx]
-            ticket = self._pending_updates.get(idx)
-            if ticket is not None and not ticket.done():
-                continue
-            if b.state is BlockState.D2H_IN_FLIGHT:
-                b.finish_grads()
-            if b.state is BlockState.ON_CPU and len(self.pool.in_use) < self.pool.capacity:
-                self._wait_update(b)
-                b.begin_fetch()
+            if idx not in keep and b.holds == 0:
+                self._release(b)
 
-    # ------------------------------------------------------------------ hooks
+    def _turn_kept(self, i: int) -> set[int]:
+        """Blocks of the tail this differentiable pass already ran: backward needs them first."""
+        n = self.num_blocks
+        return {j for j in range(max(0, n - self.window_size), i) if self.blocks[j].pending_backward > 0}
+
+    def _make_resident(self, b: OffloadedBlock, direction: int) -> None:
+        """Slides the window to ``b``: evicts what is not wanted, fetches ``b``, prefetches ahead."""
+        i, w, n = b.index, self.window_size, self.num_blocks
+        ahead = list(range(i + 1, min(n, i + w + 1))) if direction > 0 else list(range(i - 1, max(-1, i - w - 1), -1))
+        keep = {i, *ahead}
+        if direction > 0:
+            keep |= self._turn_kept(i)
+        keep |= {j for j in self.pool.in_use if self.blocks[j].holds > 0}
+        self._evict_idle(keep)
+        if b.state is Residency.ON_HOST:
+            if self.pool.full:  # everything left is held or wanted: free the farthest wanted one
+                self._make_room(b)
+            if b.index not in self._prefetched:
+                self.stats.add("fetches_on_demand", 1)
+            self._fetch(b)
+        self._prefetched.discard(b.index)
+        for j in ahead:
+            if self.pool.full:
+                break
+            nb = self.blocks[j]
+            if nb.state is Residency.ON_HOST and not self.coordinator.update_pending(nb):
+                self._fetch(nb)
+                self._prefetched.add(j)
+
+    def _make_room(self, b: OffloadedBlock) -> None:
+        candidates = [j for j in self.pool.in_use if self.blocks[j].holds == 0]
+        if not candidates:
+            raise RuntimeError(
+                f"stronghold: no device slot for block {b.fqn}: all {self.pool.capacity} slots are held by blocks "
+                f"{sorted(self.pool.in_use)} whose forward or backward is still running. Raise window_size."
+            )
+        self._release(self.blocks[max(candidates, key=lambda j: abs(j - b.index))])
+
+    # ------------------------------------------------------------------ forward hooks
     def _make_pre_forward(self, b: OffloadedBlock):
         def hook(module, args, kwargs):
             return self._pre_forward(b, args, kwargs)
@@ -300,175 +316,378 @@ class WindowEngine(StepMixin):
         return hook
 
     def _pre_forward(self, b: OffloadedBlock, args, kwargs):
-        if _in_backward():
-            # A recompute (checkpointing whose hooks fire inside backward). The block is
-            # mid-backward: keep it resident, attach the post-backward node if the original
-            # forward could not (reentrant checkpointing runs forward under no_grad).
-            if b.index not in self._backward_started:
-                self._pre_backward(b)
-            self._ensure_resident(b)
-            if b.index not in self._post_backward_attached and torch.is_grad_enabled():
-                (args, kwargs), attached = _wrap_grad_tensors(_PostBackward, self._post_backward_cb(b), (args, kwargs))
-                if attached:
-                    self._post_backward_attached.add(b.index)
-            return args, kwargs
-        if self.phase is not Phase.FORWARD or b.index == 0:
-            self._begin_forward()
-        grad_mode = torch.is_grad_enabled()
-        self._keep_for_backward = grad_mode and any(p.requires_grad for p in b.params)
-        hi = min(b.index + self.window_size, len(self.blocks) - 1)
-        self._slide(list(range(b.index, hi + 1)))
-        self._ensure_resident(b)
+        if in_backward():
+            return self._pre_forward_in_backward(b, args, kwargs)
+        self._settle()
+        if self._forward_stack:  # a previous forward raised inside a block: its holds are stale
+            for stale, _ in self._forward_stack:
+                stale.forward_holds = 0
+            self._forward_stack.clear()
+        if self.phase is Phase.IDLE:
+            self.phase = Phase.FORWARD
+        self._make_resident(b, direction=+1)
+        b.forward_holds += 1
+        b.wait_resident()
         if self._probe is not None:
             self._probe.pre_forward(b.index)
-        if self._keep_for_backward:
-            (args, kwargs), attached = _wrap_grad_tensors(_PostBackward, self._post_backward_cb(b), (args, kwargs))
-            if attached:
-                self._post_backward_attached.add(b.index)
+        use = None
+        if torch.is_grad_enabled():
+            use = BlockUse(self, b.index)
+            (args, kwargs), _ = wrap_differentiable(use.post_backward, (args, kwargs))
+        self._forward_stack.append((b, use))
         return args, kwargs
 
     def _post_forward(self, b: OffloadedBlock, output):
-        if _in_backward():
-            return output
+        if in_backward():
+            return self._post_forward_in_backward(b, output)
+        entry = self._forward_stack.pop() if self._forward_stack else (b, None)
+        use = entry[1] if entry[0] is b else None
+        b.forward_holds = max(0, b.forward_holds - 1)
         if self._probe is not None:
             self._probe.post_forward(b.index)
-        keep = self._keep_for_backward and b.index >= len(self.blocks) - self.window_size
-        if self._keep_for_backward:
-            output, _ = _wrap_grad_tensors(_PreBackward, self._pre_backward_cb(b), output)
-        if not keep:
-            self._release(b)
-            hi = min(b.index + 1 + self.window_size, len(self.blocks))
-            self._prefetch(range(b.index + 1, hi))
+        if use is not None:
+            output, wrapped = wrap_differentiable(use.pre_backward, output)
+            if wrapped:
+                b.pending_backward += 1
+            else:
+                use.done = True  # nothing downstream differentiates through this call
+        if b.index == self.num_blocks - 1:
+            # End of a pass over the sequence: only the tail a backward will need stays.
+            self._evict_idle(self._turn_kept(self.num_blocks))
         return output
 
-    def _begin_forward(self) -> None:
-        if self.phase is Phase.BACKWARD:
-            # A forward started while a backward's callback has not run (backward raised, or
-            # the graph was dropped). Settle the gradients we have so nothing leaks.
-            self._finish_backward()
-        self.phase = Phase.FORWARD
-        self._backward_started.clear()
-        self._post_backward_attached.clear()
+    def _pre_forward_in_backward(self, b: OffloadedBlock, args, kwargs):
+        """A forward inside backward: gradient checkpointing recomputing the block."""
+        if b.backward_holds == 0:
+            # Reentrant checkpointing: the original forward ran under no_grad, so this
+            # recompute starts the block's backward; its post-backward node goes on the
+            # recomputed inputs.
+            use = BlockUse(self, b.index)
+            use.done = True  # never pending: it is created inside its own backward
+            self._begin_backward_use(b, use)
+            if torch.is_grad_enabled():
+                (args, kwargs), _ = wrap_differentiable(use.post_backward, (args, kwargs))
+        else:
+            b.wait_resident()
+        b.forward_holds += 1
+        return args, kwargs
 
-    def _pre_backward_cb(self, b: OffloadedBlock):
-        ref = weakref.ref(self)
-        return lambda: ref() is not None and ref()._pre_backward(b)
+    def _post_forward_in_backward(self, b: OffloadedBlock, output):
+        b.forward_holds = max(0, b.forward_holds - 1)
+        return output
 
-    def _post_backward_cb(self, b: OffloadedBlock):
-        ref = weakref.ref(self)
-        return lambda: ref() is not None and ref()._post_backward(b)
+    # ------------------------------------------------------------------ backward hooks
+    def _on_pre_backward(self, use: BlockUse) -> None:
+        self._begin_backward_use(self.blocks[use.block_index], use)
 
-    def _pre_backward(self, b: OffloadedBlock) -> None:
-        if self.phase is not Phase.BACKWARD:
-            self.phase = Phase.BACKWARD
-        if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            self._callback_queued = True
-        if b.index in self._backward_started:
-            return
-        self._backward_started.add(b.index)
-        # Blocks after ``b`` have finished their backward; ship anything they still hold.
-        for idx in sorted(j for j in self.pool.in_use if j > b.index):
-            self._release(self.blocks[idx])
-        lo = max(0, b.index - self.window_size)
-        self._slide(list(range(b.index, lo - 1, -1)))
-        self._ensure_resident(b)
+    def _begin_backward_use(self, b: OffloadedBlock, use: BlockUse) -> None:
+        self._enter_backward()
+        use.backward_started = True
+        b.backward_holds += 1
+        # Blocks later in the sequence whose post-backward never ran (their inputs needed no
+        # gradient) are done by now: everything downstream of b's outputs has run.
+        for j in sorted(self.pool.in_use):
+            later = self.blocks[j]
+            if j > b.index and later.backward_holds > 0 and later.forward_holds == 0:
+                later.backward_holds = 0
+                if later.pending_backward == 0:
+                    self._release(later)
+        self._make_resident(b, direction=-1)
+        b.wait_resident()
+        if b.trainable and b.lane is None:
+            lane = self.grad_queue.acquire(b.index, b.layout.grad_numel, b.layout.grad_dtype)
+            b.attach_lane(lane)
         if self._probe is not None:
             self._probe.pre_backward(b.index)
 
-    def _post_backward(self, b: OffloadedBlock) -> None:
+    def _on_post_backward(self, use: BlockUse) -> None:
+        b = self.blocks[use.block_index]
         if self._probe is not None:
             self._probe.post_backward(b.index)
-        if b.state is BlockState.ON_DEVICE:
+        if use.backward_started:
+            use.backward_started = False
+            b.backward_holds = max(0, b.backward_holds - 1)
+        if not use.done:
+            use.done = True
+            b.pending_backward = max(0, b.pending_backward - 1)
+        if b.holds == 0 and b.pending_backward == 0:
             self._release(b)
 
-    def _finish_backward(self) -> None:
-        """Runs once per backward, after autograd finished: every gradient reaches the masters."""
-        self._callback_queued = False
+    def _on_use_dropped(self, use: BlockUse) -> None:
+        """A graph was freed before its backward ran: that use will never need the block."""
+        use.done = True
+        b = self.blocks[use.block_index]
+        b.pending_backward = max(0, b.pending_backward - 1)
+
+    def _enter_backward(self) -> None:
+        task = current_graph_task()
+        if self._backward_task == task:
+            return
+        if self.phase is Phase.BACKWARD and self._backward_task is not None:
+            self._abort_backward()  # an earlier backward raised and never finished
+        self.phase = Phase.BACKWARD
+        self._backward_task = task
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         for b in self.blocks:
-            if b.state in (BlockState.ON_DEVICE, BlockState.H2D_IN_FLIGHT):
-                self._release(b)
-            if b.has_device_grads():  # gradients autograd produced after the block was shipped
-                if b.state is BlockState.D2H_IN_FLIGHT:
-                    b.finish_grads()
-                self._wait_update(b)
-                b.offload_late_grads(want_norm=self._want_device_norms)
-        for b in self.blocks:
-            if b.state is BlockState.D2H_IN_FLIGHT:
-                b.finish_grads()
+            if b.trainable:
+                # From here on autograd owns .grad; gradients that arrive after a block left
+                # the device land in fresh tensors (late gradients), never in host buffers.
+                b.take_exposed_grads()
+                b.valid_at_pass_start = list(b.grad_valid)
+                b.flushes_this_pass = 0
+
+    def _flush(self, b: OffloadedBlock) -> None:
+        """Sends ``b``'s lane to the host; the fold adds (or copies) it into the fp32 gradient."""
+        lane = b.lane
+        touched = b.collect_into_lane()
+        b.lane = None
+        if not touched:
+            self.grad_queue.discard(lane)
+            return
+        accumulate = [b.grad_valid[k] for k in touched]
+        fresh = b.flushes == 0 and not any(b.grad_valid)
         if distributed.world_size() > 1:
-            distributed.average_grads_(self._resident_grads())
-        self.phase = Phase.IDLE
-        self._backward_started.clear()
-        self._post_backward_attached.clear()
+            distributed.average_(lane.device_buffer)  # still on the device: PCIe carries reduced bytes
+        # Squared norm of a gradient that is the block's whole gradient for this step, on the
+        # device while the buffer is read anyway (global clipping needs it; see stepping.py).
+        b.device_sq_norm = (
+            torch.linalg.vector_norm(lane.device_buffer, dtype=torch.float32).square() if fresh else None
+        )
+        self.grad_queue.flush(lane, lambda staged, b=b, t=touched, a=accumulate: b.fold(staged, t, a), label=b.fqn)
+        for k in touched:
+            b.grad_valid[k] = True
+        b.flushes += 1
+        b.flushes_this_pass += 1
+
+    def _flush_late_grads(self, b: OffloadedBlock) -> None:
+        """Gradients autograd produced after ``b`` left the device (T5's relative bias, whose
+        gradient arrives through every later block): one more flush that accumulates."""
+        late = [k for k, (e, p) in enumerate(zip(b.layout.entries, b.params))
+                if e.trainable and p.grad is not None and p.grad is not b.grad_views[k]]
+        if not late:
+            return
+        lane = self.grad_queue.acquire(b.index, b.layout.grad_numel, b.layout.grad_dtype)
+        b.lane = lane
+        with torch.no_grad():
+            for k in late:
+                e, p = b.layout.entries[k], b.params[k]
+                lane.device_view(e.grad_offset, e.numel, e.shape).add_(p.grad.to(device=self.device, dtype=lane.dtype))
+                p.grad = None
+                b.grad_touched[k] = True
+        for k, e in enumerate(b.layout.entries):
+            if e.trainable and k not in late:
+                b.grad_touched[k] = False
+        self._flush(b)
+
+    def _finish_backward(self) -> None:
+        """Autograd's end-of-backward callback: every gradient reaches the host, every block leaves."""
+        self._backward_task = None
+        for b in self.blocks:
+            b.backward_holds = 0
+            if b.lane is not None:
+                self._flush(b)
+        for b in self.blocks:
+            if b.trainable:
+                self._flush_late_grads(b)
+        for b in self.blocks:
+            if b.state is not Residency.ON_HOST and b.holds == 0:
+                self._release(b)
+        self.grad_queue.drain()
+        self.grad_queue.release_device_buffers()
+        if distributed.world_size() > 1:
+            distributed.average_grads_(self.coordinator.resident_grads())
+        for b in self.blocks:
+            if b.trainable:
+                b.expose_grads()
+        self.phase = Phase.IDLE if not self._forward_stack else Phase.FORWARD
         if self._probe is not None and self._probe.complete():
             self._apply_window_choice()
+
+    def _abort_backward(self) -> None:
+        """A backward raised half-way: drop its gradients, keep what earlier backwards left."""
+        self._backward_task = None
+        for b in self.blocks:
+            b.backward_holds = 0
+            if b.lane is not None:
+                b.collect_into_lane()
+                lane, b.lane = b.lane, None
+                self.grad_queue.discard(lane)
+            for k, e in enumerate(b.layout.entries):
+                if e.trainable and b.params[k].grad is not None and b.params[k].grad is not b.grad_views[k]:
+                    b.params[k].grad = None  # a late gradient of the failed pass
+        self.grad_queue.drain()
+        self.grad_queue.release_device_buffers()
+        for b in self.blocks:
+            if b.state is not Residency.ON_HOST and b.holds == 0:
+                b.evict()
+            if not b.trainable or not b.flushes_this_pass:
+                continue
+            before = b.valid_at_pass_start
+            if any(before):
+                # Part of this pass was added onto gradients accumulated earlier; the sum can
+                # no longer be split. Refuse to step on it until the user zeroes them.
+                b.grads_poisoned = True
+            b.grad_valid = list(before)
+            b.flushes_this_pass = 0
+            if not any(before):
+                b.flushes = 0
+                b.device_sq_norm = None
+        for b in self.blocks:
+            if b.trainable:
+                b.expose_grads()
+        self.phase = Phase.IDLE
+        logger.warning("stronghold: a backward pass raised before it finished; its gradients were discarded.")
+
+    def _settle(self) -> None:
+        """Called at every entry from outside backward: finishes a backward that raised."""
+        if self.phase is Phase.BACKWARD and not in_backward():
+            self._abort_backward()
+
+    def evict_all(self) -> None:
+        """Returns every idle block to the host (before saving, between phases)."""
+        self._settle()
+        self._evict_idle(keep=set())
+
+    def settle_for_host_access(self) -> None:
+        """Before the host reads or writes masters: no update in flight, no block resident."""
+        self.evict_all()
+        self.coordinator.synchronize()
+
+    def mark_parameters_changed(self) -> None:
+        """Tells the engine that offloaded parameters were written behind its back (through a
+        ``.data`` alias, which bumps no version counter); the next fetch re-derives the
+        compute-dtype copies. Not needed with fp32 compute, where the master is what travels."""
+        for b in self.blocks:
+            if not b.layout.masters_in_image:
+                b.image_stale = True
 
     # ------------------------------------------------------------------ state dict
     def _make_state_dict_hook(self, b: OffloadedBlock):
         def hook(module, state_dict, prefix, local_metadata):
-            self._wait_update(b)
-            for name, master in zip(b.names, b.masters):
-                key = prefix + name
-                if key in state_dict:
-                    state_dict[key] = master.detach()
+            self.coordinator.wait_update(b)
+            if b.state is not Residency.ON_HOST:  # mid-pass: the slot holds a compute copy
+                for name, view in zip(b.names, b.host_views):
+                    if prefix + name in state_dict:
+                        state_dict[prefix + name] = view.detach()
             return None
 
         return hook
 
     def _make_load_pre_hook(self, b: OffloadedBlock):
         def hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-            self._wait_update(b)
-            loaded = []
-            for name, master in zip(b.names, b.masters):
-                key = prefix + name
-                if key in state_dict:
-                    value = state_dict.pop(key)
-                    if value.shape != master.shape:
-                        error_msgs.append(f"size mismatch for {key}: copying {tuple(value.shape)} into {tuple(master.shape)}")
-                        continue
-                    with torch.no_grad():
-                        master.copy_(value)
-                    loaded.append(key)
-            b._loaded_keys = loaded
-            if loaded and b.state is BlockState.ON_DEVICE:
-                b.refresh_host_copy()
-                with torch.no_grad():
-                    self._release(b)
+            self.coordinator.wait_update(b)
+            if b.state is not Residency.ON_HOST:
+                if b.holds:
+                    raise RuntimeError(f"stronghold: load_state_dict during the forward or backward of {b.fqn}.")
+                self._release(b)
 
         return hook
 
     def _make_load_post_hook(self, b: OffloadedBlock):
         def hook(module, incompatible_keys):
-            loaded = set(getattr(b, "_loaded_keys", ()))
-            incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys if k not in loaded]
-            b._loaded_keys = []
+            for name, p in zip(b.names, b.params):
+                owner_name, _, leaf = name.rpartition(".")
+                owner = module.get_submodule(owner_name) if owner_name else module
+                if owner._parameters.get(leaf) is not p:
+                    raise RuntimeError(
+                        f"stronghold: load_state_dict replaced parameter {b.fqn}.{name} (assign=True?). An offloaded "
+                        "model keeps its parameter objects; load with assign=False, or engine.close() first."
+                    )
 
         return hook
 
-    # ------------------------------------------------------------------ lifecycle
-    def evict_all(self) -> None:
-        """Returns every block to the host (for example before saving or between phases)."""
-        for b in self.blocks:
-            self._release(b)
-            if b.state is BlockState.D2H_IN_FLIGHT:
-                b.finish_grads()
-        self.phase = Phase.IDLE
+    # ------------------------------------------------------------------ step (delegates)
+    def build_optimizer(self, params=None, **adamw_kwargs):
+        """One `torch.optim.Optimizer` for the whole model: CPU Adam on the masters of the
+        offloaded blocks (on the host worker, pipelined with the next forward) and a device
+        AdamW on the resident parameters. ``params`` may be None (all trainable parameters), a
+        list of model parameters, or Trainer-style param-group dicts.
+        ``fp16_loss_scaling=True`` adds one global dynamic loss scaler (use `scale_loss`)."""
+        from .optim.hybrid import build_optimizer
 
-    def close(self) -> None:
-        """Finishes pending updates, joins the worker threads and removes the hooks."""
+        return build_optimizer(self, params, **adamw_kwargs)
+
+    @property
+    def optimizer(self):
+        return self.coordinator.optimizer
+
+    @property
+    def scaler(self):
+        return self.coordinator.scaler
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.coordinator.scale_loss(loss)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        return self.coordinator.clip_grad_norm_(max_norm, norm_type)
+
+    def global_grad_norm(self) -> torch.Tensor:
+        return self.coordinator.global_grad_norm()
+
+    def invalidate_grad_norms(self) -> None:
+        for b in self.blocks:
+            b.device_sq_norm = None
+
+    @property
+    def last_grad_norm(self):
+        return self.coordinator.last_grad_norm
+
+    def synchronize(self) -> None:
+        """Waits for every in-flight CPU update (before reading masters outside the engine)."""
+        self.coordinator.synchronize()
+
+    def shutdown_workers(self) -> None:
+        """Finishes pending work and joins the host worker (restarted on demand)."""
+        self.coordinator.synchronize()
+        self.grad_queue.drain()
+        self.worker.shutdown()
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self, device: str | torch.device | None = None) -> nn.Module:
+        """Finishes pending work, removes the hooks and gives back an ordinary model.
+
+        Every offloaded parameter becomes a plain tensor of its original dtype on ``device``
+        (default: the engine's device) holding the trained value; ``.grad`` is kept.
+        Afterwards `get_engine(model)` is None and the model is an ordinary ``nn.Module``
+        (forward, ``save_pretrained``, ``.to()`` all work). Idempotent."""
+        if self._closed:
+            return self.model
+        target = torch.device(device) if device is not None else self.device
+        if self.phase is Phase.BACKWARD and in_backward():
+            raise RuntimeError("stronghold: engine.close() cannot run inside a backward pass.")
+        self._settle()
+        for b in self.blocks:
+            b.forward_holds = b.backward_holds = 0
+        self._forward_stack.clear()
+        self.evict_all()
         self.shutdown_workers()
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for b in self.blocks:
+            b.restore_parameters(target)
+        if target != self.device:
+            self._move_resident_parts(self.model, target)
+        self.transfer.close()
+        self.host.release_all()
+        if getattr(self.model, _ENGINE_ATTR, None) is self:
+            delattr(self.model, _ENGINE_ATTR)
+        self._closed = True
+        return self.model
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
 
-def offload_model(model: nn.Module, config: StrongholdConfig | dict | None = None, device: str | torch.device | None = None) -> WindowEngine:
+def offload_model(model: nn.Module, config: StrongholdConfig | dict | None = None,
+                  device: str | torch.device | None = None) -> WindowEngine:
     """Applies working-window offloading to ``model`` in place and returns the engine.
 
-    Parameter objects keep their identity: block parameters become views into a device slot
-    whose storage is empty while the block is evicted; their values live in fp32 masters on
-    the CPU. Everything else moves to ``device`` (default: CUDA when available, else CPU).
+    Parameter objects keep their identity. Block parameters live on the host (fp32 masters
+    for trainable ones, the stored bytes for frozen ones) and visit the device in a window
+    of ``W`` blocks; everything else moves to ``device`` (default: CUDA when available, else
+    CPU). `WindowEngine.close` undoes it.
     """
     if getattr(model, _ENGINE_ATTR, None) is not None:
         raise ValueError(
@@ -484,5 +703,9 @@ def offload_model(model: nn.Module, config: StrongholdConfig | dict | None = Non
 
 
 def get_engine(model: nn.Module) -> WindowEngine | None:
+    """The engine that offloads ``model`` (or a model wrapping it), or None."""
     engine = getattr(model, _ENGINE_ATTR, None)
+    if engine is None:
+        inner = getattr(model, "module", None)  # accelerate/DDP wrappers
+        engine = getattr(inner, _ENGINE_ATTR, None) if isinstance(inner, nn.Module) else None
     return engine

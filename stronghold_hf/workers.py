@@ -1,22 +1,30 @@
-"""CPU worker threads that run the per-block optimizer updates.
+"""The host worker: one thread that runs the engine's CPU work in order.
 
-Updates are submitted in forward order, one ticket per block. The training thread waits on
-a block's ticket only when it needs that block again (its next prefetch, its next gradient,
-a ``state_dict``), so block ``i``'s update overlaps with the transfer and compute of the blocks
-before it. The torch kernels release the GIL, so the workers run truly in parallel with the
-training thread.
+Two kinds of task go through it, in submission order:
 
-A worker's exception is stored on the ticket and re-raised in the training thread, with the
-block's name, at the first wait. The threads are created lazily and `shutdown` joins them,
-so nothing outlives training.
+* gradient folds, during backward: wait for a block's device-to-host copy, then copy or add
+  the staged gradient into the block's fp32 gradient (``grads.py``);
+* optimizer updates, after ``optimizer.step()``: CPU Adam on one block's masters, in the
+  order the next forward needs the blocks (block 0 first).
+
+One thread, not a pool: each task runs with every CPU thread inside its kernel, so block 0
+is ready after about 1/N of the update work instead of when the first ``cores`` blocks all
+are (a pool of one-thread workers updates blocks side by side, each at a fraction of the
+memory bandwidth). The kernels release the GIL, so the training thread keeps launching
+device work meanwhile.
+
+A task's exception is stored on its ticket and re-raised in the training thread, naming the
+block, at the first wait. The thread starts lazily and `shutdown` joins it, so nothing
+outlives training.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+import weakref
 from typing import Callable
 
 
@@ -27,63 +35,82 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-class UpdateTicket:
-    """One block's pending update; `wait` returns when it has finished (or raises its error)."""
+class Ticket:
+    """One submitted task; `wait` returns when it has finished (or raises its error)."""
 
-    __slots__ = ("block_index", "block_fqn", "future")
+    __slots__ = ("label", "_done", "_error", "finished_at")
 
-    def __init__(self, block_index: int, block_fqn: str, future: Future) -> None:
-        self.block_index = block_index
-        self.block_fqn = block_fqn
-        self.future = future
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self.finished_at: float | None = None
 
     def done(self) -> bool:
-        return self.future.done()
+        return self._done.is_set()
 
     def wait(self) -> float:
-        """Blocks until done; returns the seconds spent blocked."""
+        """Blocks until done; returns the seconds spent blocked. Re-raises the task's error."""
         t0 = time.perf_counter()
-        try:
-            self.future.result()
-        except BaseException as err:  # surface in the training thread, naming the block
-            raise RuntimeError(f"stronghold: the CPU optimizer update of block {self.block_fqn} failed: {err!r}") from err
+        self._done.wait()
+        if self._error is not None:
+            raise RuntimeError(f"stronghold: {self.label} failed: {self._error!r}") from self._error
         return time.perf_counter() - t0
 
 
-class CPUWorkers:
-    """A lazily started thread pool sized from the available cores."""
+class HostWorker:
+    """A lazily started thread that runs submitted callables one after another."""
 
-    def __init__(self, num_threads: int, intra_op_threads: int | None = None) -> None:
+    def __init__(self, num_threads: int) -> None:
         assert num_threads >= 1
         self.num_threads = num_threads
-        cores = available_cores()
-        self.intra_op_threads = intra_op_threads or max(1, cores // num_threads)
-        self._pool: ThreadPoolExecutor | None = None
+        self._queue: queue.SimpleQueue | None = None
+        self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def _init_thread(self) -> None:
-        import torch
-
-        # OpenMP's thread count is a per-thread setting: cap each worker's team so several
-        # workers do not oversubscribe the cores (see docs/performance.md, CPU Adam).
-        torch.set_num_threads(self.intra_op_threads)
-
-    def submit(self, block_index: int, block_fqn: str, fn: Callable[[], None]) -> UpdateTicket:
+    def submit(self, label: str, fn: Callable[[], None]) -> Ticket:
+        ticket = Ticket(label)
         with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(
-                    max_workers=self.num_threads, thread_name_prefix="stronghold-cpu-adam", initializer=self._init_thread
-                )
-            future = self._pool.submit(fn)
-        return UpdateTicket(block_index, block_fqn, future)
+            if self._thread is None:
+                self._queue = queue.SimpleQueue()
+                # The thread holds only its queue, so an engine that is dropped without close()
+                # still lets it end (the finalizer posts the stop marker).
+                self._thread = threading.Thread(target=_run, args=(self._queue, self.num_threads),
+                                                name="stronghold-host-worker", daemon=True)
+                self._thread.start()
+                self._finalizer = weakref.finalize(self, self._queue.put, None)
+            self._queue.put((fn, ticket))
+        return ticket
 
     def shutdown(self) -> None:
-        """Joins the threads; a later `submit` starts fresh ones."""
+        """Runs what was submitted, then joins the thread; a later `submit` starts a new one."""
         with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+            thread, jobs = self._thread, self._queue
+            self._thread = self._queue = None
+        if thread is not None:
+            self._finalizer.detach()
+            jobs.put(None)
+            thread.join()
 
     @property
     def running(self) -> bool:
-        return self._pool is not None
+        return self._thread is not None
+
+
+def _run(jobs: queue.SimpleQueue, num_threads: int) -> None:
+    import torch
+
+    # OpenMP's team size is a per-thread setting: this thread uses all the cores it was given.
+    torch.set_num_threads(num_threads)
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        fn, ticket = job
+        try:
+            fn()
+        except BaseException as err:  # surfaced in the training thread by Ticket.wait
+            ticket._error = err
+        ticket.finished_at = time.perf_counter()
+        ticket._done.set()
+        del fn, ticket, job  # do not keep the last task (and what it references) alive while idle

@@ -80,10 +80,10 @@ def test_tiny_gpt2_bytes_by_hand():
     assert e.cpu_adam_bytes == 8 * L * blk
     assert e.cpu_grad_bytes == 4 * L * blk
     assert e.cpu_pinned_copy_bytes == 0
-    assert e.cpu_grad_staging_bytes == 3 * blk * 4
-    assert e.cpu_bytes_needed == 16 * L * blk + 3 * blk * 4 + 2 * GiB
+    assert e.cpu_grad_staging_bytes == 2 * blk * 4  # K = 2 pinned staging buffers
+    assert e.cpu_bytes_needed == 16 * L * blk + 2 * blk * 4 + 2 * GiB
 
-    # GPU: resident 16 B/param, 3 slots of params+grads, activations by the formula.
+    # GPU: resident 16 B/param, 3 slots of params, 2 gradient buffers, activations by the formula.
     layer = S * B * H * (66 + 9 * A * S // H)
     head = 2 * S * B * H * 4 + S * B * V * 12
     assert e.block_activation_bytes_full == L * layer
@@ -91,8 +91,9 @@ def test_tiny_gpt2_bytes_by_hand():
     assert e.gpu_block_activation_bytes == L * layer  # checkpointing off
     assert e.gpu_head_activation_bytes == head
     assert e.gpu_resident_bytes == 16 * res
-    assert e.gpu_slot_bytes == 2 * blk * 4 and e.gpu_window_bytes == 3 * 2 * blk * 4
-    other = 16 * res + 3 * 2 * blk * 4 + L * layer + head
+    assert e.gpu_slot_bytes == blk * 4 and e.gpu_window_bytes == 3 * blk * 4
+    assert e.gpu_grad_buffer_bytes == 2 * blk * 4
+    other = 16 * res + 3 * blk * 4 + 2 * blk * 4 + L * layer + head
     assert e.gpu_bytes_needed == other + workspace(other)
     plain_other = 16 * (L * blk + res) + L * layer + head
     assert e.plain_gpu_bytes_needed == plain_other + workspace(plain_other)
@@ -107,7 +108,7 @@ def test_tiny_gpt2_bf16_and_checkpointing():
     assert e.cpu_grad_staging_bytes == 2 * blk * 2
     assert e.cpu_bytes_needed == 18 * L * blk + 2 * blk * 2 + 2 * GiB
     assert e.gpu_resident_bytes == 18 * res  # fp32 params+grads+Adam + the autocast copy
-    assert e.gpu_window_bytes == 2 * 2 * blk * 2
+    assert e.gpu_window_bytes == 2 * blk * 2 and e.gpu_grad_buffer_bytes == 2 * blk * 2
     layer16 = S * B * H * (34 + 5 * A * S // H)
     assert e.gpu_block_activation_bytes == L * S * B * H * 2 + layer16
     assert e.plain_state_bytes == 18 * (L * blk + res)

@@ -71,9 +71,13 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         self.block_groups = block_groups
         self.scaler = scaler
         self._asynchronous = isinstance(cpu_optimizer, CPUAdam)
-        self._inner_groups = list(cpu_optimizer.param_groups) + (list(device_optimizer.param_groups) if device_optimizer else [])
+        self._inner_groups = self._collect_inner_groups()
         super().__init__([dict(g) for g in self._inner_groups], defaults)
         self.last_step_skipped = False
+
+    def _collect_inner_groups(self) -> list[dict[str, Any]]:
+        return [*(self.cpu_optimizer.param_groups if self.cpu_optimizer is not None else []),
+                *(self.device_optimizer.param_groups if self.device_optimizer is not None else [])]
 
     def _push_hyperparameters(self) -> None:
         """Copies what schedulers changed in our groups into the inner ones (see the note)."""
@@ -89,45 +93,45 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        engine = self.engine
-        engine.synchronize()
-        scalars = engine._take_step_scalars()
+        engine, coordinator = self.engine, self.engine.coordinator
+        engine.evict_all()
+        coordinator.synchronize()  # last step's updates read the groups we are about to write
+        scalars = coordinator.take_step_scalars()
         found_inf, clip_coef, inv_scale = scalars.found_inf, scalars.clip_coef, scalars.inv_loss_scale
         self.last_step_skipped = bool(found_inf)
         if self.scaler is not None:
             self.scaler.update(bool(found_inf))
         if found_inf:
-            engine.zero_master_grads(set_to_none=True)
-            return loss
+            return loss  # gradients stay where they are, as after a skipped GradScaler step
         self._push_hyperparameters()
         if self.device_optimizer is not None:
             self.device_optimizer.step()
-        for block in engine.blocks:
+        coordinator.begin_updates()
+        for block in engine.blocks:  # forward order: block 0, needed first, is updated first
             groups = self.block_groups.get(block.index)
-            if not groups or not any(m.grad is not None for m in block.masters):
+            if not groups or not block.sync_master_grads():
                 continue
             task = partial(self._update_block, block, groups, clip_coef, inv_scale)
             if self._asynchronous:
-                engine._submit_update(block, task)
+                coordinator.submit_update(block, task)
             else:
                 task()
-        # [Note: the step consumes offloaded gradients] HF Trainer clears gradients with
-        # model.zero_grad(), which cannot reach the masters (they are not model parameters).
-        # A step therefore releases the gradients it applied, once the update is done.
-        engine.zero_master_grads(set_to_none=True)
+            # [Note: the step owns the offloaded gradients] The update reads them after step()
+            # returns; the parameters' .grad let go of them now, so a zero_grad(set_to_none=False)
+            # or a new backward cannot write into a buffer the update is still reading.
+            for p, gv in zip(block.params, block.grad_views):
+                if gv is not None:
+                    p.grad = None
         return loss
 
     def _update_block(self, block, groups: list[int], clip_coef: float, inv_scale: float) -> None:
-        t0 = time.perf_counter()
         if isinstance(self.cpu_optimizer, CPUAdam):
             self.cpu_optimizer.step_groups(groups, clip_coef=clip_coef, inv_loss_scale=inv_scale)
-            if block.host_copy is not block.master_flat:
-                block.mark_host_copy_synced()  # CPUAdam's copy-out already wrote the compute-dtype copy
         else:
             mul = clip_coef * inv_scale
             if mul != 1.0:
                 for m in block.masters:
-                    if m.grad is not None:
+                    if m is not None and m.grad is not None:
                         m.grad.mul_(mul)
             saved = [self.cpu_optimizer.param_groups[i] for i in groups]
             all_groups = self.cpu_optimizer.param_groups
@@ -136,19 +140,28 @@ class StrongholdOptimizer(torch.optim.Optimizer):
                 self.cpu_optimizer.step()
             finally:
                 self.cpu_optimizer.param_groups = all_groups
-        self.engine.stats.cpu_adam_s += time.perf_counter() - t0
+            block.image_stale = not block.layout.masters_in_image  # no copy-out on this path
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.device_optimizer is not None:
             self.device_optimizer.zero_grad(set_to_none=set_to_none)
-        self.engine.zero_master_grads(set_to_none=set_to_none)
+        self.engine._settle()
+        for block in self.engine.blocks:
+            for p, gv in zip(block.params, block.grad_views):
+                if gv is None or p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         self.engine.synchronize()
+        cpu_state = self.cpu_optimizer.state_dict() if self.cpu_optimizer is not None else None
         return {
             "stronghold_format": 1,
-            "cpu": self.cpu_optimizer.state_dict(),
+            "cpu": cpu_state,
             "device": self.device_optimizer.state_dict() if self.device_optimizer else None,
             "scaler": self.scaler.state_dict() if self.scaler else None,
             # Our own groups run one scheduler step ahead of the inner ones (see the note).
@@ -162,15 +175,14 @@ class StrongholdOptimizer(torch.optim.Optimizer):
                 "(missing 'stronghold_format'). Resume from a checkpoint written with --stronghold."
             )
         self.engine.synchronize()
-        self.cpu_optimizer.load_state_dict(state_dict["cpu"])
+        if self.cpu_optimizer is not None and state_dict["cpu"] is not None:
+            self.cpu_optimizer.load_state_dict(state_dict["cpu"])
         if self.device_optimizer is not None and state_dict["device"] is not None:
             self.device_optimizer.load_state_dict(state_dict["device"])
         if self.scaler is not None and state_dict.get("scaler"):
             self.scaler.load_state_dict(state_dict["scaler"])
         # The inner loads replaced their group dicts: re-point at them and mirror their values.
-        self._inner_groups = list(self.cpu_optimizer.param_groups) + (
-            list(self.device_optimizer.param_groups) if self.device_optimizer else []
-        )
+        self._inner_groups = self._collect_inner_groups()
         saved_public = state_dict.get("param_groups") or [
             {k: v for k, v in inner.items() if k != "params"} for inner in self._inner_groups
         ]
@@ -184,7 +196,7 @@ class StrongholdOptimizer(torch.optim.Optimizer):
 
     @property
     def state(self):  # noqa: D401 - merged view for code that inspects optimizer.state
-        merged = dict(self.cpu_optimizer.state)
+        merged = dict(self.cpu_optimizer.state) if self.cpu_optimizer is not None else {}
         if self.device_optimizer is not None:
             merged.update(self.device_optimizer.state)
         return merged
@@ -218,15 +230,20 @@ def build_optimizer(engine, params: Iterable | None = None, *, fp16_loss_scaling
         for p in g["params"]:
             if engine.is_offloaded(p):
                 block = engine.block_of(p)
-                by_block.setdefault(block.index, []).append(block.master_of(p))
+                master = block.master_of(p)
+                if master is None:
+                    raise ValueError(
+                        f"build_optimizer: parameter {block.fqn} ({tuple(p.shape)}) was frozen when the model was "
+                        "offloaded, so it has no fp32 master and no gradient. Unfreeze it before offload_model."
+                    )
+                by_block.setdefault(block.index, []).append(master)
         for idx, masters in by_block.items():
             block_groups.setdefault(idx, []).append(len(cpu_groups))
             cpu_groups.append({"params": masters, **hyper})
-    if not cpu_groups:
-        raise ValueError("build_optimizer: none of the given parameters belongs to an offloaded block.")
-    if engine.config.offload_optimizer:
-        cpu_opt: torch.optim.Optimizer = CPUAdam(cpu_groups, **defaults)
-    else:
+    cpu_opt: torch.optim.Optimizer | None = None
+    if cpu_groups and engine.config.offload_optimizer:
+        cpu_opt = CPUAdam(cpu_groups, **defaults)
+    elif cpu_groups:
         cpu_opt = torch.optim.AdamW(cpu_groups, **defaults, foreach=False)
     device_opt = None
     if device_groups:
@@ -235,12 +252,13 @@ def build_optimizer(engine, params: Iterable | None = None, *, fp16_loss_scaling
         DynamicLossScaler() if fp16_loss_scaling else None)
     opt = StrongholdOptimizer(engine, cpu_opt, device_opt, block_groups, scaler, defaults)
     if isinstance(cpu_opt, CPUAdam):
+        # The kernel writes the compute-dtype image of each master in the same pass.
         stepped = {id(p) for g in cpu_groups for p in g["params"]}
         for block in engine.blocks:
-            if block.host_copy is block.master_flat:
+            if block.layout.masters_in_image:
                 continue
-            for s, m in zip(block.slices, block.masters):
-                if id(m) in stepped:
-                    cpu_opt.register_copy_out(m, block.host_copy[s.offset : s.offset + s.numel].view(s.shape))
-    engine._attach_optimizer(opt)
+            for m, img in zip(block.masters, block.image_views):
+                if m is not None and id(m) in stepped:
+                    cpu_opt.register_copy_out(m, img)
+    engine.coordinator.attach_optimizer(opt)
     return opt

@@ -1,0 +1,173 @@
+"""The gradient queue: a bounded number of block gradients on their way to the host.
+
+During a block's backward its trainable parameters' ``.grad`` are views into a *lane*: a
+device buffer in the block's gradient layout (autograd accumulates into it in place). When
+the block's backward is done the lane is *flushed*: one device-to-host copy of the whole
+buffer into the lane's pinned staging buffer, then, on the host worker, a *fold* that copies
+or adds the staged values into the block's fp32 gradient. The lane is free again after the
+fold.
+
+There are ``K = StrongholdConfig.grad_buffers`` lanes. A block that needs one while all are
+busy waits for the oldest flush to land: gradients drain *during* backward, so device
+memory holds at most ``K`` gradient buffers, whatever the depth (FSDP2's post-reduce event
+bounds its reduce-scatter outputs the same way). The ``K`` device buffers are allocated at the
+first use of a lane in a backward pass and kept until the pass ends
+(`release_device_buffers`), so the pass holds exactly ``K`` buffers of the largest block's
+gradient, whatever the timing; its
+staging buffer lives as long as the engine. The ledger books both.
+
+States of a lane::
+
+    FREE --acquire--> FILLING --flush--> IN_FLIGHT --(worker: copy landed, folded)--> FREE
+
+[Note: lane lifetime] The device buffer is read by the D2H stream after the compute stream
+wrote it; the lane becomes FREE (and its buffer reusable) only in the fold task, after
+``host_wait`` on the copy's event (see transfer.py, [Note: D2H lifetime]), and the buffers
+are dropped only after `drain`. The staging buffer is read only by that fold, after the same
+wait, and reused only after the lane is FREE.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+
+import torch
+
+from .ledger import MemoryLedger
+from .memory import HostAllocator, element_size
+from .transfer import TransferContext
+from .workers import HostWorker, Ticket
+
+
+class LaneState(enum.Enum):
+    FREE = "free"
+    FILLING = "filling"
+    IN_FLIGHT = "in_flight"
+
+
+class GradLane:
+    __slots__ = ("index", "state", "device_bytes", "device_buffer", "staging", "dtype", "numel", "block_index",
+                 "ticket")
+
+    def __init__(self, index: int, staging: torch.Tensor) -> None:
+        self.index = index
+        self.state = LaneState.FREE
+        self.device_bytes: torch.Tensor | None = None  # uint8 [max bytes] on the device, for one backward pass
+        self.device_buffer: torch.Tensor | None = None  # [numel] grad dtype: the used part, typed, while in use
+        self.staging = staging  # uint8 [max bytes], pinned host; typed per flush
+        self.dtype: torch.dtype | None = None
+        self.numel = 0
+        self.block_index = -1
+        self.ticket: Ticket | None = None
+
+    def device_view(self, offset: int, numel: int, shape) -> torch.Tensor:
+        assert self.device_buffer is not None
+        return self.device_buffer[offset : offset + numel].view(shape)
+
+    def staged(self) -> torch.Tensor:
+        """The staging buffer as ``[numel]`` of the lane's dtype (read only after the copy landed)."""
+        return self.staging[: self.numel * element_size(self.dtype)].view(self.dtype)
+
+
+class GradientQueue:
+    """``K`` lanes shared by all blocks; see the module docstring."""
+
+    def __init__(self, num_lanes: int, max_bytes: int, *, device: torch.device, host: HostAllocator,
+                 transfer: TransferContext, ledger: MemoryLedger, worker: HostWorker) -> None:
+        self.device = device
+        self.transfer = transfer
+        self.ledger = ledger
+        self.worker = worker
+        self.max_bytes = max_bytes
+        self._host = host
+        self._lanes: list[GradLane] = []
+        self._num_lanes = num_lanes
+        self._free = threading.Condition()
+        self.peak_in_flight = 0
+
+    def _lane_pool(self) -> list[GradLane]:
+        if not self._lanes and self.max_bytes > 0:  # staging is allocated at the first backward
+            self._lanes = [GradLane(i, self._host.allocate(self.max_bytes, transfer=True)) for i in range(self._num_lanes)]
+        return self._lanes
+
+    @property
+    def busy(self) -> int:
+        return sum(lane.state is not LaneState.FREE for lane in self._lanes)
+
+    def acquire(self, block_index: int, numel: int, dtype: torch.dtype) -> GradLane:
+        """A zeroed lane of ``numel`` elements; waits for the oldest flush when all are busy."""
+        lanes = self._lane_pool()
+        while True:
+            with self._free:
+                lane = next((l for l in lanes if l.state is LaneState.FREE), None)
+                if lane is not None:
+                    lane.state = LaneState.FILLING
+                    break
+                oldest = next((l.ticket for l in lanes if l.state is LaneState.IN_FLIGHT), None)
+            if oldest is None:
+                raise RuntimeError(
+                    f"stronghold: all {len(lanes)} gradient buffers are held by blocks whose backward has not "
+                    "finished; raise StrongholdConfig.grad_buffers (this model keeps more blocks' gradients open "
+                    "at once than the queue allows)."
+                )
+            self._wait(oldest)
+        if lane.device_bytes is None:
+            # All K at once: the pass's device footprint does not depend on how fast copies land.
+            for other in lanes:
+                if other.device_bytes is None:
+                    other.device_bytes = torch.empty(self.max_bytes, dtype=torch.uint8, device=self.device)
+                    self.ledger.device_alloc(self.max_bytes)
+        lane.device_buffer = lane.device_bytes[: numel * element_size(dtype)].view(dtype)
+        # Zeros: autograd accumulates into it, and the alignment padding between parameters
+        # must not add to norms or sums.
+        lane.device_buffer.zero_()
+        lane.dtype, lane.numel, lane.block_index = dtype, numel, block_index
+        self.peak_in_flight = max(self.peak_in_flight, self.busy)
+        return lane
+
+    def flush(self, lane: GradLane, fold, *, label: str) -> Ticket:
+        """Starts the lane's copy to the host; ``fold(staged)`` runs on the worker once it landed."""
+        assert lane.state is LaneState.FILLING
+        event = self.transfer.copy_d2h(lane.staged(), lane.device_buffer)
+        lane.state = LaneState.IN_FLIGHT
+
+        def land_and_fold() -> None:
+            try:
+                self.transfer.host_wait(event)  # the device buffer may be reused only now
+                fold(lane.staged())
+            finally:
+                with self._free:
+                    lane.device_buffer = None
+                    lane.state = LaneState.FREE
+                    lane.ticket = None
+                    self._free.notify_all()
+
+        lane.ticket = self.worker.submit(f"gradient copy of {label}", land_and_fold)
+        return lane.ticket
+
+    def discard(self, lane: GradLane) -> None:
+        """Gives a FILLING lane back without copying (its gradients are dropped)."""
+        assert lane.state is LaneState.FILLING
+        with self._free:
+            lane.device_buffer = None
+            lane.state = LaneState.FREE
+            self._free.notify_all()
+
+    def _wait(self, ticket: Ticket) -> None:
+        ticket.wait()
+
+    def drain(self) -> None:
+        """Waits until every flush has landed and been folded (re-raising a failed one)."""
+        for lane in list(self._lanes):
+            ticket = lane.ticket
+            if ticket is not None:
+                self._wait(ticket)
+
+    def release_device_buffers(self) -> None:
+        """At the end of a backward pass: gives the lanes' device memory back (after `drain`)."""
+        for lane in self._lanes:
+            assert lane.state is LaneState.FREE, "release_device_buffers with a lane in use"
+            if lane.device_bytes is not None:
+                lane.device_bytes = None
+                self.ledger.device_free(self.max_bytes)
