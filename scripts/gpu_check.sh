@@ -7,10 +7,13 @@
 #
 # What it runs, in order, each under `timeout` with its own budget (seconds):
 #   setup                       ~20  import check, nvidia-smi
-#   pytest -m gpu               90   the CUDA tests (tests/test_gpu.py)
-#   bench_step.py (fp32)        110  plain vs offloaded W=1,2,4 on a GPT-2-medium-like model
-#   bench_max_model.py --quick  130  largest trainable model under a 32 GB cap
-#   bench_train.py --quick      110  HF Trainer: plain vs --stronghold (auto, 1, 2), FSDP2 offload
+#   pytest -m gpu               90   the CUDA tests (tests/test_gpu.py): parity, ledger vs allocator,
+#                                    deep == shallow peak, a model 3x the capped device trains
+#   bench_memory.py             60   the ledger at 4/16/64 blocks next to torch.cuda.max_memory_allocated,
+#                                    and the deepest model under a cap of 1/3 of its blocks
+#   bench_step.py (fp32)        90   plain vs offloaded W=1,2,4 on a GPT-2-medium-like model
+#   bench_max_model.py --quick  110  largest trainable model under a 32 GB cap
+#   bench_train.py --quick      90   HF Trainer: plain vs --stronghold (auto, 1, 2), FSDP2 offload
 #   bench_step.py (bf16)        rest only if at least 60 s of the 8 minutes are left
 #   total                       <= 460 + the optional bf16 run, capped at 470
 # A piece that fails or times out is recorded and the script goes on: one broken piece must
@@ -18,8 +21,8 @@
 # piece failed.
 #
 # Output (at most 8 files, which the device tool collects from $OUT):
-#   env.txt  gpu_tests.txt  bench_step_cuda.jsonl  bench_max_model.jsonl  bench_train_cuda.jsonl
-#   bench_step_cuda_bf16.jsonl  stderr.log  summary.txt
+#   env.txt  gpu_tests.txt  bench_memory_cuda.jsonl  bench_step_cuda.jsonl  bench_max_model.jsonl
+#   bench_train_cuda.jsonl  bench_step_cuda_bf16.jsonl  stderr.log  summary.txt
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -86,26 +89,32 @@ log "setup done"
 run_piece "pytest -m gpu" 90 "$OUT_DIR/gpu_tests.txt" python -m pytest -m gpu tests -q -x -p no:cacheprovider
 tail -n 3 "$OUT_DIR/gpu_tests.txt" >>"$SUMMARY" || true
 
-# ---------------------------------------------------------------------------- bench_step fp32 (110 s)
+# ---------------------------------------------------------------------------- bench_memory (60 s)
+# Width 1024 (~12.6 M parameters, 50 MB per block): device peak, host B/param and fetches per step
+# at 4, 16 and 64 blocks, the ledger against the CUDA allocator, and 64 blocks under a cap of 1/3.
+run_piece "bench_memory cuda" 60 "$OUT_DIR/bench_memory_cuda.jsonl" \
+    python benchmarks/bench_memory.py --device cuda --width 1024 --depths 4,16,64 --seq 32 --batch 1 --cap_third
+
+# ---------------------------------------------------------------------------- bench_step fp32 (90 s)
 # GPT-2-medium-like: n_embd 1024, 24 layers, 16 heads, seq 512, batch 8. Each variant: 2 warm-up
 # steps, then 3 rounds x 3 steps (2 counted per round): 6 counted steps, 4 variants; no new round
-# after 90 s.
-run_piece "bench_step cuda fp32" 110 "$OUT_DIR/bench_step_cuda.jsonl" \
+# after 70 s.
+run_piece "bench_step cuda fp32" 90 "$OUT_DIR/bench_step_cuda.jsonl" \
     python benchmarks/bench_step.py --device cuda --model gpt2-medium-like --n_embd 1024 --n_layer 24 \
-    --seq 512 --batch 8 --windows 1,2,4 --warmup 2 --rounds 3 --block_steps 3 --time_budget_s 90
+    --seq 512 --batch 8 --windows 1,2,4 --warmup 2 --rounds 3 --block_steps 3 --time_budget_s 70
 
-# ---------------------------------------------------------------------------- bench_max_model (130 s)
-# hidden 2048, 16 heads; --quick: seq 512, batch 2, host RAM capped at 48 GiB; search budget 100 s
+# ---------------------------------------------------------------------------- bench_max_model (110 s)
+# hidden 2048, 16 heads; --quick: seq 512, batch 2, host RAM capped at 48 GiB; search budget 80 s
 # (after ~15 s of imports and estimator bounds), probes bounded by what is left.
-run_piece "bench_max_model quick 32GB" 130 "$OUT_DIR/bench_max_model.jsonl" \
-    python benchmarks/bench_max_model.py --quick --gpu_memory 32GB --time_budget_s 100
+run_piece "bench_max_model quick 32GB" 110 "$OUT_DIR/bench_max_model.jsonl" \
+    python benchmarks/bench_max_model.py --quick --gpu_memory 32GB --time_budget_s 80
 
-# ---------------------------------------------------------------------------- bench_train (110 s)
+# ---------------------------------------------------------------------------- bench_train (90 s)
 # GPT-2-small-like (n_embd 768, 12 layers, seq 512, batch 8): 2 rounds x 8 steps per variant; no new
-# run after 85 s (round 0 of plain and stronghold always runs), so the summary line always comes.
-run_piece "bench_train cuda quick" 110 "$OUT_DIR/bench_train_cuda.jsonl" \
+# run after 65 s (round 0 of plain and stronghold always runs), so the summary line always comes.
+run_piece "bench_train cuda quick" 90 "$OUT_DIR/bench_train_cuda.jsonl" \
     python benchmarks/bench_train.py --device cuda --quick --model_size gpt2-small-like --worker_timeout 45 \
-    --time_budget_s 85
+    --time_budget_s 65
 
 # ---------------------------------------------------------------------------- optional bf16 step
 LEFT=$((470 - (SECONDS - START)))

@@ -25,3 +25,16 @@ def test_bench_cpu_adam_smoke():
     assert summary["ratio_vs_torch_fused"] > 0 and summary["ratio_vs_bound"] > 0
     assert {"cpu_adam", "torch_fused", "cpu_adam_bf16_copy"} <= summary["mparams_per_s"].keys()
     assert any(r.get("study") == "gil" for r in rows)
+
+
+def test_bench_memory_shows_depth_independent_device_peak():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_memory.py"), "--depths", "2,8", "--width", "32",
+         "--steps", "2", "--seq", "8"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["device_peak_ratio_deep_vs_shallow"] == 1.0
+    assert summary["turn_is_free"] and summary["peak_within_bound"]
+    assert all(v <= 16.01 for v in summary["host_bytes_per_param_without_staging_by_depth"].values())
