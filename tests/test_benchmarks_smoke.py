@@ -29,7 +29,7 @@ def test_bench_cpu_adam_smoke():
 
 def test_bench_memory_shows_depth_independent_device_peak():
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_memory.py"), "--depths", "2,8", "--width", "32",
+        [sys.executable, str(ROOT / "benchmarks" / "bench_memory.py"), "--depths", "4,12", "--width", "32",
          "--steps", "2", "--seq", "8"],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
