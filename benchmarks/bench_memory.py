@@ -31,13 +31,16 @@ import transformers  # noqa: E402
 
 from stronghold_hf import StrongholdConfig, offload_model  # noqa: E402
 
+transformers.logging.set_verbosity_error()
+
 VOCAB = 128
 
 
 def build(depth: int, width: int) -> torch.nn.Module:
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=width, n_layer=depth, n_head=max(1, width // 64),
-                                  n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                                  n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                  bos_token_id=0, eos_token_id=0)
     return transformers.GPT2LMHeadModel(cfg).train()
 
 

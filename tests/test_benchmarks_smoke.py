@@ -37,4 +37,4 @@ def test_bench_memory_shows_depth_independent_device_peak():
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["device_peak_ratio_deep_vs_shallow"] == 1.0
     assert summary["turn_is_free"] and summary["peak_within_bound"]
-    assert all(v <= 16.01 for v in summary["host_bytes_per_param_without_staging_by_depth"].values())
+    assert all(v <= 16.05 for v in summary["host_bytes_per_param_without_staging_by_depth"].values())
