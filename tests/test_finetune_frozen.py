@@ -1,0 +1,131 @@
+"""Fine-tuning with frozen bases: head-only, full, and PEFT LoRA, through the user's entry points.
+
+A frozen offloaded parameter streams its stored bytes only: no gradient buffer, no gradient
+copy, no norm work, no Adam state, no fp32 master. These tests train each case next to plain
+training (the untouched model, the plain Trainer, plain PEFT) and read the host bytes off the
+engine's ledger.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import Trainer, TrainingArguments
+
+from stronghold_hf import StrongholdConfig, StrongholdTrainer, StrongholdTrainingArguments, get_engine, offload_model
+from test_trainer import COMMON, TinyDataset
+from tiny_models import batch, tiny_model
+
+peft = pytest.importorskip("peft")
+
+
+def _freeze_body(model):
+    for p in model.transformer.h.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def _losses(trainer):
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+@pytest.mark.parametrize("family, dtype, budget", [("gpt2", torch.float32, 4.5), ("llama", torch.bfloat16, 2.5)])
+def test_frozen_body_costs_only_its_stored_bytes(family, dtype, budget):
+    if family == "gpt2":
+        model = tiny_model("gpt2", n_layer=4, n_embd=128, n_head=2)
+        body = model.transformer.h
+    else:  # RMSNorm upcasts, so a bf16 body runs under CPU autocast
+        model = tiny_model("llama", num_hidden_layers=4, hidden_size=128, intermediate_size=256)
+        body = model.model.layers
+    for p in body.parameters():
+        p.requires_grad_(False)
+    body.to(dtype)
+    engine = offload_model(model, StrongholdConfig(window_size=1), device="cpu")
+    opt = engine.build_optimizer(lr=1e-3)  # the embeddings and head only: no CPU optimizer at all
+    assert opt.cpu_optimizer is None
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is torch.bfloat16):
+        model(**batch(family, seed=0)).loss.backward()
+    opt.step()
+    stats = engine.memory_stats()
+    assert stats["offloaded_trainable_params"] == 0
+    assert stats["host_bytes_per_param"] <= budget, stats
+    assert stats["d2h_bytes"] == 0 and stats["optimizer_state_bytes"] == 0 and engine.grad_queue.max_bytes == 0
+    assert all(b.master_flat is None and b.grad_flat is None for b in engine.blocks)
+
+
+def test_head_only_training_with_every_block_frozen_matches_trainer(tmp_path):
+    ref = _freeze_body(tiny_model("gpt2"))
+    model = copy.deepcopy(ref)
+    Trainer(model=ref, args=TrainingArguments(output_dir=str(tmp_path / "a"), **COMMON),
+            train_dataset=TinyDataset("gpt2")).train()
+    t = StrongholdTrainer(model=model, args=StrongholdTrainingArguments(output_dir=str(tmp_path / "b"), stronghold=True,
+                                                                        stronghold_window_size="1", **COMMON),
+                          train_dataset=TinyDataset("gpt2"))
+    t.train()
+    ref_t = [h for h in t.state.log_history if "loss" in h]
+    assert ref_t and t.stronghold_engine.memory_stats()["d2h_bytes"] == 0
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-4, atol=1e-4, msg=lambda m: f"{k}: {m}")
+
+
+def _lora(model, seed=0):
+    torch.manual_seed(seed)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"], lora_dropout=0.0,
+                          fan_in_fan_out=True, init_lora_weights=False)
+    return peft.get_peft_model(model, cfg)
+
+
+def test_lora_trains_like_plain_peft_and_merges_like_it(tmp_path):
+    base = tiny_model("gpt2", n_layer=3)
+    ref = _lora(copy.deepcopy(base))
+    model = _lora(copy.deepcopy(base))
+    args = dict(COMMON, max_steps=3)
+    t_ref = Trainer(model=ref, args=TrainingArguments(output_dir=str(tmp_path / "a"), **args),
+                    train_dataset=TinyDataset("gpt2"))
+    t_ref.train()
+    t = StrongholdTrainer(model=model, args=StrongholdTrainingArguments(output_dir=str(tmp_path / "b"), stronghold=True,
+                                                                        stronghold_window_size="1", **args),
+                          train_dataset=TinyDataset("gpt2"))
+    t.train()
+    assert _losses(t) == pytest.approx(_losses(t_ref), rel=1e-4)
+    engine = t.stronghold_engine
+    stats = engine.memory_stats()
+    # Only the adapters have masters, gradients and Adam state; the base streams its bytes.
+    lora_params = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    assert stats["offloaded_trainable_params"] == lora_params
+    n_tensors = sum(1 for n, _ in model.named_parameters() if "lora_" in n)
+    assert stats["optimizer_state_bytes"] == 8 * lora_params + 4 * n_tensors  # moments + a step count each
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-4, msg=lambda m: f"{n}: {m}")
+    merged_ref = ref.merge_and_unload()
+    merged = model.merge_and_unload()
+    sd, sd_ref = merged.state_dict(), merged_ref.state_dict()
+    assert sd.keys() == sd_ref.keys()
+    for k, v in sd_ref.items():
+        torch.testing.assert_close(sd[k], v, rtol=1e-4, atol=1e-5, msg=lambda m: f"{k}: {m}")
+    b = batch("gpt2", seed=3)
+    with torch.no_grad():  # the merged weights reached the masters: the offloaded forward uses them
+        torch.testing.assert_close(merged(**b).logits, merged_ref(**b).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_lora_on_an_offloaded_bf16_base_keeps_the_base_in_bf16():
+    base = tiny_model("llama")
+    base.to(torch.bfloat16)
+    torch.manual_seed(0)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            p.data = p.data.float()  # adapters in fp32, base in bf16: the usual QLoRA-style split
+    engine = offload_model(model, StrongholdConfig(window_size=1, param_dtype="fp32"), device="cpu")
+    assert get_engine(model) is engine
+    frozen = [e for b in engine.blocks for e in b.layout.entries if not e.trainable]
+    assert frozen and all(e.device_dtype == torch.bfloat16 for e in frozen)
+    opt = engine.build_optimizer(lr=1e-2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss0 = model(**batch("llama", seed=0)).loss
+    loss0.backward()
+    opt.step()
+    engine.synchronize()
+    assert torch.isfinite(loss0)
