@@ -38,3 +38,18 @@ def test_bench_memory_shows_depth_independent_device_peak():
     assert summary["device_peak_ratio_deep_vs_shallow"] == 1.0
     assert summary["turn_is_free"] and summary["peak_within_bound"]
     assert all(v <= 16.05 for v in summary["host_bytes_per_param_without_staging_by_depth"].values())
+
+
+def test_bench_lora_smoke():
+    import pytest
+
+    pytest.importorskip("peft")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_lora.py"), "--n_embd", "64", "--n_layer", "2", "--vocab",
+         "256", "--seq", "16", "--batch", "2", "--rounds", "1", "--steps", "2"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["ratio_offload_vs_plain"] > 0
+    assert 0 < summary["adapter_params"] < summary["base_params_offloaded"]
