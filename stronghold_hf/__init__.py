@@ -1,8 +1,20 @@
 """stronghold_hf: STRONGHOLD-style working-window offloading and CPU Adam for Hugging Face models.
 
-Public surface only; see docs/ for the user guide and docs/design.md for how it works. The
-Trainer and accelerate integrations import lazily, so ``import stronghold_hf`` (and the
-``python -m stronghold_hf.estimate`` CLI) stay fast.
+Public names (see docs/ for the user guide and docs/design.md for how it works):
+
+* ``offload_model(model, config)`` -> `WindowEngine`; ``get_engine(model)``; `StrongholdConfig`
+* optimizers: `CPUAdam`, `StrongholdOptimizer`; `DynamicLossScaler`
+* Trainer: `StrongholdTrainingArguments`, `StrongholdSeq2SeqTrainingArguments`,
+  `StrongholdTrainer`, `StrongholdSeq2SeqTrainer`
+* accelerate: `StrongholdPlugin`, ``prepare_stronghold(accelerator, model, ...)``
+* will it fit: ``estimate(config, ...)``, ``estimate_for_model(model, ...)``
+
+Command lines: ``python -m stronghold_hf SCRIPT [ARGS...]`` runs an unchanged training script
+with STRONGHOLD on for every ``transformers.Trainer`` it builds; ``python -m
+stronghold_hf.estimate`` prints the memory estimate.
+
+The Trainer and accelerate integrations import lazily (they are listed by ``dir()`` all the
+same), so ``import stronghold_hf`` and the estimate CLI stay fast.
 """
 
 from .config import StrongholdConfig
@@ -43,3 +55,8 @@ def __getattr__(name: str):
         globals()[name] = value
         return value
     raise AttributeError(f"module 'stronghold_hf' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # Lists the lazy names before their first use, for dir(), help() and tab completion.
+    return sorted(set(globals()) | set(__all__))
