@@ -5,7 +5,8 @@ Public names (see docs/ for the user guide and docs/design.md for how it works):
 * ``offload_model(model, config)`` -> `WindowEngine`; ``get_engine(model)``; `StrongholdConfig`
 * optimizers: `CPUAdam`, `StrongholdOptimizer`; `DynamicLossScaler`
 * Trainer: `StrongholdTrainingArguments`, `StrongholdSeq2SeqTrainingArguments`,
-  `StrongholdTrainer`, `StrongholdSeq2SeqTrainer`
+  `StrongholdTrainer`, `StrongholdSeq2SeqTrainer`; `StrongholdArgumentsMixin` adds the
+  ``--stronghold`` fields to other configs (``class C(StrongholdArgumentsMixin, SFTConfig)``)
 * accelerate: `StrongholdPlugin`, ``prepare_stronghold(accelerator, model, ...)``
 * will it fit: ``estimate(config, ...)``, ``estimate_for_model(model, ...)``
 
@@ -26,6 +27,7 @@ from .window import WindowEngine, get_engine, offload_model
 _LAZY = {
     "StrongholdTrainingArguments": ".integrations.arguments",
     "StrongholdSeq2SeqTrainingArguments": ".integrations.arguments",
+    "StrongholdArgumentsMixin": ".integrations.arguments",
     "StrongholdTrainer": ".integrations.trainer",
     "StrongholdSeq2SeqTrainer": ".integrations.trainer",
     "StrongholdPlugin": ".integrations.accelerate",

@@ -32,6 +32,7 @@ import logging
 import os
 import random
 import shutil
+import sys
 import tempfile
 import time
 import warnings
@@ -84,8 +85,8 @@ def _named_call_arguments(trainer: Any, pos: tuple, kwargs: dict) -> dict[str, A
 
     Trainer classes disagree on positions (``SFTTrainer(model, args, ...)``,
     ``DPOTrainer(model, ref_model, args, ...)``), so ``model``, ``args`` and ``optimizers``
-    are found by name. A ``def __init__(self, *args, **kwargs)`` pass-through says nothing, so
-    the first ``__init__`` after the mixin that names an ``args`` parameter is used.
+    are found by name. A ``def __init__(self, *args, extra=None, **kwargs)`` pass-through says
+    nothing, so the first ``__init__`` after the mixin that names an ``args`` parameter is used.
     """
     mro = type(trainer).__mro__
     for cls in mro[mro.index(_StrongholdTrainerMixin) + 1:]:
@@ -99,8 +100,12 @@ def _named_call_arguments(trainer: Any, pos: tuple, kwargs: dict) -> dict[str, A
         param = sig.parameters.get("args")
         if param is None or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             continue
+        accepted = kwargs
+        if not any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+            # Keywords this signature lacks belong to the subclasses in between (extra options).
+            accepted = {k: v for k, v in kwargs.items() if k in sig.parameters}
         try:
-            bound = sig.bind_partial(trainer, *pos, **kwargs)
+            bound = sig.bind_partial(trainer, *pos, **accepted)
         except TypeError:
             break  # the call does not fit this signature; let the Trainer's own __init__ report it
         named = {}
@@ -127,7 +132,7 @@ def _rng_untouched():
     """Restores the host RNGs, so a dataset whose ``__getitem__`` draws randomness (random
     crops, masking) is read without shifting what the training run draws later."""
     py_state = random.getstate()
-    np = __import__("sys").modules.get("numpy")
+    np = sys.modules.get("numpy")  # only if the process uses it already
     np_state = np.random.get_state() if np is not None else None
     with torch.random.fork_rng(devices=[]):
         try:
@@ -487,7 +492,20 @@ def _atomic_replace_dir(src: str, dst: str) -> None:
 
 
 class StrongholdTrainer(_StrongholdTrainerMixin, Trainer):
-    """`transformers.Trainer`, plus STRONGHOLD working-window offloading with ``--stronghold``."""
+    """`transformers.Trainer`, plus STRONGHOLD working-window offloading with ``--stronghold``.
+
+    With `StrongholdTrainingArguments` the ``--stronghold*`` fields decide (unset fields read
+    the ``STRONGHOLD*`` environment variables); with any other arguments the environment
+    alone does. That makes it a base for other Trainers too, for example TRL's::
+
+        class MySFTTrainer(StrongholdTrainer, SFTTrainer):  # StrongholdTrainer first
+            pass
+
+        trainer = MySFTTrainer(model=model, args=SFTConfig(...), train_dataset=ds)  # run with STRONGHOLD=1
+
+    or declare the config with the flags: ``@dataclass class MySFTConfig(StrongholdArgumentsMixin,
+    SFTConfig): pass`` (``from stronghold_hf import StrongholdArgumentsMixin``) and pass ``--stronghold``. Without STRONGHOLD on, it is the plain Trainer.
+    """
 
 
 class StrongholdSeq2SeqTrainer(_StrongholdTrainerMixin, Seq2SeqTrainer):
