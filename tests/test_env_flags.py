@@ -163,3 +163,19 @@ def test_environment_route_refuses_the_same_options(kwargs, match, monkeypatch, 
     with pytest.raises(ValueError, match=rf"STRONGHOLD=1 .*{match}|{match}.*STRONGHOLD=1"):
         StrongholdTrainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True, **kwargs))
     assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters()), "nothing was offloaded"
+
+
+def test_prepare_stronghold_refuses_a_compiling_accelerator():
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from stronghold_hf import prepare_stronghold
+
+    try:
+        accelerator = Accelerator(cpu=True, dynamo_backend="inductor")
+        model = tiny_model("gpt2")
+        with pytest.raises(ValueError, match="dynamo backend.*--dynamo_backend no"):
+            prepare_stronghold(accelerator, model, dict(lr=1e-3))
+        assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters()), "nothing was offloaded"
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)

@@ -2,15 +2,14 @@
 
 `HfArgumentParser(TrainingArguments)` and a plain `transformers.Trainer` on a tiny GPT-2 built
 from a config, with an in-memory dataset. ``tests/test_launcher.py`` runs it as is and under
-``python -m stronghold_hf``. It writes ``result.pt`` into ``--output_dir``: the log history, the losses
-and gradient norms, the final weights, the Trainer's class, and whether the model carries a
-STRONGHOLD engine (the attribute `stronghold_hf.get_engine` reads), which is how the test
-tells that STRONGHOLD was really on without this script importing the package.
+``python -m stronghold_hf`` (also under torchrun and accelerate launch), and compares the
+``result*.pt`` it writes into ``--output_dir`` (see run_record.py).
 """
 
 import os
 
 import torch
+from run_record import save_run
 from transformers import AutoConfig, AutoModelForCausalLM, HfArgumentParser, Trainer, TrainingArguments
 
 
@@ -25,15 +24,7 @@ def main() -> None:
     train_dataset = [{"input_ids": row, "labels": row} for row in ids]
     trainer = Trainer(model=model, args=args, train_dataset=train_dataset)
     trainer.train()
-    history = trainer.state.log_history
-    torch.save({
-        "history": history,
-        "losses": [h["loss"] for h in history if "loss" in h],
-        "grad_norms": [h["grad_norm"] for h in history if "grad_norm" in h],
-        "state": {k: v.clone() for k, v in model.state_dict().items()},
-        "trainer_mro": [c.__name__ for c in type(trainer).__mro__],
-        "engine": getattr(model, "_stronghold_engine", None) is not None,
-    }, os.path.join(args.output_dir, f"result{os.environ.get('RANK', '')}.pt"))
+    save_run(trainer, model, os.path.join(args.output_dir, f"result{os.environ.get('RANK', '')}.pt"))
 
 
 if __name__ == "__main__":

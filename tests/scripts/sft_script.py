@@ -3,14 +3,14 @@
 Everything is local: a word-level tokenizer trained on a few sentences, a tiny Llama built
 from a config, a `datasets.Dataset` of text. ``tests/test_launcher.py`` runs it as is and
 under ``python -m stronghold_hf``, and imports `build` for the subclass route. It writes
-``result.pt`` into ``--output_dir`` (see plain_trainer_script.py for the fields).
+``result.pt`` into ``--output_dir`` (see run_record.py).
 """
 
 import os
-import sys
 
 import torch
 from datasets import Dataset
+from run_record import save_run
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoConfig, AutoModelForCausalLM, HfArgumentParser, PreTrainedTokenizerFast
 from trl import SFTConfig, SFTTrainer
@@ -39,21 +39,13 @@ def build():
     return model, tokenizer, Dataset.from_dict({"text": SENTENCES})
 
 
-def main(argv=None) -> None:
-    (args,) = HfArgumentParser(SFTConfig).parse_args_into_dataclasses(argv)
+def main() -> None:
+    (args,) = HfArgumentParser(SFTConfig).parse_args_into_dataclasses()
     model, tokenizer, dataset = build()
     trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
     trainer.train()
-    history = trainer.state.log_history
-    torch.save({
-        "history": history,
-        "losses": [h["loss"] for h in history if "loss" in h],
-        "grad_norms": [h["grad_norm"] for h in history if "grad_norm" in h],
-        "state": {k: v.clone() for k, v in model.state_dict().items()},
-        "trainer_mro": [c.__name__ for c in type(trainer).__mro__],
-        "engine": getattr(model, "_stronghold_engine", None) is not None,
-    }, os.path.join(args.output_dir, "result.pt"))
+    save_run(trainer, model, os.path.join(args.output_dir, "result.pt"))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()
