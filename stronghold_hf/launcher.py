@@ -179,6 +179,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not on:
         _run(kind, target, args)
         return 0
+    before = stronghold_class.cache_info()
     with patch_trainers():
         _run(kind, target, args)
+    after = stronghold_class.cache_info()
+    if after.hits + after.misses == before.hits + before.misses:
+        logger.warning("%s: %s built no transformers.Trainer, so STRONGHOLD changed nothing. For an accelerate "
+                       "loop use stronghold_hf.prepare_stronghold; for a plain PyTorch loop, offload_model.", PROG, name)
     return 0

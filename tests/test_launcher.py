@@ -116,7 +116,7 @@ json.dump({"argv": sys.argv, "name": __name__, "path0": sys.path[0], "env": os.e
 
 @pytest.mark.parametrize("module", [False, True], ids=["script", "module"])
 @pytest.mark.parametrize("env, patched", [(None, True), ("0", False), ("yes", True)])
-def test_script_sees_what_python_would_give_it(module, env, patched, tmp_path, monkeypatch):
+def test_script_sees_what_python_would_give_it(module, env, patched, tmp_path, monkeypatch, caplog):
     (tmp_path / "probe_script.py").write_text(_PROBE)
     monkeypatch.setenv("PROBE_OUT", str(tmp_path / "seen.json"))
     if env is not None:
@@ -130,8 +130,19 @@ def test_script_sees_what_python_would_give_it(module, env, patched, tmp_path, m
     assert seen["name"] == "__main__" and seen["argv"] == [str(tmp_path / "probe_script.py"), "--x", "1"]
     assert seen["path0"] == str(tmp_path)
     assert seen["built"] == ("StrongholdTrainer" if patched else "Trainer")
+    said = caplog.text
+    assert ("STRONGHOLD is on for every" in said) is patched and ("turns STRONGHOLD off" in said) is (not patched)
+    assert "built no transformers.Trainer" not in said  # the probe's __new__ call counts as building one
     assert seen["env"] == ("1" if env is None else env)
     assert type(Trainer.__new__(Trainer)) is Trainer, "the patch must not outlive the run"
+
+
+def test_a_script_without_a_trainer_is_told(tmp_path, monkeypatch, caplog):
+    (tmp_path / "loop.py").write_text("import transformers\n")
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert main([str(tmp_path / "loop.py")]) == 0
+    assert "loop.py built no transformers.Trainer, so STRONGHOLD changed nothing" in caplog.text
 
 
 # ---------------------------------------------------------------------------- the patch, in process
@@ -198,7 +209,7 @@ def test_official_script_unchanged_trains_with_stronghold(official_runs, run):
     assert result["engine"], "the launched run had no STRONGHOLD engine on its model"
     assert result["trainer_mro"][:3] == ["StrongholdTrainer", "_StrongholdTrainerMixin", "Trainer"]
     assert stderr[run].count(LAUNCHER_LINE) == 1 and "plain_trainer_script.py" in stderr[run]
-    assert LAUNCHER_LINE not in stderr["plain"]
+    assert LAUNCHER_LINE not in stderr["plain"] and "built no transformers.Trainer" not in stderr[run]
     _assert_same_training(result, ref)
 
 
