@@ -145,9 +145,11 @@ def _turn_on_from_environment() -> tuple[bool, str]:
 
 def _run(kind: str, target: str, args: list[str]) -> None:
     if kind == "script":
-        # As `python SCRIPT ARGS`: argv[0] is the script as given, its folder leads sys.path.
+        # As `python SCRIPT ARGS`: argv[0] is the script as given, the folder it really lives
+        # in (symlinks resolved) leads sys.path. (__file__ stays as given, where python 3.9+
+        # makes it absolute: the same file either way while the script keeps its directory.)
         sys.argv = [target, *args]
-        sys.path[0] = os.path.dirname(os.path.abspath(target))
+        sys.path[0] = os.path.dirname(os.path.realpath(target))
         runpy.run_path(target, run_name="__main__")
     else:
         # As `python -m MODULE ARGS`: the working directory leads sys.path; runpy sets argv[0].
@@ -169,7 +171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"{short_usage}\n{PROG}: error: {err}\n(see {PROG} --help)\n")
         return 2
     name = target if kind == "script" else f"-m {target}"
-    if os.environ.get("RANK", "0") == "0":  # once per job under torchrun/accelerate, not once per rank
+    lead = os.environ.get("RANK", "0") == "0"  # say things once per job under torchrun/accelerate, not per rank
+    if lead:
         if on:
             logger.warning("%s: STRONGHOLD is on for every transformers.Trainer that %s builds (%s, from the "
                            "STRONGHOLD_* environment variables).", PROG, name, described)
@@ -183,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with patch_trainers():
         _run(kind, target, args)
     after = stronghold_class.cache_info()
-    if after.hits + after.misses == before.hits + before.misses:
+    if lead and after.hits + after.misses == before.hits + before.misses:
         logger.warning("%s: %s built no transformers.Trainer, so STRONGHOLD changed nothing. For an accelerate "
                        "loop use stronghold_hf.prepare_stronghold; for a plain PyTorch loop, offload_model.", PROG, name)
     return 0
