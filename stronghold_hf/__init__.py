@@ -8,7 +8,8 @@ Public names (see docs/ for the user guide and docs/design.md for how it works):
   `StrongholdTrainer`, `StrongholdSeq2SeqTrainer`; `StrongholdArgumentsMixin` adds the
   ``--stronghold`` fields to other configs (``class C(StrongholdArgumentsMixin, SFTConfig)``)
 * accelerate: `StrongholdPlugin`, ``prepare_stronghold(accelerator, model, ...)``
-* will it fit: ``estimate(config, ...)``, ``estimate_for_model(model, ...)``
+* will it fit: the `estimate` module (``estimate.estimate(config, ...)``, its CLI) and
+  ``estimate_for_model(model, ...)``
 
 Command lines: ``python -m stronghold_hf SCRIPT [ARGS...]`` runs an unchanged training script
 with STRONGHOLD on for every ``transformers.Trainer`` it builds; ``python -m
@@ -32,7 +33,9 @@ _LAZY = {
     "StrongholdSeq2SeqTrainer": ".integrations.trainer",
     "StrongholdPlugin": ".integrations.accelerate",
     "prepare_stronghold": ".integrations.accelerate",
-    "estimate": ".estimate",
+    # The submodule itself: the import system binds `stronghold_hf.estimate` to the module as
+    # soon as anything imports it, so a function under that name would change with import order.
+    "estimate": None,
     "estimate_for_model": ".estimate",
 }
 
@@ -53,6 +56,8 @@ def __getattr__(name: str):
     if name in _LAZY:
         import importlib
 
+        if _LAZY[name] is None:
+            return importlib.import_module(f".{name}", __name__)  # binds itself on the package
         value = getattr(importlib.import_module(_LAZY[name], __name__), name)
         globals()[name] = value
         return value

@@ -300,6 +300,9 @@ def test_dir_and_help_list_the_lazy_names():
         "assert not undocumented, undocumented\n"
         "text = pydoc.render_doc(s, renderer=pydoc.plaintext)\n"
         "assert all(n in text for n in s.__all__), [n for n in s.__all__ if n not in text]\n"
+        # `stronghold_hf.estimate` is the submodule, whichever way it is reached first.
+        "import stronghold_hf.estimate as e, sys\n"
+        "assert s.estimate is e is sys.modules['stronghold_hf.estimate'] and callable(e.estimate)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
