@@ -23,6 +23,16 @@ from tiny_models import batch, is_seq2seq, tiny_model
 ADAM_SLACK = 0.02 * 1e-2 * 4  # see test_step.py: Adam amplifies rounding noise of ~0 gradients
 
 
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """A Trainer leaves accelerate's process-wide state behind (bf16 mixed precision after the
+    bf16 test), which a later plain ``Accelerator()`` in the same process would inherit."""
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 class TinyDataset(torch.utils.data.Dataset):
     def __init__(self, family: str, n: int = 16, padded: bool = True):
         self.items = []
@@ -176,6 +186,7 @@ def test_interrupted_checkpoint_leaves_previous_usable(tmp_path, monkeypatch):
         t.train()
     out = tmp_path / "crash"
     assert get_last_checkpoint(str(out)) == str(out / "checkpoint-3")
+    assert not (out / ".stronghold-staging").exists()
     assert not (out / "checkpoint-6").exists()
     monkeypatch.setattr(StrongholdTrainer, "_save_optimizer_and_scheduler", original)
     t2 = StrongholdTrainer(model=tiny_model("gpt2"), args=_resume_args(tmp_path, "crash"), train_dataset=TinyDataset("gpt2"))
@@ -257,3 +268,156 @@ def test_bf16_trainer_on_cpu_with_layernorm_model(tmp_path):
     assert all(b.layout.grad_dtype == torch.float32 for b in t.stronghold_engine.blocks)
     # Same weights, same autocast: only reassociation separates the two runs.
     assert _losses(t) == pytest.approx(_losses(t_ref), rel=1e-3)
+
+
+# ---------------------------------------------------------------------------- start-up items
+def _info_lines(logger_names=("transformers", "stronghold_hf")):
+    """Collects INFO+ records of the given loggers (transformers does not propagate to root)."""
+    import logging
+
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    handler = Collect(level=logging.INFO)
+    loggers = [logging.getLogger(n) for n in logger_names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.setLevel(logging.INFO)
+
+    def restore():
+        for lg, level in zip(loggers, levels):
+            lg.removeHandler(handler)
+            lg.setLevel(level)
+
+    return records, restore
+
+
+def test_staging_folder_removed_and_not_logged(tmp_path):
+    records, restore = _info_lines()
+    try:
+        t = StrongholdTrainer(model=tiny_model("gpt2"), args=_resume_args(tmp_path, "run"), train_dataset=TinyDataset("gpt2"))
+        t.train()
+        t.save_model(str(tmp_path / "final"))
+    finally:
+        restore()
+    out = tmp_path / "run"
+    assert sorted(os.listdir(out)) == ["checkpoint-3", "checkpoint-6"]
+    assert not [line for line in records if ".stronghold" in line], "a staging folder name reached the INFO log"
+    saves = [line for line in records if line.startswith("Saving model checkpoint to")]
+    assert saves == [f"Saving model checkpoint to {out / 'checkpoint-3'}", f"Saving model checkpoint to {out / 'checkpoint-6'}",
+                     f"Saving model checkpoint to {tmp_path / 'final'}"]
+
+
+def test_staging_folder_removed_when_a_save_fails(tmp_path, monkeypatch):
+    def fail(self, output_dir):
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(StrongholdTrainer, "_save_optimizer_and_scheduler", fail)
+    t = StrongholdTrainer(model=tiny_model("gpt2"), args=_resume_args(tmp_path, "run"), train_dataset=TinyDataset("gpt2"))
+    with pytest.raises(OSError, match="simulated"):
+        t.train()
+    assert os.listdir(tmp_path / "run") == []
+
+
+class _LongDataset(torch.utils.data.Dataset):
+    """Causal-LM examples of a given length (ids only: cheap even when long)."""
+
+    def __init__(self, seq: int, n: int = 4, draws_randomness: bool = False):
+        self.seq, self.n, self.draws = seq, n, draws_randomness
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if self.draws:
+            torch.rand(1)  # e.g. random masking in the dataset itself
+            __import__("random").random()
+        ids = torch.arange(self.seq) % 90 + 3
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+class _IterableLongDataset(torch.utils.data.IterableDataset):
+    def __init__(self, seq: int, n: int = 8):
+        self.inner = _LongDataset(seq, n)
+
+    def __iter__(self):
+        return (self.inner[i] for i in range(len(self.inner)))
+
+
+GPU_CAP = 2 * 2**30  # simulated device memory: 1.5 GiB workspace allowance + room for short sequences
+
+
+@pytest.fixture
+def gpu_cap(monkeypatch):
+    """The fit check sees a GPU of `GPU_CAP` bytes (this machine has none, so it would skip it)."""
+    import stronghold_hf.estimate as est
+
+    real = est.estimate_for_model
+
+    def capped(model, **kwargs):
+        return real(model, **{**kwargs, "gpu_memory_bytes": GPU_CAP})
+
+    monkeypatch.setattr(est, "estimate_for_model", capped)
+    return real
+
+
+def _long_context_llama():
+    return tiny_model("llama", max_position_embeddings=131072)  # as on Llama 3
+
+
+def _fit_args(tmp_path, cls=StrongholdTrainingArguments, **extra):
+    return cls(output_dir=str(tmp_path), stronghold=True, **dict(COMMON, max_steps=1, **extra))
+
+
+def test_fit_check_uses_the_trained_length_not_max_position_embeddings(tmp_path, gpu_cap):
+    model = _long_context_llama()
+    at_max = gpu_cap(model, seq_len=131072, batch_size=2, gpu_memory_bytes=GPU_CAP)
+    assert not at_max.fits, "the test needs a cap that max_position_embeddings would exceed"
+    t = StrongholdTrainer(model=model, args=_fit_args(tmp_path), train_dataset=_LongDataset(12))
+    assert t.stronghold_engine is not None
+    t.stronghold_engine.close()
+    model = _long_context_llama()
+    with pytest.raises(ValueError, match="does not fit.*GPU memory"):
+        StrongholdTrainer(model=model, args=_fit_args(tmp_path), train_dataset=_LongDataset(4096))
+    assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters()), "nothing was offloaded"
+
+
+def test_fit_check_prefers_the_length_in_the_arguments(tmp_path, gpu_cap):
+    from dataclasses import dataclass
+
+    @dataclass
+    class ArgsWithLength(StrongholdTrainingArguments):
+        max_length: int = 4096  # as TRL's SFTConfig.max_length
+
+    with pytest.raises(ValueError, match="does not fit.*GPU memory"):
+        StrongholdTrainer(model=_long_context_llama(), args=_fit_args(tmp_path, ArgsWithLength),
+                          train_dataset=_LongDataset(12))
+
+
+def test_fit_check_waits_for_the_first_batch_of_an_iterable_dataset(tmp_path, gpu_cap):
+    model = _long_context_llama()
+    forwards = []
+    model.register_forward_pre_hook(lambda *a: forwards.append(1))
+    t = StrongholdTrainer(model=model, args=_fit_args(tmp_path), train_dataset=_IterableLongDataset(4096))
+    with pytest.raises(ValueError, match="does not fit.*GPU memory"):
+        t.train()
+    assert forwards == [], "the check must run before the first forward"
+    t = StrongholdTrainer(model=_long_context_llama(), args=_fit_args(tmp_path), train_dataset=_IterableLongDataset(12))
+    t.train()
+    assert t.state.global_step == 1
+
+
+def test_fit_check_reads_the_dataset_without_moving_the_rngs(tmp_path):
+    import random
+
+    def draws_after(cls, args):
+        cls(model=tiny_model("gpt2"), args=args, train_dataset=_LongDataset(12, draws_randomness=True))
+        return torch.rand(3), random.random()
+
+    plain = draws_after(Trainer, TrainingArguments(output_dir=str(tmp_path), **COMMON))
+    ours = draws_after(StrongholdTrainer, StrongholdTrainingArguments(output_dir=str(tmp_path), stronghold=True, **COMMON))
+    assert torch.equal(ours[0], plain[0]) and ours[1] == plain[1]

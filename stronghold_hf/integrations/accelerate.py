@@ -19,7 +19,6 @@ engine places the model and averages gradients itself). It also routes
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +26,7 @@ import torch
 
 from ..config import StrongholdConfig
 from ..window import WindowEngine, offload_model
-from .arguments import env_flag, resolve_stronghold_config
+from .arguments import env_config, env_flag, env_window_size, resolve_stronghold_config
 
 
 @dataclass
@@ -42,12 +41,13 @@ class StrongholdPlugin:
     stronghold_config: StrongholdConfig = field(init=False)
 
     def __post_init__(self) -> None:
+        # The same readers as StrongholdTrainingArguments: one set of rules for every entry point.
         if self.enabled is None:
-            self.enabled = env_flag("STRONGHOLD")
+            self.enabled = bool(env_flag())
         if self.window_size is None:
-            self.window_size = os.environ.get("STRONGHOLD_WINDOW_SIZE") or None
+            self.window_size = env_window_size()
         if self.config is None:
-            self.config = os.environ.get("STRONGHOLD_CONFIG") or None
+            self.config = env_config()
         self.stronghold_config = resolve_stronghold_config(self.config, self.window_size)
 
 
@@ -70,6 +70,14 @@ def prepare_stronghold(
     """
     if plugin is None:
         plugin = StrongholdPlugin(config=config) if config is not None else StrongholdPlugin()
+    dynamo = getattr(accelerator.state, "dynamo_plugin", None)
+    if dynamo is not None and str(getattr(dynamo.backend, "value", dynamo.backend)).upper() != "NO":
+        raise ValueError(
+            f"prepare_stronghold cannot compile the model (accelerate dynamo backend {dynamo.backend}): "
+            "offloaded block parameters give their storage back after each use and get it refilled "
+            "before the next, which invalidates what torch.compile captured. Launch without "
+            "--dynamo_backend (or with --dynamo_backend no)."
+        )
     cfg = plugin.stronghold_config
     mp = str(getattr(accelerator, "mixed_precision", "no"))
     if cfg.param_dtype is None and mp in ("bf16", "fp16") and accelerator.device.type == "cuda":  # see trainer.py

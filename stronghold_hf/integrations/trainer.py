@@ -3,28 +3,40 @@
 Without the flag both classes are their bases, untouched (every override starts with
 ``if not self._stronghold_on: return super()...``). With it:
 
-* the fit estimate runs before anything is allocated, then `offload_model` places the model
-  (resident parts on ``args.device``, blocks in CPU RAM);
+* incompatible options (another optimizer, DeepSpeed, FSDP, ``torch_compile``) are refused
+  before anything is built; the fit estimate runs on the sequence length actually trained
+  (the arguments, else the dataset, else the first batch), then `offload_model` places the
+  model (resident parts on ``args.device``, blocks in CPU RAM);
 * accelerate is built with ``device_placement=False`` and prepares the model in
-  *evaluation mode*: autocast (and compile) are applied, but it neither moves the model nor
-  wraps it in DDP (DDP would register every offloaded parameter; the engine all-reduces
-  gradients itself, see ``distributed.py``);
+  *evaluation mode*: autocast is applied, but it neither moves the model nor wraps it in DDP
+  (DDP would register every offloaded parameter; the engine all-reduces gradients itself,
+  see ``distributed.py``);
 * the optimizer is the engine's (CPU Adam + device AdamW) with Trainer's hyperparameters and
   decay/no-decay groups; clipping is the engine's exact global clip;
 * checkpoints are written into a staging folder and renamed into place, so an interrupted
   save never leaves a ``checkpoint-N`` that resume would take for a good one; optimizer
   state is always loaded onto the CPU.
+
+The behaviour lives in `_StrongholdTrainerMixin`, which goes in front of any Trainer class:
+`StrongholdTrainer` and `StrongholdSeq2SeqTrainer` here, ``class MySFT(StrongholdTrainer,
+SFTTrainer)`` in user code, and the classes ``python -m stronghold_hf`` builds on the fly.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import inspect
 import json
 import logging
 import os
+import random
 import shutil
+import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -34,62 +46,183 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from ..config import StrongholdConfig
 from ..optim.hybrid import StrongholdOptimizer
 from ..window import WindowEngine, get_engine, offload_model
-from .arguments import env_flag, resolve_stronghold_config
+from .arguments import ENV_FLAG, refuse_incompatible_options, settings_from_env
 
 logger = logging.getLogger("stronghold_hf")
+_hf_logger = logging.getLogger("transformers.trainer")  # where Trainer logs its own "Saving ..." lines
 
 OPTIMIZER_NAME = "optimizer.pt"
 SCHEDULER_NAME = "scheduler.pt"
 _STAGING_DIR = ".stronghold-staging"
-_ADAMW_OPTIMS = {"adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_apex_fused", "adamw_anyprecision", "adamw"}
+
+#: Argument fields that give the trained (encoder) sequence length, first match wins:
+#: scripts' own ``max_seq_length``/``block_size``, TRL's ``max_length``, seq2seq ``max_source_length``.
+_SEQ_LEN_FIELDS = ("max_seq_length", "max_length", "block_size", "max_source_length")
+_DECODER_LEN_FIELDS = ("max_target_length", "generation_max_length")
+#: How many leading examples of a map-style dataset the fit check reads for their length.
+_PEEK_EXAMPLES = 32
 
 
 def stronghold_settings(args) -> tuple[bool, StrongholdConfig]:
-    """Reads the flag and config from Stronghold arguments, or from ``STRONGHOLD_*`` env vars."""
+    """The flag and config from stronghold arguments, else from the ``STRONGHOLD_*`` environment.
+
+    Arguments that carry the stronghold fields (`StrongholdTrainingArguments`, or any config
+    with `StrongholdArgumentsMixin`) were resolved and validated when they were built. Any
+    other arguments (plain `TrainingArguments`, TRL's ``SFTConfig``...) take the environment,
+    checked here against the options STRONGHOLD cannot run with.
+    """
     if hasattr(args, "stronghold_config_resolved"):
         return bool(args.stronghold), args.stronghold_config_resolved
-    on = env_flag("STRONGHOLD")
-    cfg = resolve_stronghold_config(os.environ.get("STRONGHOLD_CONFIG"), os.environ.get("STRONGHOLD_WINDOW_SIZE"))
-    if on and (getattr(args, "deepspeed", None) or getattr(args, "fsdp", None)):
-        raise ValueError("STRONGHOLD=1 cannot be combined with --deepspeed or --fsdp; both own parameter placement.")
+    on, cfg = settings_from_env()
+    # args=None: the Trainer class builds its own defaults later, which use none of the refused options.
+    if on and args is not None:
+        refuse_incompatible_options(args, flag=f"{ENV_FLAG}=1")
     return on, cfg
 
 
+def _named_call_arguments(trainer: Any, pos: tuple, kwargs: dict) -> dict[str, Any]:
+    """The call's arguments by parameter name, bound against the Trainer class behind the mixin.
+
+    Trainer classes disagree on positions (``SFTTrainer(model, args, ...)``,
+    ``DPOTrainer(model, ref_model, args, ...)``), so ``model``, ``args`` and ``optimizers``
+    are found by name. A ``def __init__(self, *args, extra=None, **kwargs)`` pass-through says
+    nothing, so the first ``__init__`` after the mixin that names an ``args`` parameter is used.
+    """
+    mro = type(trainer).__mro__
+    for cls in mro[mro.index(_StrongholdTrainerMixin) + 1:]:
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            continue
+        try:
+            sig = inspect.signature(init)
+        except (TypeError, ValueError):
+            continue
+        param = sig.parameters.get("args")
+        if param is None or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        accepted = kwargs
+        if not any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+            # Keywords this signature lacks belong to the subclasses in between (extra options).
+            accepted = {k: v for k, v in kwargs.items() if k in sig.parameters}
+        try:
+            bound = sig.bind_partial(trainer, *pos, **accepted)
+        except TypeError:
+            break  # the call does not fit this signature; let the Trainer's own __init__ report it
+        named = {}
+        for name, value in bound.arguments.items():
+            kind = sig.parameters[name].kind
+            if kind is inspect.Parameter.VAR_KEYWORD:
+                named.update(value)
+            elif kind is not inspect.Parameter.VAR_POSITIONAL:
+                named[name] = value
+        return named
+    return dict(kwargs)
+
+
+def _positive_int_field(args: Any, names: tuple[str, ...]) -> int | None:
+    for name in names:
+        value = getattr(args, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+@contextlib.contextmanager
+def _rng_untouched():
+    """Restores the host RNGs, so a dataset whose ``__getitem__`` draws randomness (random
+    crops, masking) is read without shifting what the training run draws later."""
+    py_state = random.getstate()
+    np = sys.modules.get("numpy")  # only if the process uses it already
+    np_state = np.random.get_state() if np is not None else None
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            random.setstate(py_state)
+            if np_state is not None:
+                np.random.set_state(np_state)
+
+
+def _dataset_lengths(dataset: Any, encoder_decoder: bool) -> tuple[int | None, int | None]:
+    """The longest ``input_ids`` (and, for encoder-decoder models, ``labels``) among the first
+    examples of a map-style dataset; ``(None, None)`` when that cannot be read without
+    iterating (an iterable dataset) or the examples carry no ``input_ids``."""
+    if dataset is None or isinstance(dataset, torch.utils.data.IterableDataset):
+        return None, None
+    try:
+        count = min(len(dataset), _PEEK_EXAMPLES)
+    except TypeError:  # no __len__: iterable in all but name
+        return None, None
+    seq = dec = 0
+    with _rng_untouched():
+        for i in range(count):
+            example = dataset[i]
+            ids = example.get("input_ids") if isinstance(example, Mapping) else None
+            if ids is None:
+                return None, None
+            seq = max(seq, len(ids))
+            labels = example.get("labels") if encoder_decoder else None
+            if labels is not None and hasattr(labels, "__len__"):
+                dec = max(dec, len(labels))
+    return (seq or None), (dec or None)
+
+
+def _trained_lengths(args: Any, dataset: Any, encoder_decoder: bool) -> tuple[int | None, int | None]:
+    """``(sequence length, decoder length)`` the run trains with: from the arguments' length
+    fields when set, else from the dataset's first examples, else ``(None, None)``."""
+    seq = _positive_int_field(args, _SEQ_LEN_FIELDS)
+    dec = _positive_int_field(args, _DECODER_LEN_FIELDS) if encoder_decoder else None
+    if seq is None:
+        seq, data_dec = _dataset_lengths(dataset, encoder_decoder)
+        dec = dec or data_dec
+    return seq, dec
+
+
 class _StrongholdTrainerMixin:
-    """The stronghold behaviour shared by `StrongholdTrainer` and `StrongholdSeq2SeqTrainer`."""
+    """The stronghold behaviour, in front of any `transformers.Trainer` class.
+
+    Where the settings come from: arguments built with the stronghold fields
+    (`StrongholdTrainingArguments`, `StrongholdSeq2SeqTrainingArguments`, or a TRL config
+    declared as ``@dataclass class C(StrongholdArgumentsMixin, SFTConfig)``) carry them, with
+    the command line beating the environment. Any other arguments (plain `TrainingArguments`,
+    ``SFTConfig``, ``DPOConfig``...) read the ``STRONGHOLD``, ``STRONGHOLD_WINDOW_SIZE`` and
+    ``STRONGHOLD_CONFIG`` environment variables; unset means off. So
+    ``class MySFTTrainer(StrongholdTrainer, SFTTrainer)`` with ``args=SFTConfig(...)`` trains
+    with STRONGHOLD when the process runs with ``STRONGHOLD=1``.
+    """
 
     stronghold_engine: WindowEngine | None = None
 
-    def __init__(self, model=None, args=None, *pos, **kwargs):
-        on, cfg = stronghold_settings(args) if args is not None else (env_flag("STRONGHOLD"), StrongholdConfig())
+    def __init__(self, *pos, **kwargs):
+        named = _named_call_arguments(self, pos, kwargs)
+        on, cfg = stronghold_settings(named.get("args"))
         self._stronghold_on = on
+        self._stronghold_pending_fit: tuple[int | None, int | None] | None = None
         if on:
-            if model is None:
-                raise ValueError("--stronghold needs a model instance; model_init (hyperparameter search) is not supported.")
-            optimizers = kwargs.get("optimizers") or (pos[5] if len(pos) > 5 else (None, None))
-            if optimizers and optimizers[0] is not None and not isinstance(optimizers[0], StrongholdOptimizer):
+            if named.get("model") is None:
+                raise ValueError("STRONGHOLD needs a model instance; model_init (hyperparameter search) is not supported.")
+            optimizers = named.get("optimizers") or (None, None)
+            if (optimizers[0] is not None and not isinstance(optimizers[0], StrongholdOptimizer)) or named.get(
+                "optimizer_cls_and_kwargs"
+            ) is not None:
                 raise ValueError(
-                    "--stronghold builds its own optimizer (CPU Adam for offloaded blocks); do not pass "
-                    "optimizers=(...). Set learning_rate/weight_decay/adam_* in the arguments instead."
+                    "STRONGHOLD builds its own optimizer (CPU Adam for offloaded blocks); do not pass "
+                    "optimizers=(...) or optimizer_cls_and_kwargs. Set learning_rate/weight_decay/adam_* in "
+                    "the arguments instead."
                 )
-            optim_name = str(getattr(args.optim, "value", args.optim))
-            if optim_name not in _ADAMW_OPTIMS:
-                raise ValueError(
-                    f"--stronghold trains with AdamW semantics (CPU Adam); --optim {optim_name} is not supported. "
-                    "Use the default --optim adamw_torch(_fused)."
-                )
+        super().__init__(*pos, **kwargs)
+        if on:
+            args = self.args
             # Low-precision device copies halve PCIe traffic on CUDA, where autocast runs norms in
             # fp32. CPU autocast does not (a bf16 LayerNorm weight next to an fp32 residual
             # stream fails), so on CPU the copies stay in the model's dtype.
             if cfg.param_dtype is None and args.device.type == "cuda" and (args.bf16 or args.fp16):
                 cfg = cfg.replace(param_dtype=torch.bfloat16 if args.bf16 else torch.float16)
             self._stronghold_config = cfg
-        super().__init__(model, args, *pos, **kwargs)
-        if on:
             if cfg.check_fit:
                 self._check_fits()
             engine = get_engine(self.model)
-            self.stronghold_engine = engine if engine is not None else offload_model(self.model, cfg, device=self.args.device)
+            self.stronghold_engine = engine if engine is not None else offload_model(self.model, cfg, device=args.device)
             self._stronghold_log_t0 = time.perf_counter()
             self._stronghold_log_steps = 0
 
@@ -99,21 +232,60 @@ class _StrongholdTrainerMixin:
         return super()._move_model_to_device(model, device)
 
     # ------------------------------------------------------------------ start-up checks
-    def _check_fits(self) -> None:
-        try:
-            from ..estimate import estimate_for_model
-        except ImportError:  # pragma: no cover - estimator is part of the package
-            return
-        seq_len = getattr(getattr(self.model, "config", None), "max_position_embeddings", None) or 512
-        est = estimate_for_model(
+    def _estimate(self, **shape: Any):
+        from ..estimate import estimate_for_model
+
+        window = self._stronghold_config.window_size
+        return estimate_for_model(
             self.model,
-            seq_len=int(seq_len),
-            batch_size=self.args.per_device_train_batch_size,
             dtype="bf16" if self.args.bf16 else "fp16" if self.args.fp16 else "fp32",
             gradient_checkpointing=bool(self.args.gradient_checkpointing),
-            window_size=None if self._stronghold_config.window_size == "auto" else int(self._stronghold_config.window_size),
+            window_size=None if window == "auto" else int(window),
+            **shape,
         )
-        est.raise_if_not_fits()
+
+    def _check_fits(self) -> None:
+        """Refuses a run that cannot fit, before the engine allocates anything.
+
+        The activations are estimated at the sequence length actually trained, never at the
+        model's ``max_position_embeddings`` (131072 on Llama 3, which would refuse runs that
+        fit). When neither the arguments nor a map-style dataset tell it, the host side is
+        checked now (it does not depend on the length) and the device side at the first
+        batch, with the memory measured now, before the engine took its share.
+        """
+        seq_len, decoder_len = _trained_lengths(self.args, self.train_dataset, self._is_encoder_decoder())
+        if seq_len is not None:
+            est = self._estimate(seq_len=seq_len, decoder_seq_len=decoder_len,
+                                 batch_size=self.args.per_device_train_batch_size)
+            est.raise_if_not_fits()
+            return
+        est = self._estimate(seq_len=1, batch_size=1)
+        dataclasses.replace(est, gpu_fits=None).raise_if_not_fits()
+        self._stronghold_pending_fit = (est.gpu_memory_bytes, est.cpu_memory_bytes)
+
+    def _check_fits_on_batch(self, inputs: Mapping[str, Any]) -> None:
+        gpu_memory, cpu_memory = self._stronghold_pending_fit
+        self._stronghold_pending_fit = None
+        tokens = inputs.get("input_ids")
+        if tokens is None:
+            tokens = inputs.get("inputs_embeds")
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() < 2:
+            logger.warning("STRONGHOLD fit check skipped: the training batch has no input_ids to size it by.")
+            return
+        decoder = inputs.get("labels") if self._is_encoder_decoder() else None
+        self._estimate(
+            seq_len=int(tokens.shape[1]), batch_size=int(tokens.shape[0]),
+            decoder_seq_len=int(decoder.shape[-1]) if isinstance(decoder, torch.Tensor) and decoder.dim() >= 2 else None,
+            gpu_memory_bytes=gpu_memory, cpu_memory_bytes=cpu_memory,
+        ).raise_if_not_fits()
+
+    def _is_encoder_decoder(self) -> bool:
+        return bool(getattr(getattr(self.model, "config", None), "is_encoder_decoder", False))
+
+    def training_step(self, model, inputs, *args, **kwargs):
+        if getattr(self, "_stronghold_pending_fit", None) is not None:
+            self._check_fits_on_batch(inputs)  # before this batch's forward allocates anything
+        return super().training_step(model, inputs, *args, **kwargs)
 
     # ------------------------------------------------------------------ accelerate
     def _build_accelerator_args(self, **kwargs) -> dict[str, Any]:
@@ -204,6 +376,10 @@ class _StrongholdTrainerMixin:
             if self._stronghold_on and self.stronghold_engine is not None:
                 # No worker threads outlive training; later steps restart them on demand.
                 self.stronghold_engine.shutdown_workers()
+            if self._stronghold_on and self.args.should_save:
+                # Each checkpoint empties its own staging folder; the root goes with training,
+                # also when a save failed half-way (its partial folder is in there).
+                shutil.rmtree(os.path.join(self._get_output_dir(trial=None), _STAGING_DIR), ignore_errors=True)
 
     # ------------------------------------------------------------------ checkpoints
     def _save_checkpoint(self, model, trial) -> None:
@@ -217,8 +393,11 @@ class _StrongholdTrainerMixin:
         os.makedirs(staging_root, exist_ok=True)
         staging_run = tempfile.mkdtemp(prefix=f"{name}-", dir=staging_root)
         self._stronghold_output_dir_override = staging_run
+        if self.args.should_save:
+            _hf_logger.info(f"Saving model checkpoint to {final}")
         try:
-            super()._save_checkpoint(model, trial)
+            with _transformers_info_silenced():  # its lines would name the staging folder
+                super()._save_checkpoint(model, trial)
         except BaseException:
             shutil.rmtree(staging_run, ignore_errors=True)
             raise
@@ -268,15 +447,37 @@ class _StrongholdTrainerMixin:
             return super()._save(output_dir, state_dict)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         self.stronghold_engine.synchronize()
+        if getattr(self, "_stronghold_output_dir_override", None) or not self.args.should_save:
+            # Inside a checkpoint, whose whole folder is staged already; or a rank that writes nothing.
+            return super()._save(output_dir, state_dict)
         os.makedirs(output_dir, exist_ok=True)
+        _hf_logger.info(f"Saving model checkpoint to {output_dir}")
         # Write next to the destination, then move each file in with an atomic rename.
         staging = tempfile.mkdtemp(prefix=".stronghold-save-", dir=output_dir)
         try:
-            super()._save(staging, state_dict)
+            with _transformers_info_silenced():
+                super()._save(staging, state_dict)
             for entry in os.listdir(staging):
                 os.replace(os.path.join(staging, entry), os.path.join(output_dir, entry))
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _transformers_info_silenced():
+    """Holds transformers' INFO lines back while it writes into a staging folder.
+
+    Those lines ("Saving model checkpoint to ...", "Model weights saved in ...") would name
+    the temporary folder; the Trainer logs the final path itself instead. Warnings still pass.
+    """
+    hf_root = logging.getLogger("transformers")
+    level = hf_root.level
+    if hf_root.getEffectiveLevel() <= logging.INFO:
+        hf_root.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        hf_root.setLevel(level)
 
 
 def _atomic_replace_dir(src: str, dst: str) -> None:
@@ -291,7 +492,20 @@ def _atomic_replace_dir(src: str, dst: str) -> None:
 
 
 class StrongholdTrainer(_StrongholdTrainerMixin, Trainer):
-    """`transformers.Trainer`, plus STRONGHOLD working-window offloading with ``--stronghold``."""
+    """`transformers.Trainer`, plus STRONGHOLD working-window offloading with ``--stronghold``.
+
+    With `StrongholdTrainingArguments` the ``--stronghold*`` fields decide (unset fields read
+    the ``STRONGHOLD*`` environment variables); with any other arguments the environment
+    alone does. That makes it a base for other Trainers too, for example TRL's::
+
+        class MySFTTrainer(StrongholdTrainer, SFTTrainer):  # StrongholdTrainer first
+            pass
+
+        trainer = MySFTTrainer(model=model, args=SFTConfig(...), train_dataset=ds)  # run with STRONGHOLD=1
+
+    or declare the config with the flags: ``@dataclass class MySFTConfig(StrongholdArgumentsMixin,
+    SFTConfig): pass`` (``from stronghold_hf import StrongholdArgumentsMixin``) and pass ``--stronghold``. Without STRONGHOLD on, it is the plain Trainer.
+    """
 
 
 class StrongholdSeq2SeqTrainer(_StrongholdTrainerMixin, Seq2SeqTrainer):
