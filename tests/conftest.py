@@ -14,6 +14,16 @@ import transformers  # noqa: E402
 transformers.logging.set_verbosity_error()
 
 
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """A Trainer leaves accelerate's process-wide state behind (bf16 mixed precision after a
+    bf16 test), which a later plain ``Accelerator()`` in the same process would inherit."""
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -23,16 +23,6 @@ from tiny_models import batch, is_seq2seq, tiny_model
 ADAM_SLACK = 0.02 * 1e-2 * 4  # see test_step.py: Adam amplifies rounding noise of ~0 gradients
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    """A Trainer leaves accelerate's process-wide state behind (bf16 mixed precision after the
-    bf16 test), which a later plain ``Accelerator()`` in the same process would inherit."""
-    yield
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-
-
 class TinyDataset(torch.utils.data.Dataset):
     def __init__(self, family: str, n: int = 16, padded: bool = True):
         self.items = []
@@ -89,8 +79,11 @@ def test_trainer_parity(family, tmp_path):
         torch.testing.assert_close(sd[k], v, rtol=1e-4, atol=ADAM_SLACK, msg=lambda m: f"{k}: {m}")
     logged = [h for h in t.state.log_history if "loss" in h][-1]
     for key in ("stronghold_window_size", "stronghold_h2d_GBps", "stronghold_d2h_GBps", "stronghold_blocked_ms",
-                "stronghold_cpu_adam_ms"):
+                "stronghold_cpu_adam_ms", "stronghold_device_peak_MiB", "stronghold_pinned_host_GiB",
+                "stronghold_pageable_host_GiB", "stronghold_host_bytes_per_param", "stronghold_fetches"):
         assert key in logged
+    # The ledger in the logs: 16 B per offloaded parameter with fp32 compute, plus bounded staging.
+    assert 16.0 <= logged["stronghold_host_bytes_per_param"] < 24.0
     assert logged["stronghold_window_size"] == 1
 
 
@@ -421,3 +414,24 @@ def test_fit_check_reads_the_dataset_without_moving_the_rngs(tmp_path):
     plain = draws_after(Trainer, TrainingArguments(output_dir=str(tmp_path), **COMMON))
     ours = draws_after(StrongholdTrainer, StrongholdTrainingArguments(output_dir=str(tmp_path), stronghold=True, **COMMON))
     assert torch.equal(ours[0], plain[0]) and ours[1] == plain[1]
+
+
+def test_start_line_says_stronghold_is_on(tmp_path):
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    trainer_logger = logging.getLogger("transformers.trainer")
+    level = trainer_logger.level
+    trainer_logger.addHandler(handler)
+    trainer_logger.setLevel(logging.INFO)
+    try:
+        StrongholdTrainer(model=tiny_model("gpt2"), args=StrongholdTrainingArguments(
+            output_dir=str(tmp_path), stronghold=True, stronghold_window_size="2", **COMMON), train_dataset=TinyDataset("gpt2"))
+    finally:
+        trainer_logger.removeHandler(handler)
+        trainer_logger.setLevel(level)
+    lines = [r.getMessage() for r in records if "STRONGHOLD is on" in r.getMessage()]
+    assert len(lines) == 1
+    assert "window_size=2 of 3 blocks" in lines[0] and "offloaded parameters" in lines[0] and "CPU Adam threads=" in lines[0]

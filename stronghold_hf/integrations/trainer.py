@@ -225,6 +225,19 @@ class _StrongholdTrainerMixin:
             self.stronghold_engine = engine if engine is not None else offload_model(self.model, cfg, device=args.device)
             self._stronghold_log_t0 = time.perf_counter()
             self._stronghold_log_steps = 0
+            self._log_stronghold_on()
+
+    def _log_stronghold_on(self) -> None:
+        """One line at start, through transformers' logger so it shows at the Trainer's verbosity."""
+        engine = self.stronghold_engine
+        mem = engine.memory_stats()
+        _hf_logger.info(
+            f"STRONGHOLD is on: window_size={engine.window_size} of {engine.num_blocks} blocks, "
+            f"{mem['offloaded_params'] / 1e6:.1f} M offloaded parameters ({mem['offloaded_trainable_params'] / 1e6:.1f} M "
+            f"trainable), host {(mem['pinned_host_bytes'] + mem['pageable_host_bytes']) / 2**30:.2f} GiB before optimizer "
+            f"state ({mem['pinned_host_bytes'] / 2**30:.2f} GiB pinned), CPU Adam threads={engine.worker.num_threads}, "
+            f"device {engine.device}"
+        )
 
     def _move_model_to_device(self, model, device):
         if getattr(self, "_stronghold_on", False):
@@ -357,12 +370,20 @@ class _StrongholdTrainerMixin:
         now = time.perf_counter()
         wall = max(now - self._stronghold_log_t0, 1e-9)
         steps = max(1, self.state.global_step - self._stronghold_log_steps)
+        counters = stats.as_dict()
+        mem = engine.memory_stats()  # the ledger: what the engine holds on the device and the host
         out = {
             "stronghold_window_size": engine.window_size,
-            "stronghold_h2d_GBps": round(stats.h2d_bytes / wall / 1e9, 3),
-            "stronghold_d2h_GBps": round(stats.d2h_bytes / wall / 1e9, 3),
-            "stronghold_blocked_ms": round(1e3 * stats.blocked_s / steps, 3),
-            "stronghold_cpu_adam_ms": round(1e3 * stats.cpu_adam_s / steps, 3),
+            "stronghold_h2d_GBps": round(counters["h2d_bytes"] / wall / 1e9, 3),
+            "stronghold_d2h_GBps": round(counters["d2h_bytes"] / wall / 1e9, 3),
+            "stronghold_blocked_ms": round(1e3 * counters["blocked_s"] / steps, 3),
+            "stronghold_cpu_adam_ms": round(1e3 * counters["cpu_adam_s"] / steps, 3),
+            "stronghold_forward_stall_ms": round(1e3 * counters["forward_stall_s"] / steps, 3),
+            "stronghold_device_peak_MiB": round(mem["device_peak_bytes"] / 2**20, 3),
+            "stronghold_pinned_host_GiB": round(mem["pinned_host_bytes"] / 2**30, 4),
+            "stronghold_pageable_host_GiB": round(mem["pageable_host_bytes"] / 2**30, 4),
+            "stronghold_host_bytes_per_param": round(mem["host_bytes_per_param"], 3),
+            "stronghold_fetches": mem["fetches"],
         }
         stats.reset()
         self._stronghold_log_t0, self._stronghold_log_steps = now, self.state.global_step
