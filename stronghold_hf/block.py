@@ -109,6 +109,7 @@ class OffloadedBlock:
         for p, view in zip(self.params, self.host_views):
             p.data = view
         self._record_host_state()
+        self.master_index = {id(m): k for k, m in enumerate(self.masters) if m is not None}
 
         self.state = Residency.ON_HOST
         self._h2d_event = None
@@ -129,6 +130,9 @@ class OffloadedBlock:
         self.valid_at_pass_start = list(self.grad_valid)  # to roll back a backward that raised
         self.flushes_this_pass = 0
         self.grads_poisoned = False  # a failed backward added into accumulated gradients
+        # ---- speculation (speculation.py), driven by the step coordinator
+        self.spec = None  # SpecRecord of a speculative update no step has validated yet
+        self.spec_blocked = False  # no speculation for this block until the next step
 
     # ------------------------------------------------------------------ queries
     @property
@@ -359,22 +363,45 @@ class OffloadedBlock:
             p.grad is gv for p, gv, valid in zip(self.params, self.grad_views, self.grad_valid) if gv is not None and valid
         )
 
-    def sync_master_grads(self) -> bool:
-        """Before an optimizer update: the masters' ``.grad`` follow the exposed ``.grad``
-        (which ``zero_grad`` or the user may have changed). Returns whether any is set."""
+    def step_grads(self) -> list[tuple[int, torch.Tensor | None]]:
+        """At ``optimizer.step()`` (training thread): the gradient each trainable parameter steps
+        with, from the exposed ``.grad`` (which ``zero_grad`` or the user may have changed).
+        Reads only: the host worker applies it (`load_master_grads`), so nothing a running task
+        reads is touched here."""
         self._check_not_poisoned()
+        return [(k, p.grad) for k, (p, gv) in enumerate(zip(self.params, self.grad_views)) if gv is not None]
+
+    def host_grads(self) -> list[tuple[int, torch.Tensor]]:
+        """The host gradients folded so far (what a speculative update reads)."""
+        return [(k, gv) for k, (gv, valid) in enumerate(zip(self.grad_views, self.grad_valid)) if gv is not None and valid]
+
+    def grads_match(self, grads: list[tuple[int, torch.Tensor | None]], used: list[tuple[int, torch.Tensor]]) -> bool:
+        """Whether ``grads`` (from `step_grads`) are exactly the host gradients a speculative
+        update ``used``, untouched since the end of backward (version counters)."""
+        present = [(k, g) for k, g in grads if g is not None]
+        if [k for k, _ in present] != [k for k, _ in used]:
+            return False
+        return all(g is self.grad_views[k] for k, g in present) and self._exposed_unchanged()
+
+    def grads_modified_in_place(self) -> bool:
+        """Whether an exposed host gradient was written since the end of backward."""
+        return bool(self._exposed_grad_versions) and not self._exposed_unchanged()
+
+    def load_master_grads(self, grads: list[tuple[int, torch.Tensor | None]]) -> bool:
+        """On the host worker: points the masters' ``.grad`` at the gradients to step with."""
+        given = dict(grads)
         any_grad = False
         with torch.no_grad():
-            for p, m, gv in zip(self.params, self.masters, self.grad_views):
+            for k, (master, gv) in enumerate(zip(self.masters, self.grad_views)):
                 if gv is None:
                     continue
-                g = p.grad
+                g = given.get(k)
                 if g is None:
-                    m.grad = None
+                    master.grad = None
                     continue
                 if g is not gv:
                     gv.copy_(g)
-                m.grad = gv
+                master.grad = gv
                 any_grad = True
         return any_grad
 

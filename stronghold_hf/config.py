@@ -94,6 +94,14 @@ class StrongholdConfig:
     host-to-device copies, same results). ``None``: no bound; pinning still falls back to
     pageable memory, with one warning, when the system refuses it."""
 
+    speculative_step: Literal["auto", "on", "off"] = "auto"
+    """Start each block's CPU Adam during backward, as soon as its gradient reaches the host,
+    guessing that the step will neither clip nor overflow; the step validates the guess and
+    rolls back and redoes the blocks when it was wrong, so results are always exact.
+    ``"auto"`` speculates only after a step that did not clip, and pauses while the recent miss
+    rate is high (early training clips on nearly every step at ``max_grad_norm=1.0``).
+    ``"on"`` always speculates (a miss costs an undo and a redo per block); ``"off"`` never."""
+
     check_fit: bool = True
     """At Trainer start-up, run the fits/does-not-fit estimate (`stronghold_hf.estimate`) with
     the sequence length actually trained, and refuse a run that cannot fit before anything
@@ -122,6 +130,10 @@ class StrongholdConfig:
             isinstance(self.cpu_threads, bool) or not isinstance(self.cpu_threads, int) or self.cpu_threads < 1
         ):
             raise ValueError(f"StrongholdConfig.cpu_threads={self.cpu_threads!r}; use None (auto) or an int >= 1.")
+        if self.speculative_step not in ("auto", "on", "off"):
+            raise ValueError(
+                f"StrongholdConfig.speculative_step={self.speculative_step!r}; use \"auto\", \"on\" or \"off\"."
+            )
         for name in ("offload_optimizer", "pin_memory", "check_fit", "offload_activations"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"StrongholdConfig.{name}={getattr(self, name)!r} must be a bool.")

@@ -47,8 +47,8 @@ class LaneState(enum.Enum):
 
 
 class GradLane:
-    __slots__ = ("index", "state", "device_bytes", "device_buffer", "staging", "dtype", "numel", "block_index",
-                 "ticket")
+    __slots__ = ("index", "state", "device_bytes", "device_buffer", "staging", "norm_host", "dtype", "numel",
+                 "block_index", "ticket")
 
     def __init__(self, index: int, staging: torch.Tensor) -> None:
         self.index = index
@@ -56,6 +56,7 @@ class GradLane:
         self.device_bytes: torch.Tensor | None = None  # uint8 [max bytes] on the device, for one backward pass
         self.device_buffer: torch.Tensor | None = None  # [numel] grad dtype: the used part, typed, while in use
         self.staging = staging  # uint8 [max bytes], pinned host; typed per flush
+        self.norm_host = staging.new_zeros(4).view(torch.float32)  # fp32 [1]: the flush's squared norm
         self.dtype: torch.dtype | None = None
         self.numel = 0
         self.block_index = -1
@@ -126,16 +127,20 @@ class GradientQueue:
         self.peak_in_flight = max(self.peak_in_flight, self.busy)
         return lane
 
-    def flush(self, lane: GradLane, fold, *, label: str) -> Ticket:
-        """Starts the lane's copy to the host; ``fold(staged)`` runs on the worker once it landed."""
+    def flush(self, lane: GradLane, fold, *, label: str, sq_norm: torch.Tensor | None = None) -> Ticket:
+        """Starts the lane's copy to the host; ``fold(staged, sq_norm)`` runs on the worker once it
+        landed. ``sq_norm`` (a device scalar) travels too, first on the same stream, so the
+        lane's event covers it."""
         assert lane.state is LaneState.FILLING
+        if sq_norm is not None:
+            self.transfer.copy_d2h(lane.norm_host, sq_norm.reshape(1))
         event = self.transfer.copy_d2h(lane.staged(), lane.device_buffer)
         lane.state = LaneState.IN_FLIGHT
 
         def land_and_fold() -> None:
             try:
                 self.transfer.host_wait(event)  # the device buffer may be reused only now
-                fold(lane.staged())
+                fold(lane.staged(), float(lane.norm_host[0]) if sq_norm is not None else None)
             finally:
                 with self._free:
                     lane.device_buffer = None

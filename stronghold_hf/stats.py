@@ -21,6 +21,11 @@ _FIELDS = (
     "forward_stall_s",
     "update_total_s",
     "first_block_ready_s",
+    "speculative_update_s",
+    "rollback_s",
+    "speculated_blocks",
+    "speculation_hits",
+    "speculation_misses",
     "steps",
 )
 

@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import torch
 
+from .speculation import PartialNorm, SpeculationPolicy
 from .workers import Ticket
 
 
@@ -44,13 +45,25 @@ class StepCoordinator:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.optimizer = None
-        self._tickets: dict[int, Ticket] = {}
+        self._tickets: dict[int, Ticket] = {}  # the latest CPU task of each block (the worker runs them in order)
         self._step_started_at: float | None = None
-        self._submitted = 0  # updates submitted in the current step
+        self._first_ticket: Ticket | None = None  # the step's task for the first block the next forward needs
         self._clip_coef: float | None = None
         self._found_inf: bool | None = None
         self._resident_unscaled = False
         self.last_grad_norm: float | None = None
+        self.last_max_norm: float | None = None
+        # ---- speculation (speculation.py)
+        self.policy = SpeculationPolicy(engine.config.speculative_step)
+        self.partial_norm = PartialNorm()
+        self.speculating = False  # in this backward pass
+        #: Whether the backward now running is followed by ``optimizer.step()`` with the
+        #: gradients untouched except through the engine (the last micro-batch of an
+        #: accumulation window, clipping through `clip_grad_norm_`). The Trainer and
+        #: `prepare_stronghold` set it; without it only ``speculative_step="on"`` speculates.
+        #: A wrong "yes" about the step only costs an undo (the next flush into a speculated
+        #: block rolls it back); gradients changed in place before the step are refused there.
+        self.step_signal = None
 
     # ------------------------------------------------------------------ the optimizer
     def attach_optimizer(self, optimizer) -> None:
@@ -77,46 +90,95 @@ class StepCoordinator:
                     total += value.numel() * value.element_size()
         return total
 
-    # ------------------------------------------------------------------ updates in flight
-    def begin_updates(self) -> None:
-        self._step_started_at = time.perf_counter()
-        self._submitted = 0
-        self.engine.stats.add("steps", 1)
-
-    def submit_update(self, block, fn) -> None:
-        assert block.index not in self._tickets, f"{block.fqn}: update submitted twice"
+    # ------------------------------------------------------------------ CPU tasks in flight
+    def submit(self, block, label: str, fn, *, counter: str = "cpu_adam_s") -> Ticket:
+        """Runs ``fn`` (one block's CPU work) on the host worker, after everything submitted before."""
         stats = self.engine.stats
-        started = self._step_started_at
-        first = self._submitted == 0
-        self._submitted += 1
 
         def timed() -> None:
             t0 = time.perf_counter()
             fn()
-            t1 = time.perf_counter()
-            stats.add("cpu_adam_s", t1 - t0)
-            stats.add("update_total_s", t1 - t0)
-            if first and started is not None:
-                stats.add("first_block_ready_s", t1 - started)
+            elapsed = time.perf_counter() - t0
+            stats.add(counter, elapsed)
+            stats.add("update_total_s", elapsed)
 
-        self._tickets[block.index] = self.engine.worker.submit(f"the CPU optimizer update of block {block.fqn}", timed)
+        ticket = self.engine.worker.submit(f"{label} of block {block.fqn}", timed)
+        self._tickets[block.index] = ticket
+        return ticket
+
+    def begin_updates(self) -> None:
+        self._step_started_at = time.perf_counter()
+        self._first_ticket = None
+        self.engine.stats.add("steps", 1)
+
+    def note_first_block(self, block) -> None:
+        """The first block the next forward needs has its last task queued: time it from the step."""
+        if self._first_ticket is None:
+            self._first_ticket = self._tickets.get(block.index)
+            if self._first_ticket is None:  # already up to date (its speculative update finished)
+                self._first_ticket = False
+
+    def _account_first_block(self) -> None:
+        ticket, started = self._first_ticket, self._step_started_at
+        if ticket is None or started is None:
+            return
+        ready = 0.0 if ticket is False or ticket.finished_at is None else max(0.0, ticket.finished_at - started)
+        self.engine.stats.add("first_block_ready_s", ready)
+        self._first_ticket = None
 
     def update_pending(self, block) -> bool:
         ticket = self._tickets.get(block.index)
         return ticket is not None and not ticket.done()
 
-    def wait_update(self, block) -> None:
+    def wait_update(self, block, *, forward: bool = True) -> None:
+        """Before the engine reads ``block``'s bytes: its CPU work is done (and a speculative
+        update that no step validated is undone first)."""
+        if block.spec is not None:
+            self.undo_speculation(block)
         ticket = self._tickets.pop(block.index, None)
         if ticket is not None:
             waited = ticket.wait()
             self.engine.stats.add("blocked_s", waited)
-            self.engine.stats.add("forward_stall_s", waited)
+            if forward:
+                self.engine.stats.add("forward_stall_s", waited)
+            if self._first_ticket is ticket:
+                self._account_first_block()
 
     def synchronize(self) -> None:
-        """Waits for every in-flight CPU update (before reading masters, saving, clipping)."""
+        """Waits for every in-flight CPU task (before reading masters, saving, clipping)."""
         for index in list(self._tickets):
             ticket = self._tickets.pop(index)
             self.engine.stats.add("blocked_s", ticket.wait())
+            if self._first_ticket is ticket:
+                self._account_first_block()
+
+    # ------------------------------------------------------------------ speculation
+    def begin_backward_pass(self) -> None:
+        """At the first pre-backward of a pass: speculate in this pass or not."""
+        opt = self.optimizer
+        expect_step = self.step_signal() if self.step_signal is not None else self.policy.mode == "on"
+        self.speculating = bool(expect_step and opt is not None and opt.can_speculate and self.policy.should_speculate())
+        if self.speculating:
+            self.synchronize()  # the groups' hyperparameters are written next
+            opt.prepare_speculation()
+            self.partial_norm.reset(self.last_max_norm)
+
+    def speculate(self, block) -> None:
+        """``block``'s gradient for this step is complete on its way to the host: update it now."""
+        record = self.optimizer.speculation_record(block)
+        if record is None:
+            return
+        block.spec = record
+        partial = self.partial_norm
+        self.submit(block, "the speculative CPU optimizer update",
+                    lambda: self.optimizer.apply_speculation(block, record, partial), counter="speculative_update_s")
+        self.engine.stats.add("speculated_blocks", 1)
+
+    def undo_speculation(self, block) -> None:
+        record, block.spec = block.spec, None
+        block.spec_blocked = True  # more gradient arrived or the step did not come: no second guess
+        self.submit(block, "the rollback of a speculative update", lambda: self.optimizer.undo_speculation(block, record),
+                    counter="rollback_s")
 
     # ------------------------------------------------------------------ norms and clipping
     def resident_grads(self) -> list[torch.Tensor]:
@@ -162,6 +224,7 @@ class StepCoordinator:
         """
         if float(norm_type) != 2.0:
             raise ValueError(f"clip_grad_norm_: only norm_type=2.0 is supported, got {norm_type}.")
+        self.last_max_norm = float(max_norm)
         total_sq = self.global_grad_sq_norm()
         inv_scale = 1.0 if self.scaler is None else self.scaler.inv_scale
         total = total_sq.sqrt() * inv_scale

@@ -248,7 +248,7 @@ class WindowEngine:
 
     # ------------------------------------------------------------------ residency
     def _fetch(self, b: OffloadedBlock) -> None:
-        self.coordinator.wait_update(b)  # the update writes the bytes the fetch reads
+        self.coordinator.wait_update(b, forward=self.phase is not Phase.BACKWARD)  # it writes what the fetch reads
         b.begin_fetch()
 
     def _release(self, b: OffloadedBlock) -> None:
@@ -435,6 +435,7 @@ class WindowEngine:
                 b.take_exposed_grads()
                 b.valid_at_pass_start = list(b.grad_valid)
                 b.flushes_this_pass = 0
+        self.coordinator.begin_backward_pass()
 
     def _flush(self, b: OffloadedBlock) -> None:
         """Sends ``b``'s lane to the host; the fold adds (or copies) it into the fp32 gradient."""
@@ -444,6 +445,10 @@ class WindowEngine:
         if not touched:
             self.grad_queue.discard(lane)
             return
+        if b.spec is not None:
+            # More gradient for a block already updated speculatively (a late gradient, another
+            # micro-batch): undo that update before the fold changes what it read.
+            self.coordinator.undo_speculation(b)
         accumulate = [b.grad_valid[k] for k in touched]
         fresh = b.flushes == 0 and not any(b.grad_valid)
         if distributed.world_size() > 1:
@@ -453,11 +458,20 @@ class WindowEngine:
         b.device_sq_norm = (
             torch.linalg.vector_norm(lane.device_buffer, dtype=torch.float32).square() if fresh else None
         )
-        self.grad_queue.flush(lane, lambda staged, b=b, t=touched, a=accumulate: b.fold(staged, t, a), label=b.fqn)
+        partial_norm = self.coordinator.partial_norm if self.coordinator.speculating else None
+
+        def fold(staged, sq_norm, b=b, t=touched, a=accumulate):
+            b.fold(staged, t, a)
+            if partial_norm is not None and sq_norm is not None:
+                partial_norm.add(sq_norm)
+
+        self.grad_queue.flush(lane, fold, label=b.fqn, sq_norm=b.device_sq_norm if partial_norm is not None else None)
         for k in touched:
             b.grad_valid[k] = True
         b.flushes += 1
         b.flushes_this_pass += 1
+        if self.coordinator.speculating and b.pending_backward == 0 and not b.spec_blocked:
+            self.coordinator.speculate(b)
 
     def _flush_late_grads(self, b: OffloadedBlock) -> None:
         """Gradients autograd produced after ``b`` left the device (T5's relative bias, whose
@@ -494,6 +508,7 @@ class WindowEngine:
                 self._release(b)
         self.grad_queue.drain()
         self.grad_queue.release_device_buffers()
+        self.coordinator.speculating = False
         if distributed.world_size() > 1:
             distributed.average_grads_(self.coordinator.resident_grads())
         for b in self.blocks:
@@ -517,7 +532,11 @@ class WindowEngine:
                     b.params[k].grad = None  # a late gradient of the failed pass
         self.grad_queue.drain()
         self.grad_queue.release_device_buffers()
+        self.coordinator.speculating = False
         for b in self.blocks:
+            if b.spec is not None:
+                self.coordinator.undo_speculation(b)  # the step it guessed will not come
+            b.spec_blocked = False
             if b.state is not Residency.ON_HOST and b.holds == 0:
                 b.evict()
             if not b.trainable or not b.flushes_this_pass:

@@ -86,10 +86,12 @@ def test_each_block_crosses_once_per_direction_and_the_turn_is_free(window_size,
         opt.step()
         opt.zero_grad()
         assert engine.memory_stats()["fetches"] - before == 2 * layers - window_size
-    # Every byte that crossed is a block image or a gradient buffer.
+    # Every byte that crossed is a block image or a gradient buffer (and, while the engine
+    # speculates, each gradient's 4-byte squared norm).
     stats = engine.memory_stats()
     assert stats["h2d_bytes"] == stats["fetches"] * engine.blocks[0].slot_bytes
-    assert stats["d2h_bytes"] == 3 * layers * engine.blocks[0].layout.grad_numel * 4
+    grad_bytes = 3 * layers * engine.blocks[0].layout.grad_numel * 4
+    assert grad_bytes <= stats["d2h_bytes"] <= grad_bytes + 3 * layers * 4
 
 
 def test_frozen_blocks_move_no_gradients():

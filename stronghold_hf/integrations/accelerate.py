@@ -83,6 +83,9 @@ def prepare_stronghold(
     if cfg.param_dtype is None and mp in ("bf16", "fp16") and accelerator.device.type == "cuda":  # see trainer.py
         cfg = cfg.replace(param_dtype=torch.bfloat16 if mp == "bf16" else torch.float16)
     engine = offload_model(model, cfg, device=accelerator.device)
+    # accelerator.accumulate() sets sync_gradients before each micro-batch: a step follows the
+    # backward only when it is True, which is when the engine may update during backward.
+    engine.coordinator.step_signal = lambda: accelerator.sync_gradients and accelerator.scaler is None
     optimizer = engine.build_optimizer(param_groups, **(optimizer_kwargs or {}))
     # Autocast and compile only: no placement (it would pull every block onto the device) and
     # no DDP (the engine averages gradients itself).

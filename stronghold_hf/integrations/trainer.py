@@ -223,6 +223,12 @@ class _StrongholdTrainerMixin:
                 self._check_fits()
             engine = get_engine(self.model)
             self.stronghold_engine = engine if engine is not None else offload_model(self.model, cfg, device=args.device)
+            # Whether the backward now running ends an accumulation window (then a step follows
+            # and the engine may start CPU updates during it): the Trainer sets sync_gradients
+            # for each micro-batch before its forward. accelerate's fp16 GradScaler unscales the
+            # gradients in place before the step, which a speculative update cannot allow for.
+            self.stronghold_engine.coordinator.step_signal = (
+                lambda: self.accelerator.sync_gradients and self.accelerator.scaler is None)
             self._stronghold_log_t0 = time.perf_counter()
             self._stronghold_log_steps = 0
             self._log_stronghold_on()

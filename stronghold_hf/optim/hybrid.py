@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ..scaler import DynamicLossScaler
+from ..speculation import SpecRecord, undo_adamw_
 from .cpu_adam import CPUAdam
 
 _HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
@@ -95,52 +96,139 @@ class StrongholdOptimizer(torch.optim.Optimizer):
                 loss = closure()
         engine, coordinator = self.engine, self.engine.coordinator
         engine.evict_all()
-        coordinator.synchronize()  # last step's updates read the groups we are about to write
         scalars = coordinator.take_step_scalars()
         found_inf, clip_coef, inv_scale = scalars.found_inf, scalars.clip_coef, scalars.inv_loss_scale
         self.last_step_skipped = bool(found_inf)
         if self.scaler is not None:
             self.scaler.update(bool(found_inf))
-        if found_inf:
-            return loss  # gradients stay where they are, as after a skipped GradScaler step
-        self._push_hyperparameters()
-        if self.device_optimizer is not None:
+        speculated = [b for b in engine.blocks if b.spec is not None]
+        hyper_changed = self._hyperparameters_changed()
+        if hyper_changed or not speculated:
+            coordinator.synchronize()  # running updates read the groups we are about to write
+            self._push_hyperparameters()
+        # [Note: validating speculation] A speculative update applied grad * inv_scale with the
+        # hyperparameters of its pass. It stands when the step neither skips nor clips, the
+        # scale and hyperparameters are those it used, and each block's gradient is exactly the
+        # one it read; otherwise it is undone and the block is updated normally.
+        guess_holds = (not found_inf and clip_coef == 1.0 and not hyper_changed
+                       and all(b.spec.grad_mul == inv_scale for b in speculated))
+        if self.device_optimizer is not None and not found_inf:
             self.device_optimizer.step()
         coordinator.begin_updates()
+        hits = misses = 0
         for block in engine.blocks:  # forward order: block 0, needed first, is updated first
             groups = self.block_groups.get(block.index)
-            if not groups or not block.sync_master_grads():
+            record, block.spec, block.spec_blocked = block.spec, None, False
+            if not groups:
                 continue
-            task = partial(self._update_block, block, groups, clip_coef, inv_scale)
+            grads = block.step_grads()
+            if record is not None:
+                if block.grads_modified_in_place():
+                    coordinator.wait_update(block, forward=False)  # did the speculative update run?
+                if record.applied and block.grads_modified_in_place():
+                    raise RuntimeError(
+                        f"stronghold: the gradients of {block.fqn} were changed in place between backward and "
+                        "optimizer.step() after the engine had updated the block speculatively with them, so the "
+                        "update can no longer be undone exactly. Clip with engine.clip_grad_norm_ (or the Trainer's "
+                        "max_grad_norm), or set StrongholdConfig(speculative_step='off')."
+                    )
+                if guess_holds and block.grads_match(grads, record.grads):
+                    hits += 1
+                    coordinator.note_first_block(block)
+                    self._release_grads(block)
+                    continue
+                misses += 1
+                coordinator.submit(block, "the rollback of a speculative update",
+                                   partial(self.undo_speculation, block, record), counter="rollback_s")
+            if found_inf or all(g is None for _, g in grads):
+                continue
+            task = partial(self._update_block, block, groups, grads, clip_coef * inv_scale)
             if self._asynchronous:
-                coordinator.submit_update(block, task)
+                coordinator.submit(block, "the CPU optimizer update", task)
+                coordinator.note_first_block(block)
             else:
                 task()
-            # [Note: the step owns the offloaded gradients] The update reads them after step()
-            # returns; the parameters' .grad let go of them now, so a zero_grad(set_to_none=False)
-            # or a new backward cannot write into a buffer the update is still reading.
-            for p, gv in zip(block.params, block.grad_views):
-                if gv is not None:
-                    p.grad = None
+            self._release_grads(block)
+        if speculated:
+            engine.stats.add("speculation_hits" if misses == 0 else "speculation_misses", 1)
+        coordinator.policy.record_step(clean=not found_inf and clip_coef == 1.0, speculated=bool(speculated),
+                                       hit=bool(speculated) and misses == 0)
         return loss
 
-    def _update_block(self, block, groups: list[int], clip_coef: float, inv_scale: float) -> None:
+    @staticmethod
+    def _release_grads(block) -> None:
+        # [Note: the step owns the offloaded gradients] The update reads them after step()
+        # returns; the parameters' .grad let go of them now, so a zero_grad(set_to_none=False)
+        # or a new backward cannot write into a buffer the update is still reading.
+        for p, gv in zip(block.params, block.grad_views):
+            if gv is not None:
+                p.grad = None
+
+    def _update_block(self, block, groups: list[int], grads, grad_mul: float) -> None:
+        """Host worker: one block's update with ``grad * grad_mul`` (clip coefficient x 1/scale)."""
+        if not block.load_master_grads(grads):
+            return
         if isinstance(self.cpu_optimizer, CPUAdam):
-            self.cpu_optimizer.step_groups(groups, clip_coef=clip_coef, inv_loss_scale=inv_scale)
-        else:
-            mul = clip_coef * inv_scale
-            if mul != 1.0:
-                for m in block.masters:
-                    if m is not None and m.grad is not None:
-                        m.grad.mul_(mul)
-            saved = [self.cpu_optimizer.param_groups[i] for i in groups]
-            all_groups = self.cpu_optimizer.param_groups
-            self.cpu_optimizer.param_groups = saved
-            try:
-                self.cpu_optimizer.step()
-            finally:
-                self.cpu_optimizer.param_groups = all_groups
-            block.image_stale = not block.layout.masters_in_image  # no copy-out on this path
+            self.cpu_optimizer.step_groups(groups, inv_loss_scale=grad_mul)
+            return
+        if grad_mul != 1.0:
+            for m in block.masters:
+                if m is not None and m.grad is not None:
+                    m.grad.mul_(grad_mul)
+        saved = [self.cpu_optimizer.param_groups[i] for i in groups]
+        all_groups = self.cpu_optimizer.param_groups
+        self.cpu_optimizer.param_groups = saved
+        try:
+            self.cpu_optimizer.step()
+        finally:
+            self.cpu_optimizer.param_groups = all_groups
+        block.image_stale = not block.layout.masters_in_image  # no copy-out on this path
+
+    # ------------------------------------------------------------------ speculation
+    @property
+    def can_speculate(self) -> bool:
+        return isinstance(self.cpu_optimizer, CPUAdam)
+
+    def _hyperparameters_changed(self) -> bool:
+        return any(public[k] != inner[k] for public, inner in zip(self.param_groups, self._inner_groups)
+                   for k in _HYPER_KEYS)
+
+    def prepare_speculation(self) -> None:
+        """At the start of a speculating backward (no update running): the groups hold this step's
+        hyperparameters, and the loss scale of this step is the one speculation applies."""
+        self._push_hyperparameters()
+        self._speculation_scale = 1.0 if self.scaler is None else self.scaler.inv_scale
+
+    def speculation_record(self, block) -> SpecRecord | None:
+        groups = self.block_groups.get(block.index)
+        grads = block.host_grads()
+        if not groups or not grads:
+            return None
+        hyper = [{k: self.cpu_optimizer.param_groups[gi][k] for k in _HYPER_KEYS} for gi in groups]
+        return SpecRecord(list(groups), grads, self._speculation_scale, hyper)
+
+    def apply_speculation(self, block, record: SpecRecord, partial_norm) -> None:
+        """Host worker: the speculative update, unless the pass already knows it will clip."""
+        if partial_norm.exceeded:
+            return
+        self._update_block(block, record.groups, record.grads, record.grad_mul)
+        record.applied = True
+
+    def undo_speculation(self, block, record: SpecRecord) -> None:
+        """Host worker: inverts a speculative update exactly from what it applied."""
+        if not record.applied:
+            return
+        grads = dict(record.grads)
+        for gi, hyper in zip(record.groups, record.hyper):
+            params, used, states = [], [], []
+            for m in self.cpu_optimizer.param_groups[gi]["params"]:
+                k = block.master_index[id(m)]
+                if k in grads:
+                    params.append(m.data)
+                    used.append(grads[k])
+                    states.append(self.cpu_optimizer.state.get(m, {}))
+            undo_adamw_(params, used, states, hyper, record.grad_mul)
+        block.image_stale = not block.layout.masters_in_image  # the copy-out holds the undone values
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.device_optimizer is not None:

@@ -1,0 +1,177 @@
+"""Speculative CPU updates during backward: exact in every case, and they earn their keep.
+
+A speculating engine starts each block's CPU Adam as soon as its gradient reaches the host,
+guessing that the step will neither clip nor overflow, and validates the guess at
+``optimizer.step()``. Each test trains an untouched copy next to it and compares losses,
+gradient norms and final weights, for the cases where the guess holds and where it misses.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from stronghold_hf import StrongholdConfig, offload_model
+from stronghold_hf.optim.cpu_adam import CPUAdam
+from stronghold_hf.speculation import undo_adamw_
+from stronghold_hf.testing import simulated_device
+from tiny_models import batch, tiny_model
+
+LR = 1e-2
+SLACK = 0.02 * LR * 4  # Adam turns rounding noise of ~0 gradients into lr-sized steps (test_step.py)
+
+
+def _pair(family, mode, steps, *, max_norm, accum=1, window_size=1, **cfg):
+    ref = tiny_model(family)
+    model = copy.deepcopy(ref)
+    engine = offload_model(model, StrongholdConfig(window_size=window_size, speculative_step=mode, **cfg), device="cpu")
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1, foreach=False)
+    opt = engine.build_optimizer(lr=LR, weight_decay=0.1)
+    for step in range(steps):
+        for micro in range(accum):
+            b = batch(family, seed=10 * step + micro)
+            loss_ref, loss = ref(**b).loss / accum, model(**b).loss / accum
+            assert loss.item() == pytest.approx(loss_ref.item(), rel=1e-4)  # the suite's parity tolerance
+            loss_ref.backward()
+            loss.backward()
+        if max_norm is not None:
+            n_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+            n = engine.clip_grad_norm_(max_norm)
+            assert float(n) == pytest.approx(float(n_ref), rel=1e-4)
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad()
+        opt.zero_grad()
+    engine.synchronize()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-4, atol=SLACK, msg=lambda m: f"{k}: {m}")
+    return engine
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "t5"])
+def test_speculation_without_clipping_hits_and_is_exact(family):
+    engine = _pair(family, "on", 4, max_norm=1e6)
+    stats = engine.stats.as_dict()
+    assert stats["speculated_blocks"] >= 4 * engine.num_blocks - (1 if family == "t5" else 0)
+    assert stats["speculation_hits"] == 4 and stats["speculation_misses"] == 0
+    assert stats["rollback_s"] == 0.0 or family == "t5"  # T5's late relative-bias gradient undoes block 0
+
+
+@pytest.mark.parametrize("family", ["gpt2", "t5"])
+def test_speculation_with_active_clipping_rolls_back_and_is_exact(family):
+    engine = _pair(family, "on", 4, max_norm=0.05)
+    stats = engine.stats.as_dict()
+    assert stats["speculation_misses"] == 4 and stats["speculation_hits"] == 0
+    assert stats["rollback_s"] > 0
+
+
+def test_speculation_under_gradient_accumulation_is_exact():
+    """A plain loop cannot tell the engine which backward ends the window: the first
+    micro-batch is speculated, the second one's gradient undoes it, the step redoes it."""
+    engine = _pair("gpt2", "on", 3, max_norm=1e6, accum=2)
+    assert engine.stats.as_dict()["rollback_s"] > 0
+
+
+def test_speculation_with_delayed_copies_is_exact():
+    with simulated_device(0.002):
+        engine = _pair("gpt2", "on", 3, max_norm=1e6, window_size=2)
+    assert engine.transfer.mode == "delayed" and engine.stats.as_dict()["speculation_hits"] == 3
+
+
+def test_fp16_overflow_undoes_the_speculation_and_skips_everywhere():
+    model = tiny_model("gpt2")
+    engine = offload_model(model, StrongholdConfig(window_size=1, speculative_step="on"), device="cpu")
+    opt = engine.build_optimizer(lr=LR, fp16_loss_scaling=True)
+    for step in range(2):  # clean steps first, so speculation is running
+        engine.scale_loss(model(**batch("gpt2", seed=step)).loss).backward()
+        opt.step()
+        opt.zero_grad()
+    engine.synchronize()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state_before = {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.cpu_optimizer.state.items()}
+    scale = engine.scaler.scale
+    engine.scale_loss(model(**batch("gpt2", seed=7)).loss * float("inf")).backward()
+    opt.step()
+    engine.synchronize()
+    assert opt.last_step_skipped and engine.scaler.scale == scale * 0.5
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=1e-6, atol=1e-7, msg=lambda m: f"{k}: {m}")
+    for p, s in opt.cpu_optimizer.state.items():
+        for key, value in s.items():
+            torch.testing.assert_close(value, state_before[id(p)][key], rtol=1e-5, atol=1e-9)
+
+
+def test_auto_speculates_only_after_clean_steps():
+    clipped = _pair("gpt2", "auto", 3, max_norm=0.05, window_size=1)
+    assert clipped.stats.as_dict()["speculated_blocks"] == 0  # a plain loop never vouches for the step
+    model = tiny_model("gpt2")
+    engine = offload_model(model, StrongholdConfig(window_size=1), device="cpu")
+    opt = engine.build_optimizer(lr=LR)
+    engine.coordinator.step_signal = lambda: True  # what the Trainer and prepare_stronghold provide
+    for max_norm in (0.05, 1e6, 1e6, 1e6):
+        model(**batch("gpt2", seed=0)).loss.backward()
+        engine.clip_grad_norm_(max_norm)
+        opt.step()
+        opt.zero_grad()
+    stats = engine.stats.as_dict()
+    # Step 1 has no history, step 2 follows a clipped step; steps 3 and 4 speculate and hit.
+    assert stats["speculation_hits"] == 2 and stats["speculation_misses"] == 0
+    assert engine.coordinator.policy.miss_rate == 0.0
+
+
+def test_in_place_gradient_changes_after_speculation_are_refused():
+    model = tiny_model("gpt2")
+    engine = offload_model(model, StrongholdConfig(window_size=1, speculative_step="on"), device="cpu")
+    opt = engine.build_optimizer(lr=LR)
+    model(**batch("gpt2", seed=0)).loss.backward()
+    engine.synchronize()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # scales the host gradients in place
+    with pytest.raises(RuntimeError, match="speculative"):
+        opt.step()
+
+
+def test_undo_inverts_a_cpu_adam_step():
+    torch.manual_seed(0)
+    params = [torch.randn(1000), torch.randn(37)]
+    grads = [torch.randn_like(p) for p in params]
+    opt = CPUAdam([{"params": params}], lr=1e-2, weight_decay=0.1)
+    for p, g in zip(params, grads):
+        p.grad = g
+    opt.step()  # a first step creates the state
+    saved = [p.clone() for p in params]
+    state = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    for g in grads:
+        g.mul_(0.5)
+    opt.step(inv_loss_scale=0.25)
+    hyper = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    undo_adamw_(params, grads, [opt.state[p] for p in params], hyper, grad_mul=0.25)
+    for p, s, before in zip(params, saved, state):
+        torch.testing.assert_close(p, s, rtol=1e-6, atol=1e-7)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(opt.state[p][key], before[key], rtol=1e-5, atol=1e-9)
+
+
+def test_trainer_speculates_on_the_last_micro_batch_and_matches_plain_trainer(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from stronghold_hf import StrongholdTrainer, StrongholdTrainingArguments
+    from test_trainer import COMMON, TinyDataset
+
+    kw = dict(COMMON, max_grad_norm=1e6, max_steps=5)  # no clipping: the guess holds from step 2 on
+    ref = tiny_model("gpt2")
+    model = copy.deepcopy(ref)
+    t_ref = Trainer(model=ref, args=TrainingArguments(output_dir=str(tmp_path / "a"), **kw),
+                    train_dataset=TinyDataset("gpt2"))
+    t_ref.train()
+    t = StrongholdTrainer(model=model, args=StrongholdTrainingArguments(output_dir=str(tmp_path / "b"), stronghold=True,
+                                                                        stronghold_window_size="1", **kw),
+                          train_dataset=TinyDataset("gpt2"))
+    t.train()
+    losses = [h["loss"] for h in t.state.log_history if "loss" in h]
+    assert losses == pytest.approx([h["loss"] for h in t_ref.state.log_history if "loss" in h], rel=1e-4)
+    policy = t.stronghold_engine.coordinator.policy
+    assert policy.hits == 4 and policy.misses == 0  # accumulation: only the window's last micro-batch speculates
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-4, atol=SLACK, msg=lambda m: f"{k}: {m}")
