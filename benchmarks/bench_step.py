@@ -72,6 +72,9 @@ import torch  # noqa: E402
 #: dilute the ratio; the gpt2-* presets keep GPT-2's 50257.
 PRESETS: dict[str, dict[str, int]] = {
     "smoke": dict(n_embd=64, n_layer=2, n_head=2, vocab_size=256, seq=32, batch=2),
+    # examples/run_clm.py with no arguments: 4 x 128 GPT-2, the 8192-token embedded tokenizer,
+    # block_size 128, batch 8.
+    "embedded-default": dict(n_embd=128, n_layer=4, n_head=4, vocab_size=8192, seq=128, batch=8),
     "bench-small": dict(n_embd=384, n_layer=6, n_head=6, vocab_size=8192, seq=128, batch=4),
     "bench-medium": dict(n_embd=512, n_layer=8, n_head=8, vocab_size=8192, seq=128, batch=4),
     "gpt2-small-like": dict(n_embd=768, n_layer=12, n_head=12, vocab_size=50257, seq=512, batch=8),
@@ -80,7 +83,8 @@ PRESETS: dict[str, dict[str, int]] = {
 }
 
 SUMMARY_KEYS = (
-    "ratio_offload_vs_plain", "ratios_by_window", "tokens_per_s", "stats_per_step", "cpu_adam_hidden_fraction",
+    "ratio_offload_vs_plain", "ratio_offload_vs_plain_paired", "ratios_by_window", "tokens_per_s", "stats_per_step",
+    "cpu_adam_hidden_fraction", "first_block_ready_fraction", "forward_stall_fraction", "speculation",
     "target_ratio_cpu", "meets_target",
 )
 
@@ -143,7 +147,7 @@ def _autocast(device: torch.device, precision: str):
     return contextlib.nullcontext()
 
 
-def plain_variant(base, device: torch.device, precision: str, lr: float) -> Variant:
+def plain_variant(base, device: torch.device, precision: str, lr: float, max_norm: float) -> Variant:
     model = copy.deepcopy(base).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, fused=True)
     sync = _sync_fn(device)
@@ -157,7 +161,7 @@ def plain_variant(base, device: torch.device, precision: str, lr: float) -> Vari
         loss.backward()
         sync()
         t2 = time.perf_counter()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         sync()
         t3 = time.perf_counter()
         opt.step()
@@ -169,16 +173,20 @@ def plain_variant(base, device: torch.device, precision: str, lr: float) -> Vari
     return Variant("plain", step)
 
 
-def offload_variant(base, device: torch.device, precision: str, lr: float, window_size: int, cpu_threads: int | None) -> Variant:
+def offload_variant(base, device: torch.device, precision: str, lr: float, window_size: int, cpu_threads: int | None,
+                    speculative: str, max_norm: float) -> Variant:
     from stronghold_hf import StrongholdConfig, offload_model
 
     model = copy.deepcopy(base)
     cfg = StrongholdConfig(
-        window_size=window_size, cpu_threads=cpu_threads,
+        window_size=window_size, cpu_threads=cpu_threads, speculative_step=speculative,
         param_dtype=torch.bfloat16 if precision == "bf16" else None,
     )
     engine = offload_model(model, cfg, device=device)
     opt = engine.build_optimizer(lr=lr, weight_decay=0.01)
+    # This loop steps after every backward and clips only through the engine: what the Trainer
+    # tells the engine, so "auto" may speculate.
+    engine.coordinator.step_signal = lambda: True
     sync = _sync_fn(device)
 
     def step(b: dict) -> dict[str, float]:
@@ -190,7 +198,7 @@ def offload_variant(base, device: torch.device, precision: str, lr: float, windo
         loss.backward()
         sync()
         t2 = time.perf_counter()
-        engine.clip_grad_norm_(1.0)
+        engine.clip_grad_norm_(max_norm)
         sync()
         t3 = time.perf_counter()
         opt.step()
@@ -199,22 +207,29 @@ def offload_variant(base, device: torch.device, precision: str, lr: float, windo
         t4 = time.perf_counter()
         return {"forward": t1 - t0, "backward": t2 - t1, "clip": t3 - t2, "step": t4 - t3, "loss": float(loss.detach())}
 
-    v = Variant(f"offload_w{window_size}", step, drain=engine.synchronize, engine=engine, window_size=window_size)
+    suffix = "" if speculative == "auto" else f"_spec_{speculative}"
+    v = Variant(f"offload_w{window_size}{suffix}", step, drain=engine.synchronize, engine=engine, window_size=window_size)
     return v
 
 
 # ---------------------------------------------------------------------------- measurement
+_COUNTERS = ("h2d_bytes", "d2h_bytes", "h2d_s", "d2h_s", "blocked_s", "cpu_adam_s", "fetches_on_demand",
+             "forward_stall_s", "update_total_s", "first_block_ready_s", "speculative_update_s", "rollback_s",
+             "speculated_blocks", "speculation_hits", "speculation_misses", "steps")
+
+
 def run_block(v: Variant, batches: list[dict], start: int, n: int, record: bool) -> None:
     """``n`` steps of one variant; the first is not counted (see the module docstring)."""
     engine = v.engine
     if engine is not None:
         engine.stats.reset()
-    blocked_counted = 0.0
+    blocked_counted = stall_counted = 0.0
     counted: list[float] = []
     for k in range(n):
         b = batches[(start + k) % len(batches)]
         if engine is not None and k == 1:
-            blocked_counted = -engine.stats.blocked_s  # waits from step 1 on
+            s = engine.stats.as_dict()
+            blocked_counted, stall_counted = -s["blocked_s"], -s["forward_stall_s"]  # waits from step 1 on
         t0 = time.perf_counter()
         ph = v.step(b)
         dt = time.perf_counter() - t0
@@ -227,17 +242,18 @@ def run_block(v: Variant, batches: list[dict], start: int, n: int, record: bool)
     if counted:
         v.round_medians.append(statistics.median(counted))
     if engine is not None:
-        stats = engine.stats
-        blocked_counted += stats.blocked_s
-        h2d, d2h, h2d_s, d2h_s, fod = stats.h2d_bytes, stats.d2h_bytes, stats.h2d_s, stats.d2h_s, stats.fetches_on_demand
+        s = engine.stats.as_dict()
+        blocked_counted += s["blocked_s"]
+        stall_counted += s["forward_stall_s"]
     v.drain()
     if engine is not None and record and n >= 2:
         # Updates of all n steps have finished now; copies were made by all n steps.
-        s = engine.stats
-        v.counters.append({
-            "h2d_bytes": h2d / n, "d2h_bytes": d2h / n, "h2d_s": h2d_s / n, "d2h_s": d2h_s / n,
-            "blocked_s": blocked_counted / (n - 1), "cpu_adam_s": s.cpu_adam_s / n, "fetches_on_demand": fod / n,
-        })
+        s = engine.stats.as_dict()
+        row = {k: s[k] / n for k in _COUNTERS if k not in ("blocked_s", "forward_stall_s")}
+        row["blocked_s"] = blocked_counted / (n - 1)
+        row["forward_stall_s"] = stall_counted / (n - 1)
+        row["step_s"] = statistics.median(counted)
+        v.counters.append(row)
 
 
 def measure(variants: list[Variant], batches: list[dict], warmup: int, rounds: int, block_steps: int,
@@ -281,8 +297,20 @@ def report(v: Variant, tokens_per_step: int, device: torch.device, plain_v: Vari
         keys = v.counters[0].keys()
         per_step = {k: _median([c[k] for c in v.counters]) for k in keys}
         row["stats_per_step"] = {k: (int(x) if k.endswith("_bytes") else round(x, 4)) for k, x in per_step.items()}
-        adam = per_step["cpu_adam_s"]
+        adam = per_step["cpu_adam_s"] + per_step["speculative_update_s"]
         row["cpu_adam_hidden_fraction"] = round(1.0 - per_step["blocked_s"] / adam, 3) if adam > 0 else None
+        total = per_step["update_total_s"]
+        # How soon the next forward can start: block 0's update over all of the step's CPU work.
+        row["first_block_ready_fraction"] = round(per_step["first_block_ready_s"] / total, 3) if total > 0 else None
+        row["forward_stall_fraction"] = round(per_step["forward_stall_s"] / per_step["step_s"], 3)
+        spec_steps = sum(c["speculation_hits"] + c["speculation_misses"] for c in v.counters)
+        misses = sum(c["speculation_misses"] for c in v.counters)
+        row["speculation"] = {
+            "speculated_blocks_per_step": round(per_step["speculated_blocks"], 2),
+            "miss_rate": round(misses / spec_steps, 3) if spec_steps else None,
+            # Update work moved into backward, minus what was undone and redone on misses.
+            "net_time_saved_s_per_step": round(per_step["speculative_update_s"] - 2 * per_step["rollback_s"], 4),
+        }
     return row
 
 
@@ -301,6 +329,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                    help="bf16: autocast for both variants and bf16 device copies of the offloaded blocks")
     p.add_argument("--cpu_threads", type=int, default=None, help="StrongholdConfig.cpu_threads (default: auto)")
+    p.add_argument("--speculative", default="auto", help="StrongholdConfig.speculative_step of the offloaded variants; "
+                   "a comma-separated list (auto,off) adds one variant per value for the first window")
+    p.add_argument("--max_grad_norm", type=float, default=1.0, help="global clip (HF's default 1.0)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the training thread")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps per variant")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds")
@@ -394,9 +425,14 @@ def main(argv=None) -> int:
         meta["gpu"] = torch.cuda.get_device_name(device)
     emit(meta)
 
-    variants = [plain_variant(base, device, args.precision, args.lr)]
+    variants = [plain_variant(base, device, args.precision, args.lr, args.max_grad_norm)]
+    modes = [m.strip() for m in args.speculative.split(",") if m.strip()]
     for w in args.windows:
-        variants.append(offload_variant(base, device, args.precision, args.lr, w, args.cpu_threads))
+        variants.append(offload_variant(base, device, args.precision, args.lr, w, args.cpu_threads, modes[0],
+                                        args.max_grad_norm))
+    for mode in modes[1:]:
+        variants.append(offload_variant(base, device, args.precision, args.lr, args.windows[0], args.cpu_threads, mode,
+                                        args.max_grad_norm))
     del base
     if args.profile:
         profile_variants(variants, batches, args.profile)
@@ -416,11 +452,15 @@ def main(argv=None) -> int:
         "mode": args.mode, "window_size": first["window_size"], "rounds_run": rounds_run,
         "ratio_offload_vs_plain": first["ratio_vs_plain"],
         "ratio_offload_vs_plain_paired": first["ratio_vs_plain_paired"]["median"],
-        "ratios_by_window": {str(r["window_size"]): r["ratio_vs_plain"] for r in rows},
+        "ratios_by_window": {str(r["window_size"]): r["ratio_vs_plain"] for r in rows if "_spec_" not in r["variant"]},
+        "ratios_by_variant": {r["variant"]: r["ratio_vs_plain_paired"]["median"] for r in rows},
         "tokens_per_s": {r["variant"]: r["tokens_per_s"] for r in [plain, *rows]},
         "median_step_s": {r["variant"]: r["median_step_s"] for r in [plain, *rows]},
         "stats_per_step": first.get("stats_per_step"),
         "cpu_adam_hidden_fraction": first.get("cpu_adam_hidden_fraction"),
+        "first_block_ready_fraction": first.get("first_block_ready_fraction"),
+        "forward_stall_fraction": first.get("forward_stall_fraction"),
+        "speculation": {r["variant"]: r.get("speculation") for r in rows},
         "target_ratio_cpu": 0.85,
         "meets_target": bool(first["ratio_vs_plain"] >= 0.85) if device.type == "cpu" else None,
     }

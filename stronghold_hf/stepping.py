@@ -106,6 +106,21 @@ class StepCoordinator:
         self._tickets[block.index] = ticket
         return ticket
 
+    def run_inline(self, block, label: str, fn, *, counter: str = "cpu_adam_s") -> None:
+        """Runs one block's CPU work on the training thread (the block the next forward needs first)."""
+        stats = self.engine.stats
+        t0 = time.perf_counter()
+        try:
+            fn()
+        except Exception as err:  # the same message a worker task's failure gets
+            raise RuntimeError(f"stronghold: {label} of block {block.fqn} failed: {err!r}") from err
+        t1 = time.perf_counter()
+        stats.add(counter, t1 - t0)
+        stats.add("update_total_s", t1 - t0)
+        if self._first_ticket is None and self._step_started_at is not None:
+            stats.add("first_block_ready_s", t1 - self._step_started_at)
+            self._first_ticket = False  # accounted
+
     def begin_updates(self) -> None:
         self._step_started_at = time.perf_counter()
         self._first_ticket = None
@@ -113,14 +128,18 @@ class StepCoordinator:
 
     def note_first_block(self, block) -> None:
         """The first block the next forward needs has its last task queued: time it from the step."""
-        if self._first_ticket is None:
-            self._first_ticket = self._tickets.get(block.index)
-            if self._first_ticket is None:  # already up to date (its speculative update finished)
-                self._first_ticket = False
+        if self._first_ticket is not None:
+            return
+        ticket = self._tickets.get(block.index)
+        if ticket is not None and not ticket.done():
+            self._first_ticket = ticket
+        else:  # already up to date (its speculative update finished during backward)
+            self.engine.stats.add("first_block_ready_s", 0.0)
+            self._first_ticket = False
 
     def _account_first_block(self) -> None:
         ticket, started = self._first_ticket, self._step_started_at
-        if ticket is None or started is None:
+        if ticket is None or ticket is False or started is None:
             return
         ready = 0.0 if ticket is False or ticket.finished_at is None else max(0.0, ticket.finished_at - started)
         self.engine.stats.add("first_block_ready_s", ready)

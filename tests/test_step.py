@@ -119,19 +119,29 @@ def test_no_threads_left_after_shutdown():
     assert not thread.is_alive() and not engine.worker.running
 
 
-def test_worker_exception_reaches_caller():
+def test_update_exceptions_reach_the_caller_naming_the_block():
     model = tiny_model("gpt2")
     engine = offload_model(model, StrongholdConfig(window_size=1), device="cpu")
     opt = engine.build_optimizer(lr=1e-2)
     model(**batch("gpt2", seed=0)).loss.backward()
+    step_groups = opt.cpu_optimizer.step_groups
+    failing = set(opt.block_groups[1])
 
-    def boom(*args, **kwargs):
-        raise FloatingPointError("injected")
+    def boom(groups, **kwargs):
+        if failing & set(groups):
+            raise FloatingPointError("injected")
+        return step_groups(groups, **kwargs)
 
     opt.cpu_optimizer.step_groups = boom
-    opt.step()
+    opt.step()  # block 0 runs on the training thread and succeeds; block 1 fails on the worker
+    with pytest.raises(RuntimeError, match=r"transformer\.h\.1.*injected"):
+        model(**batch("gpt2", seed=1)).loss.backward()  # raised at the block's next use
+    failing.update(opt.block_groups[0])
+    model.zero_grad()
+    engine.coordinator._tickets.clear()
+    model(**batch("gpt2", seed=2)).loss.backward()
     with pytest.raises(RuntimeError, match=r"transformer\.h\.0.*injected"):
-        model(**batch("gpt2", seed=1)).loss.backward()
+        opt.step()  # block 0's own failure surfaces in step()
 
 
 def test_fp16_overflow_skips_everywhere_and_backs_off():

@@ -112,9 +112,9 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         # one it read; otherwise it is undone and the block is updated normally.
         guess_holds = (not found_inf and clip_coef == 1.0 and not hyper_changed
                        and all(b.spec.grad_mul == inv_scale for b in speculated))
-        if self.device_optimizer is not None and not found_inf:
-            self.device_optimizer.step()
-        coordinator.begin_updates()
+        # Plan every block first, then queue the CPU work in one go: the worker starts on block 0
+        # while this thread moves on, instead of contending for the GIL with the planning loop.
+        plan: list[tuple[Any, str, Any, str]] = []  # (block, label, task, counter)
         hits = misses = 0
         for block in engine.blocks:  # forward order: block 0, needed first, is updated first
             groups = self.block_groups.get(block.index)
@@ -134,21 +134,41 @@ class StrongholdOptimizer(torch.optim.Optimizer):
                     )
                 if guess_holds and block.grads_match(grads, record.grads):
                     hits += 1
-                    coordinator.note_first_block(block)
+                    plan.append((block, "", None, ""))  # already updated during backward
                     self._release_grads(block)
                     continue
                 misses += 1
-                coordinator.submit(block, "the rollback of a speculative update",
-                                   partial(self.undo_speculation, block, record), counter="rollback_s")
+                plan.append((block, "the rollback of a speculative update", partial(self.undo_speculation, block, record),
+                             "rollback_s"))
             if found_inf or all(g is None for _, g in grads):
                 continue
-            task = partial(self._update_block, block, groups, grads, clip_coef * inv_scale)
-            if self._asynchronous:
-                coordinator.submit(block, "the CPU optimizer update", task)
-                coordinator.note_first_block(block)
-            else:
-                task()
+            plan.append((block, "the CPU optimizer update",
+                         partial(self._update_block, block, groups, grads, clip_coef * inv_scale), "cpu_adam_s"))
             self._release_grads(block)
+        if self.device_optimizer is not None and not found_inf:
+            # Before the CPU work: on a GPU it is a few asynchronous launches; on a CPU-only
+            # device it would otherwise compete with the worker for the same cores.
+            self.device_optimizer.step()
+        coordinator.begin_updates()
+        # Block 0 first, on this thread: the next forward needs it before anything else, and
+        # handing it to the worker would add the worker's wake-up to the forward's wait. The
+        # worker takes the other blocks once it is done, in order, each with every core.
+        if plan and plan[0][2] is None:
+            coordinator.note_first_block(plan[0][0])  # validated speculation: block 0 is (nearly) ready
+        inline = self._asynchronous and next((e for e in plan if e[2] is not None), None)
+        if inline:
+            coordinator.wait_update(inline[0], forward=False)  # its speculative update, if any, ran first
+            for block, label, task, counter in plan:
+                if block is inline[0] and task is not None:
+                    coordinator.run_inline(block, label, task, counter=counter)
+        for block, label, task, counter in plan:
+            if inline and block is inline[0]:
+                continue
+            if task is not None and self._asynchronous:
+                coordinator.submit(block, label, task, counter=counter)
+            elif task is not None:
+                task()
+            coordinator.note_first_block(block)
         if speculated:
             engine.stats.add("speculation_hits" if misses == 0 else "speculation_misses", 1)
         coordinator.policy.record_step(clean=not found_inf and clip_coef == 1.0, speculated=bool(speculated),
