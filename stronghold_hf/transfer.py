@@ -142,6 +142,7 @@ class TransferContext:
         self.ledger = ledger
         self.stats = stats
         self.mode: TransferMode
+        self._timed: list[tuple[str, object, object]] = []  # CUDA: (counter, start event, end event)
         if device.type == "cuda":
             self.mode = "cuda"
             self.h2d_stream = torch.cuda.Stream(device=device)
@@ -184,11 +185,13 @@ class TransferContext:
         if self.mode == "delayed":
             return self._h2d_thread.submit(dst, src)
         after = self.compute_event()  # see [Note: allocation stream]
-        event = torch.cuda.Event()
+        start, event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.h2d_stream):
             self.h2d_stream.wait_event(after)
+            start.record(self.h2d_stream)
             dst.copy_(src, non_blocking=True)
             event.record(self.h2d_stream)
+        self._timed.append(("h2d_s", start, event))
         return event
 
     def device_wait(self, event) -> None:
@@ -214,12 +217,30 @@ class TransferContext:
         if self.mode == "delayed":
             return self._d2h_thread.submit(dst, src)
         ready = self.compute_event()
-        event = torch.cuda.Event()
+        start, event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.d2h_stream):
             self.d2h_stream.wait_event(ready)
+            start.record(self.d2h_stream)
             dst.copy_(src, non_blocking=True)
             event.record(self.d2h_stream)
+        self._timed.append(("d2h_s", start, event))
         return event
+
+    def collect_timings(self) -> None:
+        """CUDA: adds the measured durations of the copies that have completed to the counters.
+
+        Copy times come from events on the copy streams, not from the host clock (the host
+        returns from a non-blocking copy at once). Only completed pairs are read, so this never
+        waits; it runs at the end of each backward and when the counters are read."""
+        if not self._timed:
+            return
+        pending = []
+        for counter, start, end in self._timed:
+            if end.query():
+                self.stats.add(counter, start.elapsed_time(end) / 1e3)
+            else:
+                pending.append((counter, start, end))
+        self._timed = pending
 
     def host_wait(self, event) -> None:
         """Blocks the host until ``event`` completed; afterwards the copy's bytes may be read."""

@@ -227,6 +227,7 @@ class WindowEngine:
         optimizer's state. ``blocks_resident``, ``grads_in_flight``: right now.
         ``h2d_bytes``, ``d2h_bytes``, ``fetches``: cumulative. ``host_bytes_per_param``: host
         bytes over offloaded parameters."""
+        self.transfer.collect_timings()
         out: dict[str, float] = dict(self.ledger.snapshot())
         opt_bytes = self.coordinator.optimizer_state_bytes()
         out["optimizer_state_bytes"] = opt_bytes
@@ -509,6 +510,7 @@ class WindowEngine:
         self.grad_queue.drain()
         self.grad_queue.release_device_buffers()
         self.coordinator.speculating = False
+        self.transfer.collect_timings()
         if distributed.world_size() > 1:
             distributed.average_grads_(self.coordinator.resident_grads())
         for b in self.blocks:

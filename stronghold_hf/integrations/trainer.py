@@ -376,8 +376,8 @@ class _StrongholdTrainerMixin:
         now = time.perf_counter()
         wall = max(now - self._stronghold_log_t0, 1e-9)
         steps = max(1, self.state.global_step - self._stronghold_log_steps)
+        mem = engine.memory_stats()  # the ledger (and, on CUDA, the copy times measured by events)
         counters = stats.as_dict()
-        mem = engine.memory_stats()  # the ledger: what the engine holds on the device and the host
         out = {
             "stronghold_window_size": engine.window_size,
             "stronghold_h2d_GBps": round(counters["h2d_bytes"] / wall / 1e9, 3),
