@@ -212,6 +212,53 @@ def offload_variant(base, device: torch.device, precision: str, lr: float, windo
     return v
 
 
+def zero_offload_variant(base, device: torch.device, precision: str, lr: float, max_norm: float) -> Variant | None:
+    """DeepSpeed ZeRO-2 with the optimizer on the CPU (ZeRO-Offload), when `deepspeed` imports.
+
+    Never a dependency of this project: on a machine without it the variant is skipped."""
+    import importlib.util
+    import socket
+
+    if device.type != "cuda" or importlib.util.find_spec("deepspeed") is None:
+        return None
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(port)).items():
+        os.environ.setdefault(key, value)
+    try:
+        import deepspeed
+
+        model = copy.deepcopy(base)
+        cfg = {
+            "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": max_norm,
+            "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01}},
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+            "bf16": {"enabled": precision == "bf16"},
+        }
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    except Exception as err:  # a broken DeepSpeed install must not cost the other variants their run
+        emit({"bench": "step", "variant": "zero_offload", "error": f"{type(err).__name__}: {err}"[:300]})
+        return None
+    sync = _sync_fn(device)
+
+    def step(b: dict) -> dict[str, float]:
+        t0 = time.perf_counter()
+        loss = engine(**b).loss
+        sync()
+        t1 = time.perf_counter()
+        engine.backward(loss)
+        sync()
+        t2 = time.perf_counter()
+        engine.step()
+        sync()
+        t3 = time.perf_counter()
+        return {"forward": t1 - t0, "backward": t2 - t1, "clip": 0.0, "step": t3 - t2, "loss": float(loss.detach())}
+
+    return Variant("zero_offload", step)
+
+
 # ---------------------------------------------------------------------------- measurement
 _COUNTERS = ("h2d_bytes", "d2h_bytes", "h2d_s", "d2h_s", "blocked_s", "cpu_adam_s", "fetches_on_demand",
              "forward_stall_s", "update_total_s", "first_block_ready_s", "speculative_update_s", "rollback_s",
@@ -433,6 +480,9 @@ def main(argv=None) -> int:
     for mode in modes[1:]:
         variants.append(offload_variant(base, device, args.precision, args.lr, args.windows[0], args.cpu_threads, mode,
                                         args.max_grad_norm))
+    zero = zero_offload_variant(base, device, args.precision, args.lr, args.max_grad_norm)
+    if zero is not None:
+        variants.append(zero)
     del base
     if args.profile:
         profile_variants(variants, batches, args.profile)
@@ -445,7 +495,8 @@ def main(argv=None) -> int:
     for row in rows:
         emit(row)
     for v in variants[1:]:
-        v.engine.close()
+        if v.engine is not None:
+            v.engine.close()
     first = rows[0]
     summary = {
         "bench": "step", "summary": True, "device": str(device), "model": args.preset, "params": n_params,
@@ -460,7 +511,9 @@ def main(argv=None) -> int:
         "cpu_adam_hidden_fraction": first.get("cpu_adam_hidden_fraction"),
         "first_block_ready_fraction": first.get("first_block_ready_fraction"),
         "forward_stall_fraction": first.get("forward_stall_fraction"),
-        "speculation": {r["variant"]: r.get("speculation") for r in rows},
+        "speculation": {r["variant"]: r.get("speculation") for r in rows if "speculation" in r},
+        "ratio_offload_vs_zero_offload": next(
+            (round(first["tokens_per_s"] / r["tokens_per_s"], 3) for r in rows if r["variant"] == "zero_offload"), None),
         "target_ratio_cpu": 0.85,
         "meets_target": bool(first["ratio_vs_plain"] >= 0.85) if device.type == "cpu" else None,
     }

@@ -11,7 +11,9 @@
 #                                    deep == shallow peak, a model 3x the capped device trains
 #   bench_memory.py             60   the ledger at 4/16/64 blocks next to torch.cuda.max_memory_allocated,
 #                                    and the deepest model under a cap of 1/3 of its blocks
-#   bench_step.py (fp32)        90   plain vs offloaded W=1,2,4 on a GPT-2-medium-like model
+#   bench_step.py (fp32)        90   plain vs offloaded W=1,2,4 (+ speculation off, + DeepSpeed ZeRO-Offload
+#                                    when it imports) on a GPT-2-medium-like model: paired ratios,
+#                                    first_block_ready_fraction, forward_stall_fraction, miss rate
 #   bench_max_model.py --quick  110  largest trainable model under a 32 GB cap
 #   bench_train.py --quick      90   HF Trainer: plain vs --stronghold (auto, 1, 2), FSDP2 offload
 #   bench_step.py (bf16)        rest only if at least 60 s of the 8 minutes are left
@@ -101,7 +103,7 @@ run_piece "bench_memory cuda" 60 "$OUT_DIR/bench_memory_cuda.jsonl" \
 # after 70 s.
 run_piece "bench_step cuda fp32" 90 "$OUT_DIR/bench_step_cuda.jsonl" \
     python benchmarks/bench_step.py --device cuda --model gpt2-medium-like --n_embd 1024 --n_layer 24 \
-    --seq 512 --batch 8 --windows 1,2,4 --warmup 2 --rounds 3 --block_steps 3 --time_budget_s 70
+    --seq 512 --batch 8 --windows 1,2,4 --speculative auto,off --warmup 2 --rounds 3 --block_steps 3 --time_budget_s 70
 
 # ---------------------------------------------------------------------------- bench_max_model (110 s)
 # hidden 2048, 16 heads; --quick: seq 512, batch 2, host RAM capped at 48 GiB; search budget 80 s
