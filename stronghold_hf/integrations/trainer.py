@@ -390,6 +390,13 @@ class _StrongholdTrainerMixin:
             "stronghold_pageable_host_GiB": round(mem["pageable_host_bytes"] / 2**30, 4),
             "stronghold_host_bytes_per_param": round(mem["host_bytes_per_param"], 3),
             "stronghold_fetches": mem["fetches"],
+            # Speculative updates during backward (speculation.py): how many blocks, how often the
+            # guess missed since training began, the update time moved into backward and the
+            # rollback time paid for misses, per step.
+            "stronghold_speculated_blocks": round(counters["speculated_blocks"] / steps, 2),
+            "stronghold_speculation_miss_rate": round(engine.coordinator.policy.miss_rate, 3),
+            "stronghold_speculative_update_ms": round(1e3 * counters["speculative_update_s"] / steps, 3),
+            "stronghold_rollback_ms": round(1e3 * counters["rollback_s"] / steps, 3),
         }
         stats.reset()
         self._stronghold_log_t0, self._stronghold_log_steps = now, self.state.global_step
