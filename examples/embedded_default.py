@@ -40,7 +40,7 @@ import sysconfig
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Literal
+from typing import Iterable, Iterator, Literal, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +177,22 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _atomic_write_csv(path: Path, header: list[str], rows: Iterable[Sequence[str]]) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(header)
+        writer.writerows(rows)
+    os.replace(tmp, path)
+
+
+def _split_csv_paths(task: str) -> dict[str, Path]:
+    """The ``train``/``validation`` CSV paths of a cached task folder (the folder is created)."""
+    out_dir = cache_dir() / task
+    out_dir.mkdir(exist_ok=True)
+    return {split: out_dir / f"{split}.csv" for split in ("train", "validation")}
+
+
 def load_corpus(max_bytes: int | None = None) -> list[Docstring]:
     """The docstring corpus, capped at ``max_bytes`` of text (default: `corpus_bytes_cap`), cached."""
     max_bytes = max_bytes or corpus_bytes_cap()
@@ -304,35 +320,35 @@ def tokenizer_dir(kind: TokenizerKind, vocab_size: int = DEFAULT_VOCAB_SIZE) -> 
 
 
 # -------------------------------------------------------------------------------------- configs
-def default_config(kind: TokenizerKind, tokenizer, overrides: str | None = None):
-    """A tiny model config of ``kind`` sized for ``tokenizer``; ``overrides`` as in ``--config_overrides``.
+def default_config(kind: TokenizerKind, tokenizer, **overrides):
+    """A tiny model config of ``kind`` sized for ``tokenizer``; ``overrides`` are constructor arguments.
 
-    4 layers of width 128: a few hundred steps on two CPU cores visibly lower the loss.
+    4 layers of width 128: a few hundred steps on two CPU cores visibly lower the loss. The
+    overrides go to the constructor, so derived values follow them (T5's decoder has
+    ``num_layers`` layers unless ``num_decoder_layers`` is given).
     """
     from transformers import BertConfig, GPT2Config, T5Config
 
     vocab_size = len(tokenizer)
     if kind == "gpt":
-        config = GPT2Config(
+        config_class, init = GPT2Config, dict(
             vocab_size=vocab_size, n_positions=256, n_embd=128, n_layer=4, n_head=4,
             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         )
     elif kind == "bert":
-        config = BertConfig(
+        config_class, init = BertConfig, dict(
             vocab_size=vocab_size, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
             intermediate_size=512, max_position_embeddings=256, pad_token_id=tokenizer.pad_token_id,
         )
     elif kind == "t5":
-        config = T5Config(
-            vocab_size=vocab_size, d_model=128, d_kv=32, d_ff=512, num_layers=4, num_decoder_layers=4,
-            num_heads=4, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        config_class, init = T5Config, dict(
+            vocab_size=vocab_size, d_model=128, d_kv=32, d_ff=512, num_layers=4, num_heads=4,
+            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
             decoder_start_token_id=tokenizer.pad_token_id,
         )
     else:
         raise ValueError(f"Unknown model kind {kind!r}; use 'gpt', 'bert' or 't5'.")
-    if overrides:
-        config.update_from_string(overrides)
-    return config
+    return config_class(**{**init, **overrides})
 
 
 # ---------------------------------------------------------------------------- downstream task
@@ -392,11 +408,9 @@ def topic_classification_files() -> dict[str, str]:
     Validation rows may also be in the pretraining corpus of `run_mlm.py`, as unlabeled text.
     """
     tag = f"py{sys.version_info.major}{sys.version_info.minor}-v{FORMAT_VERSION}"
-    out_dir = cache_dir() / f"glue-topic-{tag}"
-    paths = {split: out_dir / f"{split}.csv" for split in ("train", "validation")}
+    paths = _split_csv_paths(f"glue-topic-{tag}")
     if all(p.exists() for p in paths.values()):
         return {k: str(v) for k, v in paths.items()}
-    out_dir.mkdir(exist_ok=True)
     rows: dict[str, dict[str, list[str]]] = {s: {t: [] for t in TOPICS} for s in paths}
     for topic, doc in _topic_docstrings():
         words = doc.text.replace("\n", " ").split()
@@ -409,10 +423,6 @@ def topic_classification_files() -> dict[str, str]:
             raise RuntimeError(f"This Python's stdlib has no {split} docstrings for one of the topics {sorted(TOPICS)}.")
         table = [(text, topic) for topic, texts in by_topic.items() for text in rng.sample(texts, n)]
         rng.shuffle(table)
-        fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:
-            writer = csv.writer(fh)
-            writer.writerow(["sentence", "label"])
-            writer.writerows(table)
-        os.replace(tmp, paths[split])
+        _atomic_write_csv(paths[split], ["sentence", "label"], table)
     return {k: str(v) for k, v in paths.items()}
+
