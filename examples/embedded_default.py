@@ -426,3 +426,70 @@ def topic_classification_files() -> dict[str, str]:
         _atomic_write_csv(paths[split], ["sentence", "label"], table)
     return {k: str(v) for k, v in paths.items()}
 
+
+# ------------------------------------------------------------------------------- text-to-text task
+#: The text-to-text task reads at least this much of the corpus (whatever the corpus cap), so that
+#: it has about 2,000 pairs and a validation split of about 200 even when the cap is small (tests).
+SUMMARY_MIN_CORPUS_BYTES = 1_000_000
+SUMMARY_MAX_PAIRS = 4000
+SUMMARY_VALIDATION_PERCENT = 10
+SUMMARY_MAX_TARGET_WORDS = 32
+SUMMARY_MIN_SOURCE_WORDS = 8
+SUMMARY_MAX_SOURCE_WORDS = 96
+# A sentence ends at . ! or ? followed by a space and what can start a sentence ("e.g. the" does not).
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9`'\"(\[])")
+
+
+def split_sentences(text: str, maxsplit: int = 0) -> list[str]:
+    """``text`` cut after each ``.``, ``!`` or ``?`` that a space and a sentence start follow."""
+    return _SENTENCE_END.split(text, maxsplit=maxsplit)
+
+
+def first_sentence_pair(text: str) -> tuple[str, str] | None:
+    """``(rest, first_sentence)`` of a cleaned docstring, or ``None`` when it makes no usable pair.
+
+    The first sentence is the start of the first paragraph up to the first sentence end; the rest
+    is everything after it, on one line, cut to `SUMMARY_MAX_SOURCE_WORDS` words.
+    """
+    first_paragraph, _, later = text.partition("\n")
+    parts = split_sentences(first_paragraph, maxsplit=1)
+    target = parts[0].strip()
+    source = " ".join((parts[1:] + [later.replace("\n", " ")])).split()
+    if not 3 <= len(target.split()) <= SUMMARY_MAX_TARGET_WORDS or len(source) < SUMMARY_MIN_SOURCE_WORDS:
+        return None
+    return " ".join(source[:SUMMARY_MAX_SOURCE_WORDS]), target
+
+
+def docstring_summary_files() -> dict[str, str]:
+    """``{"train": csv, "validation": csv}`` for the default `run_seq2seq.py` task, columns ``text`` and ``summary``.
+
+    **Task: a docstring's first sentence from the rest of it.** PEP 257 docstrings open with a
+    one-sentence summary ("Return the payload as a string."); the source is the docstring after
+    that sentence (its details: arguments, return value, caveats), the target is the sentence.
+    Pairs need a summary of 3 to `SUMMARY_MAX_TARGET_WORDS` words and at least
+    `SUMMARY_MIN_SOURCE_WORDS` words of source; identical pairs are kept once, and at most
+    `SUMMARY_MAX_PAIRS` are taken in corpus order. A pair goes to validation when a hash of its
+    summary falls in a `SUMMARY_VALIDATION_PERCENT` % bucket, so docstrings repeated across classes
+    ("Return self.") never sit in both splits.
+    """
+    max_bytes = max(corpus_bytes_cap(), SUMMARY_MIN_CORPUS_BYTES)
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}-{max_bytes}-v{FORMAT_VERSION}"
+    paths = _split_csv_paths(f"summary-{tag}")
+    if all(p.exists() for p in paths.values()):
+        return {k: str(v) for k, v in paths.items()}
+    rows: dict[str, list[tuple[str, str]]] = {split: [] for split in paths}
+    seen: set[tuple[str, str]] = set()
+    for doc in load_corpus(max_bytes):
+        pair = first_sentence_pair(doc.text)
+        if pair is None or pair in seen:
+            continue
+        seen.add(pair)
+        split = "validation" if _bucket("summary:" + pair[1]) < SUMMARY_VALIDATION_PERCENT else "train"
+        rows[split].append(pair)
+        if len(seen) >= SUMMARY_MAX_PAIRS:
+            break
+    for split, table in rows.items():
+        if not table:
+            raise RuntimeError(f"The docstring corpus gave no {split} pairs for the summary task; raise {CORPUS_BYTES_ENV}.")
+        _atomic_write_csv(paths[split], ["text", "summary"], table)
+    return {k: str(v) for k, v in paths.items()}

@@ -2,7 +2,7 @@
 
 `example_env` builds the environment once per test session, whichever test module asks first:
 offline (``HF_HUB_OFFLINE=1``), a private ``HF_HOME``, and the embedded assets (a small corpus,
-the tokenizers, the fine-tuning task) built once in a cache every subprocess shares.
+the tokenizers, the fine-tuning tasks) built once in a cache every subprocess shares.
 `run_script` runs one script and returns its ``all_results.json``, after checking that the
 stronghold engine took the model exactly when ``--stronghold`` was passed and that no log record
 was printed twice.
@@ -65,7 +65,7 @@ def example_env(tmp_path_factory) -> dict[str, str]:
     # the test process's environment stays untouched.
     build = (
         "import embedded_default as e; e.text_files(); e.topic_classification_files(); "
-        "[e.tokenizer_dir(k) for k in ('gpt', 'bert', 't5')]"
+        "e.docstring_summary_files(); [e.tokenizer_dir(k) for k in ('gpt', 'bert', 't5')]"
     )
     subprocess.run([sys.executable, "-c", build], env=env, cwd=EXAMPLES, check=True, timeout=SCRIPT_TIMEOUT_S)
     env["_TEST_ROOT"] = str(root)

@@ -346,7 +346,7 @@ def test_embedded_assets(example_env, monkeypatch):
 
 #: Imports take about 4 s on two cores; a hub retry loop takes about 50 s.
 MISSING_MODEL_BOUND_S = 15.0
-SCRIPTS = ["run_clm.py", "run_mlm.py", "run_t5_mlm.py", "run_glue.py", "run_clm_no_trainer.py"]
+SCRIPTS = ["run_clm.py", "run_mlm.py", "run_t5_mlm.py", "run_glue.py", "run_clm_no_trainer.py", "run_seq2seq.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
