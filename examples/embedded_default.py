@@ -40,7 +40,7 @@ import sysconfig
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Literal
+from typing import Iterable, Iterator, Literal, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +177,22 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _atomic_write_csv(path: Path, header: list[str], rows: Iterable[Sequence[str]]) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(header)
+        writer.writerows(rows)
+    os.replace(tmp, path)
+
+
+def _split_csv_paths(task: str) -> dict[str, Path]:
+    """The ``train``/``validation`` CSV paths of a cached task folder (the folder is created)."""
+    out_dir = cache_dir() / task
+    out_dir.mkdir(exist_ok=True)
+    return {split: out_dir / f"{split}.csv" for split in ("train", "validation")}
+
+
 def load_corpus(max_bytes: int | None = None) -> list[Docstring]:
     """The docstring corpus, capped at ``max_bytes`` of text (default: `corpus_bytes_cap`), cached."""
     max_bytes = max_bytes or corpus_bytes_cap()
@@ -304,35 +320,35 @@ def tokenizer_dir(kind: TokenizerKind, vocab_size: int = DEFAULT_VOCAB_SIZE) -> 
 
 
 # -------------------------------------------------------------------------------------- configs
-def default_config(kind: TokenizerKind, tokenizer, overrides: str | None = None):
-    """A tiny model config of ``kind`` sized for ``tokenizer``; ``overrides`` as in ``--config_overrides``.
+def default_config(kind: TokenizerKind, tokenizer, **overrides):
+    """A tiny model config of ``kind`` sized for ``tokenizer``; ``overrides`` are constructor arguments.
 
-    4 layers of width 128: a few hundred steps on two CPU cores visibly lower the loss.
+    4 layers of width 128: a few hundred steps on two CPU cores visibly lower the loss. The
+    overrides go to the constructor, so derived values follow them (T5's decoder has
+    ``num_layers`` layers unless ``num_decoder_layers`` is given).
     """
     from transformers import BertConfig, GPT2Config, T5Config
 
     vocab_size = len(tokenizer)
     if kind == "gpt":
-        config = GPT2Config(
+        config_class, init = GPT2Config, dict(
             vocab_size=vocab_size, n_positions=256, n_embd=128, n_layer=4, n_head=4,
             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         )
     elif kind == "bert":
-        config = BertConfig(
+        config_class, init = BertConfig, dict(
             vocab_size=vocab_size, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
             intermediate_size=512, max_position_embeddings=256, pad_token_id=tokenizer.pad_token_id,
         )
     elif kind == "t5":
-        config = T5Config(
-            vocab_size=vocab_size, d_model=128, d_kv=32, d_ff=512, num_layers=4, num_decoder_layers=4,
-            num_heads=4, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        config_class, init = T5Config, dict(
+            vocab_size=vocab_size, d_model=128, d_kv=32, d_ff=512, num_layers=4, num_heads=4,
+            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
             decoder_start_token_id=tokenizer.pad_token_id,
         )
     else:
         raise ValueError(f"Unknown model kind {kind!r}; use 'gpt', 'bert' or 't5'.")
-    if overrides:
-        config.update_from_string(overrides)
-    return config
+    return config_class(**{**init, **overrides})
 
 
 # ---------------------------------------------------------------------------- downstream task
@@ -392,11 +408,9 @@ def topic_classification_files() -> dict[str, str]:
     Validation rows may also be in the pretraining corpus of `run_mlm.py`, as unlabeled text.
     """
     tag = f"py{sys.version_info.major}{sys.version_info.minor}-v{FORMAT_VERSION}"
-    out_dir = cache_dir() / f"glue-topic-{tag}"
-    paths = {split: out_dir / f"{split}.csv" for split in ("train", "validation")}
+    paths = _split_csv_paths(f"glue-topic-{tag}")
     if all(p.exists() for p in paths.values()):
         return {k: str(v) for k, v in paths.items()}
-    out_dir.mkdir(exist_ok=True)
     rows: dict[str, dict[str, list[str]]] = {s: {t: [] for t in TOPICS} for s in paths}
     for topic, doc in _topic_docstrings():
         words = doc.text.replace("\n", " ").split()
@@ -409,10 +423,73 @@ def topic_classification_files() -> dict[str, str]:
             raise RuntimeError(f"This Python's stdlib has no {split} docstrings for one of the topics {sorted(TOPICS)}.")
         table = [(text, topic) for topic, texts in by_topic.items() for text in rng.sample(texts, n)]
         rng.shuffle(table)
-        fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:
-            writer = csv.writer(fh)
-            writer.writerow(["sentence", "label"])
-            writer.writerows(table)
-        os.replace(tmp, paths[split])
+        _atomic_write_csv(paths[split], ["sentence", "label"], table)
+    return {k: str(v) for k, v in paths.items()}
+
+
+# ------------------------------------------------------------------------------- text-to-text task
+#: The text-to-text task reads at least this much of the corpus (whatever the corpus cap), so that
+#: it has about 2,000 pairs and a validation split of about 200 even when the cap is small (tests).
+SUMMARY_MIN_CORPUS_BYTES = 1_000_000
+SUMMARY_MAX_PAIRS = 4000
+SUMMARY_VALIDATION_PERCENT = 10
+SUMMARY_MAX_TARGET_WORDS = 32
+SUMMARY_MIN_SOURCE_WORDS = 8
+SUMMARY_MAX_SOURCE_WORDS = 96
+# A sentence ends at . ! or ? followed by a space and what can start a sentence ("e.g. the" does not).
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9`'\"(\[])")
+
+
+def split_sentences(text: str, maxsplit: int = 0) -> list[str]:
+    """``text`` cut after each ``.``, ``!`` or ``?`` that a space and a sentence start follow."""
+    return _SENTENCE_END.split(text, maxsplit=maxsplit)
+
+
+def first_sentence_pair(text: str) -> tuple[str, str] | None:
+    """``(rest, first_sentence)`` of a cleaned docstring, or ``None`` when it makes no usable pair.
+
+    The first sentence is the start of the first paragraph up to the first sentence end; the rest
+    is everything after it, on one line, cut to `SUMMARY_MAX_SOURCE_WORDS` words.
+    """
+    first_paragraph, _, later = text.partition("\n")
+    parts = split_sentences(first_paragraph, maxsplit=1)
+    target = parts[0].strip()
+    source = " ".join((parts[1:] + [later.replace("\n", " ")])).split()
+    if not 3 <= len(target.split()) <= SUMMARY_MAX_TARGET_WORDS or len(source) < SUMMARY_MIN_SOURCE_WORDS:
+        return None
+    return " ".join(source[:SUMMARY_MAX_SOURCE_WORDS]), target
+
+
+def docstring_summary_files() -> dict[str, str]:
+    """``{"train": csv, "validation": csv}`` for the default `run_seq2seq.py` task, columns ``text`` and ``summary``.
+
+    **Task: a docstring's first sentence from the rest of it.** PEP 257 docstrings open with a
+    one-sentence summary ("Return the payload as a string."); the source is the docstring after
+    that sentence (its details: arguments, return value, caveats), the target is the sentence.
+    Pairs need a summary of 3 to `SUMMARY_MAX_TARGET_WORDS` words and at least
+    `SUMMARY_MIN_SOURCE_WORDS` words of source; identical pairs are kept once, and at most
+    `SUMMARY_MAX_PAIRS` are taken in corpus order. A pair goes to validation when a hash of its
+    summary falls in a `SUMMARY_VALIDATION_PERCENT` % bucket, so docstrings repeated across classes
+    ("Return self.") never sit in both splits.
+    """
+    max_bytes = max(corpus_bytes_cap(), SUMMARY_MIN_CORPUS_BYTES)
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}-{max_bytes}-v{FORMAT_VERSION}"
+    paths = _split_csv_paths(f"summary-{tag}")
+    if all(p.exists() for p in paths.values()):
+        return {k: str(v) for k, v in paths.items()}
+    rows: dict[str, list[tuple[str, str]]] = {split: [] for split in paths}
+    seen: set[tuple[str, str]] = set()
+    for doc in load_corpus(max_bytes):
+        pair = first_sentence_pair(doc.text)
+        if pair is None or pair in seen:
+            continue
+        seen.add(pair)
+        split = "validation" if _bucket("summary:" + pair[1]) < SUMMARY_VALIDATION_PERCENT else "train"
+        rows[split].append(pair)
+        if len(seen) >= SUMMARY_MAX_PAIRS:
+            break
+    for split, table in rows.items():
+        if not table:
+            raise RuntimeError(f"The docstring corpus gave no {split} pairs for the summary task; raise {CORPUS_BYTES_ENV}.")
+        _atomic_write_csv(paths[split], ["text", "summary"], table)
     return {k: str(v) for k, v in paths.items()}

@@ -32,6 +32,7 @@ from script_utils import (
     CliDefault,
     add_perplexity,
     build_model,
+    check_model_sources,
     group_texts,
     load_config,
     load_raw_datasets,
@@ -118,6 +119,7 @@ def main(argv=None):
     )
     setup_logging(training_args)
     log_filled_defaults(filled, embedded_data)
+    check_model_sources(model_args)
     logger.info("Training arguments: stronghold=%s, window=%s", training_args.stronghold, training_args.stronghold_window_size)
     set_seed(training_args.seed)
 

@@ -42,12 +42,15 @@ import embedded_default
 from script_utils import (
     add_perplexity,
     build_model,
+    check_model_sources,
+    configure_logging,
     env_flag,
     given_flags,
     group_texts,
     load_config,
     load_raw_datasets,
     load_tokenizer,
+    log_filled_defaults,
     long_sequences_expected,
     take,
 )
@@ -178,13 +181,9 @@ def main(argv=None):
             "of stronghold_hf does not provide yet. Update stronghold_hf, or run without --stronghold."
         )
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
-    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", datefmt="%m/%d/%Y %H:%M:%S",
-                        level=logging.INFO if accelerator.is_local_main_process else logging.WARNING)
-    if args.embedded_data:
-        logger.info("No --dataset_name/--train_file given: using the embedded docstring corpus (cache: %s).",
-                    embedded_default.cache_dir())
-    if args.filled_defaults:
-        logger.info("Script defaults filled in: %s", " ".join(f"--{k} {v}" for k, v in args.filled_defaults.items()))
+    configure_logging(logging.INFO if accelerator.is_local_main_process else logging.WARNING)
+    log_filled_defaults(args.filled_defaults, args.embedded_data)
+    check_model_sources(args)
     set_seed(args.seed)
     if accelerator.is_main_process:
         os.makedirs(args.output_dir, exist_ok=True)

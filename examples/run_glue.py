@@ -49,6 +49,7 @@ from script_utils import (
     train_and_evaluate,
     CliDefault,
     build_model,
+    check_model_sources,
     load_config,
     load_metric,
     load_raw_datasets,
@@ -188,6 +189,7 @@ def main(argv=None):
     )
     setup_logging(training_args)
     log_filled_defaults(filled, embedded_data)
+    check_model_sources(model_args)
     if embedded_data:
         logger.info("Embedded task: docstring topic, %s vs %s (balanced; chance = 0.5).", *embedded_default.TOPICS)
     set_seed(training_args.seed)

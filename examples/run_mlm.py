@@ -35,6 +35,7 @@ from script_utils import (
     CliDefault,
     add_perplexity,
     build_model,
+    check_model_sources,
     group_texts,
     load_config,
     load_metric,
@@ -147,6 +148,7 @@ def main(argv=None):
     )
     setup_logging(training_args)
     log_filled_defaults(filled, embedded_data)
+    check_model_sources(model_args)
     set_seed(training_args.seed)
 
     with training_args.main_process_first(desc="loading the data"):

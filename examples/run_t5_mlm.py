@@ -33,6 +33,7 @@ from script_utils import (
     train_and_evaluate,
     CliDefault,
     build_model,
+    check_model_sources,
     group_texts,
     load_config,
     load_raw_datasets,
@@ -121,6 +122,7 @@ def main(argv=None):
     )
     setup_logging(training_args)
     log_filled_defaults(filled, embedded_data)
+    check_model_sources(model_args)
     set_seed(training_args.seed)
 
     with training_args.main_process_first(desc="loading the data"):

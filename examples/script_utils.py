@@ -14,11 +14,14 @@ A single ``.json`` argument works as in HF's scripts, with the same defaults.
 from __future__ import annotations
 
 import contextlib
+import difflib
+import functools
 import json
 import logging
 import math
 import os
 import sys
+import threading
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
@@ -104,6 +107,24 @@ def standard_defaults(script: str) -> list[CliDefault]:
 
 def setup_logging(training_args) -> None:
     """HF-style logging: INFO on the main process, the Trainer's level elsewhere."""
+    import transformers
+
+    if training_args.should_log:
+        # The default log_level is "passive": the process level follows transformers' verbosity.
+        transformers.utils.logging.set_verbosity_info()
+    configure_logging(training_args.get_process_log_level())
+
+
+def configure_logging(log_level: int) -> None:
+    """One formatted stdout handler on the root logger; each record printed once.
+
+    As in HF's scripts, the script's own loggers (and ``stronghold_hf``, which logs its window
+    choice, "stronghold: 4 blocks ..., window_size=2") go through `logging.basicConfig`'s handler;
+    transformers keeps its own handler (``enable_default_handler``, no propagation).
+    ``datasets`` installs a bare ``StreamHandler`` on its root logger *and* propagates to the root
+    logger, so each of its records would print twice, once unformatted on stderr and once
+    formatted; its handler is removed, and its records print once, formatted, like ours.
+    """
     import datasets
     import transformers
 
@@ -112,13 +133,14 @@ def setup_logging(training_args) -> None:
         datefmt="%m/%d/%Y %H:%M:%S",
         handlers=[logging.StreamHandler(sys.stdout)],
     )
-    if training_args.should_log:
-        transformers.utils.logging.set_verbosity_info()
-    log_level = training_args.get_process_log_level()
-    # stronghold_hf logs its window choice at INFO ("stronghold: 4 blocks ..., window_size=2").
     for name in ("__main__", __name__, embedded_default.__name__, "stronghold_hf"):
         logging.getLogger(name).setLevel(log_level)
     datasets.utils.logging.set_verbosity(log_level)
+    datasets_root = logging.getLogger("datasets")
+    for handler in list(datasets_root.handlers):
+        if type(handler) is logging.StreamHandler:  # the one datasets added at import
+            datasets_root.removeHandler(handler)
+    datasets_root.propagate = True
     transformers.utils.logging.set_verbosity(log_level)
     transformers.utils.logging.enable_default_handler()
     transformers.utils.logging.enable_explicit_format()
@@ -136,11 +158,13 @@ def log_filled_defaults(filled: dict[str, Any], embedded_data: bool) -> None:
 
 
 # ------------------------------------------------------------------------------------- data
-def _data_files(train_file: str | None, validation_file: str | None) -> tuple[str, dict[str, str]]:
-    files = {k: v for k, v in (("train", train_file), ("validation", validation_file)) if v}
+def _data_files(
+    train_file: str | None, validation_file: str | None, test_file: str | None = None
+) -> tuple[str, dict[str, str]]:
+    files = {k: v for k, v in (("train", train_file), ("validation", validation_file), ("test", test_file)) if v}
     extensions = {Path(p).suffix.lstrip(".") for p in files.values()}
     if len(extensions) != 1:
-        raise ValueError(f"--train_file and --validation_file must share one extension, got {sorted(extensions)}.")
+        raise ValueError(f"--train_file, --validation_file and --test_file must share one extension, got {sorted(extensions)}.")
     ext = extensions.pop()
     builder = {"txt": "text", "text": "text", "csv": "csv", "json": "json", "jsonl": "json"}.get(ext)
     if builder is None:
@@ -158,7 +182,8 @@ def load_raw_datasets(
     """A `DatasetDict` with ``train`` and ``validation`` from the hub, local files, or the embedded corpus.
 
     ``data_args`` needs ``dataset_name``, ``dataset_config_name``, ``train_file``,
-    ``validation_file`` and ``validation_split_percentage``. Without a validation file the last
+    ``validation_file`` and ``validation_split_percentage`` (and may have ``test_file``, which
+    becomes the ``test`` split). Without a validation file the last
     ``validation_split_percentage`` % of ``train`` becomes the validation split.
     """
     from datasets import DatasetDict, load_dataset
@@ -177,12 +202,13 @@ def load_raw_datasets(
             ) from err
     else:
         train_file, validation_file = data_args.train_file, data_args.validation_file
-        if train_file is None and validation_file is None:
+        test_file = getattr(data_args, "test_file", None)
+        if train_file is None and validation_file is None and test_file is None:
             if embedded_files is None:
                 raise ValueError("Pass --dataset_name or --train_file/--validation_file.")
             files = embedded_files()
             train_file, validation_file = files["train"], files.get("validation")
-        builder, files = _data_files(train_file, validation_file)
+        builder, files = _data_files(train_file, validation_file, test_file)
         kwargs = {"keep_linebreaks": keep_linebreaks} if builder == "text" else {}
         raw = load_dataset(builder, data_files=files, cache_dir=cache_dir, token=token, **kwargs)
     raw = DatasetDict(raw)
@@ -222,6 +248,83 @@ def take(dataset, n: int | None):
 
 
 # ------------------------------------------------------------------------------------ model
+#: How long `check_model_sources` waits for the hub to answer before calling it unreachable.
+HUB_PROBE_TIMEOUT_S = 5.0
+_SOURCE_FLAGS = ("model_name_or_path", "config_name", "tokenizer_name")
+
+
+def check_model_sources(model_args) -> None:
+    """Fails at once, naming the flag and the path, when a model source can be neither read nor downloaded.
+
+    ``from_pretrained`` takes a name that is not a local directory for a hub id. With no network
+    and without ``HF_HUB_OFFLINE=1`` it then retries for about 50 s, and offline it fails with a
+    message that does not name the path. Here a source must be a local directory (or, for
+    ``--config_name``, a JSON file), be in the hub cache, or be a hub id while the hub answers
+    within `HUB_PROBE_TIMEOUT_S`.
+    """
+    for flag in _SOURCE_FLAGS:
+        name = getattr(model_args, flag, None)
+        if name:
+            _check_source(flag, name, getattr(model_args, "cache_dir", None))
+
+
+def _check_source(flag: str, name: str, cache_dir: str | None) -> None:
+    import huggingface_hub
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    path = Path(name).expanduser()
+    if path.is_dir() or (flag == "config_name" and path.is_file() and path.suffix == ".json"):
+        return
+    where = f"--{flag} {name!r}"
+    if path.exists():
+        raise ValueError(f"{where} is a file; pass the directory that holds the checkpoint (config.json, weights, tokenizer).")
+    try:
+        validate_repo_id(name)
+    except HFValidationError:  # "/abs/dir", "./dir", "a/b/c": only ever a local path
+        raise ValueError(
+            f"{where}: no such directory ({path.resolve()}). Pass the directory of a saved checkpoint, "
+            "for example the --output_dir of an earlier run."
+        ) from None
+    hub_cache = Path(cache_dir or huggingface_hub.constants.HF_HUB_CACHE)
+    if (hub_cache / f"models--{name.replace('/', '--')}").is_dir():
+        return  # from_pretrained resolves it from the cache (offline) or checks it online
+    missing = f"{where} is not a local directory ({path.resolve()}) and not in the Hugging Face cache ({hub_cache})"
+    if huggingface_hub.is_offline_mode():
+        raise ValueError(
+            f"{missing}, and the hub is offline (HF_HUB_OFFLINE=1), so it cannot be downloaded. Check the path "
+            "(for example the --output_dir of an earlier run), or unset HF_HUB_OFFLINE with network access "
+            "to download a hub model."
+        )
+    reachable, reason = _hub_reachable()
+    if not reachable:
+        raise ValueError(
+            f"{missing}, and the Hugging Face hub ({huggingface_hub.constants.ENDPOINT}) is unreachable "
+            f"({reason}), so it cannot be downloaded. Check the path (for example the --output_dir of an "
+            "earlier run), or restore network access; set HF_HUB_OFFLINE=1 to work from the cache offline."
+        )
+
+
+@functools.lru_cache(maxsize=1)
+def _hub_reachable() -> tuple[bool, str]:
+    """``(True, "")`` if the hub endpoint answers any HTTP request within `HUB_PROBE_TIMEOUT_S`."""
+    import huggingface_hub
+
+    result: list[tuple[bool, str]] = []
+
+    def probe() -> None:
+        try:
+            huggingface_hub.get_session().head(huggingface_hub.constants.ENDPOINT, timeout=HUB_PROBE_TIMEOUT_S)
+            result.append((True, ""))
+        except Exception as err:  # any transport error (DNS, refused, TLS, proxy) means "not reachable"
+            result.append((False, f"{type(err).__name__}: {err}"))
+
+    # A thread bounds the wait even where name resolution blocks past the request timeout.
+    thread = threading.Thread(target=probe, name="hub-probe", daemon=True)
+    thread.start()
+    thread.join(HUB_PROBE_TIMEOUT_S + 1.0)
+    return result[0] if result else (False, f"no answer within {HUB_PROBE_TIMEOUT_S:.0f} s")
+
+
 def load_tokenizer(model_args, kind: embedded_default.TokenizerKind):
     """``--tokenizer_name``, else ``--model_name_or_path``'s tokenizer, else the embedded one of ``kind``.
 
@@ -257,21 +360,122 @@ def load_config(model_args, kind: embedded_default.TokenizerKind, tokenizer, *, 
             )
         return AutoConfig.from_pretrained(pretrained, **common, **kwargs), model_args.model_name_or_path is None
     if model_args.model_type:
-        config = AutoConfig.for_model(model_args.model_type, **kwargs)
-        if embedded_tokenizer:
-            config.vocab_size = len(tokenizer)
-            for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
-                if getattr(tokenizer, name, None) is not None and hasattr(config, name):
-                    setattr(config, name, getattr(tokenizer, name))
-        if model_args.config_overrides:
-            config.update_from_string(model_args.config_overrides)
+        config = new_config(
+            model_args.model_type, tokenizer if embedded_tokenizer else None, model_args.config_overrides, **kwargs
+        )
         logger.warning("Training a new %s model from scratch.", model_args.model_type)
         return config, True
-    config = embedded_default.default_config(kind, tokenizer, model_args.config_overrides)
-    for key, value in kwargs.items():
-        setattr(config, key, value)
+    reference = embedded_default.default_config(kind, tokenizer)
+    overrides = parse_config_overrides(model_args.config_overrides, reference)
+    config = embedded_default.default_config(kind, tokenizer, **{**kwargs, **overrides})
     logger.info("No --model_name_or_path/--model_type: training the embedded tiny %s config from scratch.", kind)
     return config, True
+
+
+def new_config(model_type: str, tokenizer=None, overrides: str | None = None, **kwargs):
+    """``AutoConfig.for_model(model_type)`` with ``--config_overrides`` passed to its constructor.
+
+    Overrides go to the constructor rather than onto a built config
+    (`PretrainedConfig.update_from_string`), so that values the constructor derives follow them:
+    T5's ``num_decoder_layers`` defaults to ``num_layers`` unless given, Llama's ``head_dim`` to
+    ``hidden_size // num_attention_heads``. With ``tokenizer`` (a tokenizer trained for this new
+    model) the vocabulary size and the special-token ids come from it. An encoder-decoder config
+    without ``decoder_start_token_id`` (T5's, in transformers 5) gets the pad id, as T5 does.
+    """
+    from transformers import AutoConfig
+
+    init: dict[str, Any] = {}
+    if tokenizer is not None:
+        init["vocab_size"] = len(tokenizer)
+        init.update(_special_token_ids(AutoConfig.for_model(model_type), tokenizer))
+    init.update(kwargs)
+    reference = _with_decoder_start(AutoConfig.for_model(model_type, **init))
+    init.update(parse_config_overrides(overrides, reference))
+    return _with_decoder_start(AutoConfig.for_model(model_type, **init))
+
+
+def _special_token_ids(base, tokenizer) -> dict[str, int]:
+    """The config's pad/bos/eos ids from ``tokenizer``, and the ids that alias them remapped too.
+
+    BART starts decoding from its EOS and forces EOS last; T5 starts from its pad token. Ids that
+    equal one of the config's own special ids (``decoder_start_token_id``, ``forced_*``) are
+    moved to the tokenizer's id for the same role.
+    """
+    ids: dict[str, int] = {}
+    moved: dict[int, int] = {}
+    for role in ("pad", "bos", "eos"):
+        attr = f"{role}_token_id"
+        new = getattr(tokenizer, attr, None)
+        if new is None or not hasattr(base, attr):
+            continue
+        ids[attr] = new
+        old = getattr(base, attr)
+        if isinstance(old, int):
+            moved.setdefault(old, new)
+    for attr in ("decoder_start_token_id", "forced_bos_token_id", "forced_eos_token_id"):
+        old = getattr(base, attr, None)
+        if isinstance(old, int) and old in moved:
+            ids[attr] = moved[old]
+    return ids
+
+
+def _with_decoder_start(config):
+    if config.is_encoder_decoder and getattr(config, "decoder_start_token_id", None) is None:
+        config.decoder_start_token_id = config.pad_token_id
+    return config
+
+
+def parse_config_overrides(overrides: str | None, reference) -> dict[str, Any]:
+    """``"d_model=64,num_layers=2"`` -> ``{"d_model": 64, "num_layers": 2}``, typed after ``reference``.
+
+    Values take the type of ``reference``'s current value, as `PretrainedConfig.update_from_string`
+    does (``true``/``false`` for booleans); a key whose value is ``None`` takes an int, a float,
+    a boolean or ``none`` if the text reads as one, else the string.
+    """
+    if not overrides:
+        return {}
+    known = reference.to_dict()
+    out: dict[str, Any] = {}
+    for item in overrides.split(","):
+        key, sep, raw = (part.strip() for part in item.partition("="))
+        if not sep or not key:
+            raise ValueError(f"--config_overrides item {item!r} is not key=value; write e.g. 'd_model=64,num_layers=2'.")
+        if not hasattr(reference, key):
+            close = difflib.get_close_matches(key, known, n=3)
+            hint = f" Did you mean {', '.join(close)}?" if close else ""
+            raise ValueError(f"--config_overrides: {type(reference).__name__} has no {key!r}.{hint}")
+        out[key] = _typed_override(key, raw, getattr(reference, key))
+    return out
+
+
+def _typed_override(key: str, raw: str, current: Any) -> Any:
+    truth = {"true": True, "1": True, "yes": True, "y": True, "false": False, "0": False, "no": False, "n": False}
+    try:
+        if isinstance(current, bool):
+            if raw.lower() not in truth:
+                raise ValueError
+            return truth[raw.lower()]
+        if isinstance(current, int):
+            return int(raw)
+        if isinstance(current, float):
+            return float(raw)
+    except ValueError:
+        raise ValueError(
+            f"--config_overrides {key}={raw!r}: expected {type(current).__name__} (its default is {current!r})."
+        ) from None
+    if isinstance(current, str):
+        return raw
+    if current is None:
+        for parse in (int, float):
+            try:
+                return parse(raw)
+            except ValueError:
+                pass
+        lowered = raw.lower()
+        if lowered in ("true", "false"):
+            return lowered == "true"
+        return None if lowered in ("none", "null") else raw
+    raise ValueError(f"--config_overrides {key}: only int, float, bool and string values can be set; its value is {current!r}.")
 
 
 def build_model(auto_class, model_args, config, tokenizer, **kwargs):

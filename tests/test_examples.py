@@ -16,91 +16,36 @@ from __future__ import annotations
 import csv
 import math
 import json
-import os
 import random
 import re
 import subprocess
 import sys
+import time
+import types
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = REPO / "examples"
-if str(EXAMPLES) not in sys.path:
-    sys.path.insert(0, str(EXAMPLES))
-
-#: Small enough that tokenizer training takes about a second, large enough for a few hundred
-#: 32-token blocks in the train split and a dozen in validation.
-CORPUS_BYTES = "120000"
-SCRIPT_TIMEOUT_S = 300
-
-TINY_GPT = ["--config_overrides", "n_layer=2,n_embd=32,n_head=2", "--block_size", "32"]
-TINY_BERT = ["--config_overrides", "num_hidden_layers=2,hidden_size=64,num_attention_heads=2,intermediate_size=128"]
-TINY_T5 = ["--config_overrides", "d_model=32,d_ff=64,d_kv=16,num_heads=2,num_layers=2,num_decoder_layers=2"]
-# With 2 blocks (T5: 2 + 2) a window of 1 makes the engine stream and evict blocks.
-STRONGHOLD = ["--stronghold", "--stronghold_window_size", "1"]
-SHORT = ["--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "8", "--logging_steps", "1"]
+from examples_harness import (
+    CORPUS_BYTES,
+    EXAMPLES,
+    SCRIPT_TIMEOUT_S,
+    SHORT,
+    STRONGHOLD,
+    TINY_BERT,
+    TINY_GPT,
+    TINY_T5,
+    assert_finite,
+    assert_saved_checkpoint,
+    run_failing,
+    run_script,
+)
+from examples_harness import example_env as _example_env
 
 
 @pytest.fixture(scope="session")
 def example_env(tmp_path_factory):
-    """Environment for the subprocesses, with the embedded assets built once for the session."""
-    root = tmp_path_factory.mktemp("examples")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STRONGHOLD")}
-    env.update(
-        HF_HUB_OFFLINE="1",
-        HF_DATASETS_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        HF_HOME=str(root / "hf_home"),
-        STRONGHOLD_EXAMPLES_CACHE=str(root / "cache"),
-        STRONGHOLD_EXAMPLES_CORPUS_BYTES=CORPUS_BYTES,
-        TOKENIZERS_PARALLELISM="false",
-        # Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP
-        # oversubscription makes them several times slower.
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-    )
-    # Build the corpus, the three tokenizers and the topic task once, in a subprocess so the
-    # test process's environment stays untouched.
-    build = (
-        "import embedded_default as e; e.text_files(); e.topic_classification_files(); "
-        "[e.tokenizer_dir(k) for k in ('gpt', 'bert', 't5')]"
-    )
-    subprocess.run([sys.executable, "-c", build], env=env, cwd=EXAMPLES, check=True, timeout=SCRIPT_TIMEOUT_S)
-    env["_TEST_ROOT"] = str(root)
-    return env
-
-
-def run_script(env: dict, script: str, output_dir: Path, *args: str) -> dict:
-    """Runs ``examples/<script>`` with ``args``; returns its ``all_results.json``.
-
-    With ``--stronghold`` it also checks that the engine really took the model: it logs
-    ``stronghold: <n> blocks ..., window_size=<W>`` when it offloads.
-    """
-    cmd = [sys.executable, str(EXAMPLES / script), "--output_dir", str(output_dir), *args]
-    proc = subprocess.run(cmd, env=env, cwd=output_dir.parent, capture_output=True, text=True, timeout=SCRIPT_TIMEOUT_S)
-    if proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
-    log = proc.stdout + proc.stderr
-    engine_line = re.search(r"stronghold: \d+ blocks .*window_size=(\d+)", log)
-    if "--stronghold" in args:
-        assert engine_line and engine_line.group(1) == "1", f"no stronghold engine log line:\n{log[-4000:]}"
-    else:
-        assert engine_line is None, engine_line.group(0)
-    with open(output_dir / "all_results.json") as fh:
-        return json.load(fh)
-
-
-def assert_saved_checkpoint(output_dir: Path) -> None:
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
-        assert (output_dir / name).is_file(), f"{name} missing from {output_dir}"
-
-
-def assert_finite(results: dict, *keys: str) -> None:
-    for key in keys:
-        assert key in results, f"{key} missing from all_results.json: {sorted(results)}"
-        assert math.isfinite(results[key]), f"{key}={results[key]}"
+    return _example_env(tmp_path_factory)
 
 
 def _mode(stronghold: bool) -> str:
@@ -148,11 +93,17 @@ def test_run_mlm(example_env, tmp_path, mlm_checkpoint, stronghold):
     assert json.loads((out / "config.json").read_text())["architectures"] == ["BertForMaskedLM"]
 
 
-@pytest.mark.parametrize("stronghold", [False, True], ids=_mode)
+@pytest.mark.parametrize("stronghold", [False, True], ids=["plain-embedded_config", "stronghold-model_type"])
 def test_run_t5_mlm(example_env, tmp_path, stronghold):
+    """The embedded T5 config, and ``--model_type t5`` (which crashed without decoder_start_token_id).
+
+    Both override only ``num_layers``: the decoder must follow it (2 + 2 blocks, not 2 + 6).
+    """
     out = tmp_path / "t5"
     args = TINY_T5 + SHORT + ["--max_seq_length", "32", "--max_steps", "4", "--max_eval_samples", "8"]
-    results = run_script(example_env, "run_t5_mlm.py", out, *args + (STRONGHOLD if stronghold else []))
+    if stronghold:
+        args += ["--model_type", "t5"] + STRONGHOLD
+    results = run_script(example_env, "run_t5_mlm.py", out, *args)
     assert_finite(results, "train_loss", "eval_loss")
     assert_saved_checkpoint(out)
 
@@ -160,7 +111,48 @@ def test_run_t5_mlm(example_env, tmp_path, stronghold):
 
     model = AutoModelForSeq2SeqLM.from_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(out)
-    assert model.config.num_layers == 2 and tokenizer.convert_tokens_to_ids("<extra_id_99>") < model.config.vocab_size
+    assert (model.config.num_layers, model.config.num_decoder_layers) == (2, 2)
+    assert len(model.decoder.block) == 2
+    assert model.config.decoder_start_token_id == tokenizer.pad_token_id == 0
+    assert tokenizer.convert_tokens_to_ids("<extra_id_99>") < model.config.vocab_size
+
+
+def test_config_overrides_go_through_the_constructor(example_env, monkeypatch):
+    """Derived config values follow ``--config_overrides``; special ids follow the embedded tokenizer."""
+    import embedded_default
+    import script_utils
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv(embedded_default.CACHE_ENV, example_env[embedded_default.CACHE_ENV])
+    monkeypatch.setenv(embedded_default.CORPUS_BYTES_ENV, CORPUS_BYTES)
+    tokenizer = AutoTokenizer.from_pretrained(embedded_default.tokenizer_dir("t5"))
+
+    def config(**given):
+        fields = dict(model_name_or_path=None, config_name=None, model_type=None, config_overrides=None,
+                      cache_dir=None, model_revision="main", token=None)
+        args = types.SimpleNamespace(**{**fields, **given})
+        return script_utils.load_config(args, "t5", tokenizer, embedded_tokenizer=True)[0]
+
+    t5 = config(model_type="t5", config_overrides="d_model=64,num_layers=2")
+    assert (t5.d_model, t5.num_layers, t5.num_decoder_layers, t5.decoder_start_token_id) == (64, 2, 2, 0)
+    assert t5.vocab_size == len(tokenizer) and (t5.pad_token_id, t5.eos_token_id) == (0, 1)
+    explicit = config(model_type="t5", config_overrides="num_layers=3,num_decoder_layers=1")
+    assert (explicit.num_layers, explicit.num_decoder_layers) == (3, 1)
+    embedded = config(config_overrides="num_layers=2,dropout_rate=0.0")
+    assert (embedded.num_layers, embedded.num_decoder_layers, embedded.d_model, embedded.dropout_rate) == (2, 2, 128, 0.0)
+    # BART starts decoding from (and forces) its EOS: those ids move to the tokenizer's EOS.
+    bart = config(model_type="bart", config_overrides="d_model=32,encoder_layers=1")
+    assert (bart.pad_token_id, bart.eos_token_id, bart.decoder_start_token_id, bart.forced_eos_token_id) == (0, 1, 1, 1)
+    assert (bart.d_model, bart.encoder_layers) == (32, 1)
+
+    with pytest.raises(ValueError, match="T5Config has no 'num_layer'. Did you mean num_layers"):
+        config(model_type="t5", config_overrides="num_layer=2")
+    with pytest.raises(ValueError, match="d_model='wide': expected int"):
+        config(model_type="t5", config_overrides="d_model=wide")
+    with pytest.raises(ValueError, match="is not key=value"):
+        config(config_overrides="d_model")
+    with pytest.raises(ValueError, match="only applies to a model trained from scratch"):
+        config(model_name_or_path="some/model", config_overrides="d_model=64")
 
 
 def test_run_glue_embedded_task(example_env, tmp_path):
@@ -350,3 +342,65 @@ def test_embedded_assets(example_env, monkeypatch):
     assert all(t5.convert_tokens_to_ids(f"<extra_id_{i}>") != t5.unk_token_id for i in range(100))
     gpt = AutoTokenizer.from_pretrained(embedded_default.tokenizer_dir("gpt"))
     assert gpt.eos_token == "<|endoftext|>" and gpt.decode(gpt("def f(x):\n    return x")["input_ids"]) == "def f(x):\n    return x"
+
+
+#: Imports take about 4 s on two cores; a hub retry loop takes about 50 s.
+MISSING_MODEL_BOUND_S = 15.0
+SCRIPTS = ["run_clm.py", "run_mlm.py", "run_t5_mlm.py", "run_glue.py", "run_clm_no_trainer.py", "run_seq2seq.py"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_missing_model_path_fails_fast_offline(example_env, tmp_path, script):
+    """A wrong --model_name_or_path fails at once, naming the path and why it cannot be downloaded."""
+    start = time.perf_counter()
+    proc = run_failing(example_env, script, "--model_name_or_path", "outputs/no_such_model",
+                       "--output_dir", str(tmp_path / "out"), cwd=tmp_path)
+    elapsed = time.perf_counter() - start
+    assert elapsed < MISSING_MODEL_BOUND_S, f"{script} took {elapsed:.1f} s to fail"
+    assert "--model_name_or_path 'outputs/no_such_model' is not a local directory" in proc.stderr, proc.stderr[-3000:]
+    assert "the hub is offline (HF_HUB_OFFLINE=1)" in proc.stderr
+
+
+def test_missing_model_path_fails_fast_when_the_hub_is_unreachable(example_env, tmp_path):
+    """Without HF_HUB_OFFLINE, an unreachable hub is found in one probe, not after a minute of retries."""
+    env = {k: v for k, v in example_env.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env["HF_ENDPOINT"] = "http://127.0.0.1:9"  # the discard port: nothing listens, the connection is refused
+    start = time.perf_counter()
+    proc = run_failing(env, "run_clm.py", "--tokenizer_name", "someone/missing-tokenizer",
+                       "--output_dir", str(tmp_path / "out"), cwd=tmp_path)
+    elapsed = time.perf_counter() - start
+    assert elapsed < MISSING_MODEL_BOUND_S, f"took {elapsed:.1f} s to fail"
+    assert "--tokenizer_name 'someone/missing-tokenizer' is not a local directory" in proc.stderr, proc.stderr[-3000:]
+    assert "hub (http://127.0.0.1:9) is unreachable" in proc.stderr
+
+
+def test_model_sources_that_can_only_be_local_paths(tmp_path):
+    import script_utils
+
+    def check(**given):
+        fields = dict(model_name_or_path=None, config_name=None, tokenizer_name=None, cache_dir=str(tmp_path))
+        script_utils.check_model_sources(types.SimpleNamespace(**{**fields, **given}))
+
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "config.json").write_text("{}")
+    check(model_name_or_path=str(tmp_path / "ckpt"), config_name=str(tmp_path / "config.json"))
+    with pytest.raises(ValueError, match=r"--model_name_or_path '/no/such/dir': no such directory"):
+        check(model_name_or_path="/no/such/dir")
+    with pytest.raises(ValueError, match=r"--tokenizer_name '.*config.json' is a file"):
+        check(tokenizer_name=str(tmp_path / "config.json"))
+    (tmp_path / "models--org--cached").mkdir()  # a hub id in the cache is left to from_pretrained
+    check(model_name_or_path="org/cached")
+
+
+def test_logging_prints_each_datasets_record_once(example_env):
+    """datasets' own handler is removed: its records print once, in the scripts' format."""
+    code = (
+        "import logging, datasets, script_utils\n"
+        "script_utils.configure_logging(logging.INFO)\n"
+        "datasets.utils.logging.get_logger('datasets.builder').info('probe record')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=example_env, cwd=EXAMPLES, capture_output=True, text=True,
+                          timeout=SCRIPT_TIMEOUT_S, check=True)
+    log = proc.stdout + proc.stderr
+    assert log.count("probe record") == 1, log
+    assert re.search(r" - INFO - datasets\.builder - probe record", proc.stdout), log
