@@ -478,13 +478,20 @@ def load_config(model_type: str | None = None, config_name: str | None = None, c
 
     if config_name:
         config = AutoConfig.from_pretrained(config_name)
-    elif model_type:
-        config = AutoConfig.for_model(model_type)
-    else:
+        if config_overrides:
+            config.update_from_string(config_overrides)
+        return config
+    if not model_type:
         raise ValueError("give a model_type (e.g. gpt2) or a config_name (a local config dir or json file)")
-    if config_overrides:
-        config.update_from_string(config_overrides)
-    return config
+    # Overrides go to the constructor, so that what it derives follows them (T5's
+    # num_decoder_layers defaults to num_layers); update_from_string parses the types.
+    base = AutoConfig.for_model(model_type)
+    if not config_overrides:
+        return base
+    probe = AutoConfig.for_model(model_type)
+    probe.update_from_string(config_overrides)
+    keys = [kv.split("=", 1)[0].strip() for kv in config_overrides.split(",") if kv.strip()]
+    return AutoConfig.for_model(model_type, **{k: getattr(probe, k) for k in keys})
 
 
 def estimate(

@@ -221,3 +221,11 @@ def test_cli_config_file_and_check(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--model_type", "no_such_model", "--seq_len", "1", "--batch_size", "1", "--gpu_memory", "1GB",
               "--cpu_memory", "1GB"])
+
+
+def test_config_overrides_reach_what_the_constructor_derives():
+    from stronghold_hf.estimate import load_config
+
+    cfg = load_config("t5", config_overrides="num_layers=2,d_model=64")
+    assert (cfg.num_layers, cfg.num_decoder_layers, cfg.d_model) == (2, 2, 64)
+    assert load_config("t5", config_overrides="num_layers=2,num_decoder_layers=3").num_decoder_layers == 3
