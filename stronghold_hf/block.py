@@ -1,14 +1,19 @@
 """One offloaded block: its host buffers, its device slot, and its residency state machine.
 
-Host side (``memory.py`` explains the bytes): the *image*, laid out like the device slot
-(what one fetch copies); fp32 *masters* of the trainable parameters (views into the image
-when the device computes in fp32, a separate flat buffer otherwise); fp32 *gradients* of the
-trainable parameters. Device side: one flat *slot* whose storage is freed while the block is
-on the host.
+Host side (``memory.py`` explains the bytes and the layout): the *image*, what fetches copy
+to the device slot: this rank's shard of the trainable region in the compute dtype, and the
+frozen region; fp32 *masters* of this rank's shard of the trainable parameters (views into the
+image when the device computes in fp32, a separate flat buffer otherwise); fp32 *gradients*
+of the same shard. Without data parallelism (or with replicated CPU state) the shard is the
+whole region. Device side: one flat *slot* whose storage is freed while the block is on the
+host; with sharded state a fetch all-gathers its trainable region from the ranks' shards.
 
 [Note: parameters always point at real memory] A block parameter's ``.data`` is a view into
 the slot while the block is on the device, and a view into its host master (trainable) or
-its stored bytes (frozen) while it is not. So between steps every parameter holds its
+its stored bytes (frozen) while it is not. (With *sharded* CPU state no rank holds a whole
+trainable parameter between steps: it is then a placeholder of the right shape whose every
+element is one NaN (reads are visibly invalid, in-place writes raise, nothing touches freed
+memory); ``engine.full_state_dict()`` gathers the values, see window.py.) So between steps every parameter holds its
 current value: reading it never touches freed memory, and writing it (in place, or through
 ``.data`` as PEFT's merge does) writes the master. Before the next fetch the block notices
 writes it did not make (a ``.data`` that is no longer our view, or a bumped version
@@ -37,10 +42,20 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from .discovery import BlockSpec
+from .distributed import DataParallel
 from .grads import GradLane
 from .ledger import MemoryLedger
 from .memory import BlockLayout, DeviceSlotPool, HostAllocator, element_size, layout_block, typed_view
 from .transfer import TransferContext
+
+
+def _sharded_placeholder(shape: torch.Size) -> torch.Tensor:
+    """``shape``-shaped fp32 view of a single NaN (stride 0 everywhere)."""
+    return torch.full((1,) * len(shape), float("nan")).expand(shape)
+
+
+def _is_placeholder(t: torch.Tensor) -> bool:
+    return t.numel() > 1 and all(st == 0 for st in t.stride())
 
 
 class Residency(enum.Enum):
@@ -53,7 +68,8 @@ class OffloadedBlock:
     """Buffers and residency of one block; the schedule (`WindowEngine`) drives it."""
 
     def __init__(self, spec: BlockSpec, *, device: torch.device, param_dtype: torch.dtype | None,
-                 host: HostAllocator, transfer: TransferContext, pool: DeviceSlotPool, ledger: MemoryLedger) -> None:
+                 host: HostAllocator, transfer: TransferContext, pool: DeviceSlotPool, ledger: MemoryLedger,
+                 dp: DataParallel | None = None) -> None:
         self.index = spec.index
         self.fqn = spec.fqn
         self.module = spec.module
@@ -63,46 +79,72 @@ class OffloadedBlock:
         self.transfer = transfer
         self.pool = pool
         self.ledger = ledger
-        self.layout: BlockLayout = layout_block(spec.fqn, list(spec.params), param_dtype)
+        self.dp = dp
+        shards, rank = (dp.shards, dp.shard_rank) if dp is not None else (1, 0)
+        self.sharded = shards > 1
+        self.layout: BlockLayout = layout_block(spec.fqn, list(spec.params), param_dtype, shards)
         lay = self.layout
+        S = lay.shard_numel
+        self.shard_lo = rank * S  # this rank's shard of the trainable region: [shard_lo, shard_lo + S)
 
-        # ---- host buffers
-        # uint8 [slot_bytes], pinned when allowed: what one fetch copies to the slot.
-        self.image = host.allocate(lay.slot_bytes, transfer=True)
-        self.image_views = [typed_view(self.image, e.byte_offset, e.numel, e.device_dtype, e.shape) for e in lay.entries]
-        n = lay.grad_numel
-        if n and not lay.masters_in_image:
-            # fp32 [grad_numel], gradient layout: masters when the device computes in bf16/fp16.
-            self.master_flat = host.allocate(4 * n, transfer=False).view(torch.float32)
+        # ---- host buffers (pinned when allowed: what fetches copy; pageable: the rest)
+        c = element_size(lay.grad_dtype) if lay.grad_dtype is not None else 0
+        self.image_trainable = host.allocate(S * c, transfer=True) if S else None  # uint8 [S * c]
+        self.image_frozen = host.allocate(lay.frozen_bytes, transfer=True) if lay.frozen_bytes else None
+        if S and lay.masters_in_image:
+            self.master_flat = self.image_trainable.view(torch.float32)  # fp32 [S]: the image is the master
         else:
-            self.master_flat = None
-        # fp32 [grad_numel]: the gradient the optimizer reads.
-        self.grad_flat = host.allocate(4 * n, transfer=False).view(torch.float32) if n else None
-        self.masters: list[nn.Parameter | None] = []
-        self.host_views: list[torch.Tensor] = []  # what each parameter's .data is while on the host
-        self.grad_views: list[torch.Tensor | None] = []
+            self.master_flat = host.allocate(4 * S, transfer=False).view(torch.float32) if S else None
+        self.grad_flat = host.allocate(4 * S, transfer=False).view(torch.float32) if S else None  # fp32 [S]
+        shard_image = self.image_trainable.view(lay.grad_dtype) if S else None  # [S] compute dtype
+        # Per parameter: the piece of it this rank keeps, (offset in the parameter, offset in the
+        # shard, length); the whole parameter unless the state is sharded.
+        self.pieces: list[tuple[int, int, int] | None] = []
+        self.masters: list[nn.Parameter | None] = []  # what CPU Adam steps (the piece, fp32)
+        self.image_views: list[torch.Tensor | None] = []  # its compute-dtype image (copy-out target)
+        self.grad_views: list[torch.Tensor | None] = []  # its fp32 host gradient
+        self.host_views: list[torch.Tensor] = []  # what the parameter's .data is while on the host
         with torch.no_grad():
-            for e, p, img in zip(lay.entries, self.params, self.image_views):
-                if e.trainable:
-                    if lay.masters_in_image:
-                        master = img
-                    else:
-                        master = self.master_flat[e.grad_offset : e.grad_offset + e.numel].view(e.shape)
-                    master.copy_(p.detach())
-                    if master is not img:
-                        img.copy_(master)
-                    self.masters.append(nn.Parameter(master, requires_grad=True))
-                    self.host_views.append(master)
-                    self.grad_views.append(self.grad_flat[e.grad_offset : e.grad_offset + e.numel].view(e.shape))
-                else:
-                    img.copy_(p.detach())
+            for e, p in zip(lay.entries, self.params):
+                if not e.trainable:
+                    view = typed_view(self.image_frozen, e.byte_offset - lay.frozen_offset, e.numel, e.device_dtype,
+                                      e.shape)
+                    view.copy_(p.detach())
+                    self.pieces.append(None)
                     self.masters.append(None)
-                    self.host_views.append(img)
+                    self.image_views.append(view)
                     self.grad_views.append(None)
+                    self.host_views.append(view)
+                    continue
+                lo = max(e.grad_offset, self.shard_lo)
+                hi = min(e.grad_offset + e.numel, self.shard_lo + S)
+                if hi <= lo:  # none of this parameter in this rank's shard
+                    self.pieces.append(None)
+                    self.masters.append(None)
+                    self.image_views.append(None)
+                    self.grad_views.append(None)
+                else:
+                    piece = (lo - e.grad_offset, lo - self.shard_lo, hi - lo)
+                    shape = e.shape if not self.sharded else torch.Size([hi - lo])
+                    master = self.master_flat[piece[1] : piece[1] + piece[2]].view(shape)
+                    master.copy_(p.detach().reshape(-1)[piece[0] : piece[0] + piece[2]].view(shape))
+                    image = shard_image[piece[1] : piece[1] + piece[2]].view(shape)
+                    if image.data_ptr() != master.data_ptr():
+                        image.copy_(master)
+                    self.pieces.append(piece)
+                    self.masters.append(nn.Parameter(master, requires_grad=True))
+                    self.image_views.append(image)
+                    self.grad_views.append(self.grad_flat[piece[1] : piece[1] + piece[2]].view(shape))
+                if self.sharded:  # no rank holds the whole parameter between steps
+                    self.host_views.append(_sharded_placeholder(e.shape))
+                else:
+                    self.host_views.append(self.masters[-1].data)
 
         # ---- device slot: one flat allocation, storage freed while on the host
         self.slot = torch.empty(lay.slot_bytes, dtype=torch.uint8, device=device)
         self.slot_views = [typed_view(self.slot, e.byte_offset, e.numel, e.device_dtype, e.shape) for e in lay.entries]
+        self.slot_trainable = self.slot[: lay.trainable_bytes]  # uint8: the region the ranks all-gather
+        self.slot_local = self.slot_trainable[self.shard_lo * c : (self.shard_lo + S) * c]  # this rank's shard
         self._storage = self.slot.untyped_storage()
         self.slot_bytes = self._storage.nbytes()
         self._storage.resize_(0)
@@ -112,7 +154,7 @@ class OffloadedBlock:
         self.master_index = {id(m): k for k, m in enumerate(self.masters) if m is not None}
 
         self.state = Residency.ON_HOST
-        self._h2d_event = None
+        self._h2d_events: list = []
         self.image_stale = False  # the compute-dtype image lags the masters (refresh before a fetch)
         # ---- use counting (driven by the engine)
         self.forward_holds = 0  # forward calls of this block in progress (0 or 1, more when re-entered)
@@ -127,6 +169,9 @@ class OffloadedBlock:
         self.device_sq_norm: torch.Tensor | None = None  # valid while the host grad is one untouched flush
         self._exposed_grad_versions: list[int] = []
         self.taken_grads = False  # this backward already took the exposed gradients from the user
+        # With sharded state no rank holds whole gradients, so .grad is not exposed between
+        # steps; the engine's own flags say what is accumulated (cleared by the step or zero_grad).
+        self.exposes_grads = not self.sharded
         self.valid_at_pass_start = list(self.grad_valid)  # to roll back a backward that raised
         self.flushes_this_pass = 0
         self.grads_poisoned = False  # a failed backward added into accumulated gradients
@@ -148,10 +193,14 @@ class OffloadedBlock:
         return self._storage.nbytes() > 0
 
     def master_of(self, param: nn.Parameter) -> nn.Parameter | None:
+        """The fp32 master (this rank's piece) of ``param``; None if frozen or kept by another rank."""
         for p, m in zip(self.params, self.masters):
             if p is param:
                 return m
         raise KeyError(param)
+
+    def is_trainable_param(self, param: nn.Parameter) -> bool:
+        return any(p is param and e.trainable for p, e in zip(self.params, self.layout.entries))
 
     # ------------------------------------------------------------------ host state
     def _record_host_state(self) -> None:
@@ -161,20 +210,22 @@ class OffloadedBlock:
         """Takes in writes made to the parameters while on the host; True if any trainable changed.
 
         See [Note: parameters always point at real memory]. A ``.data`` that was replaced
-        (``p.data = t``) is copied into the master; an in-place write to our view shows as a
-        bumped version counter (writes through a ``.data`` alias do not: with bf16/fp16
-        compute call ``engine.mark_parameters_changed()`` after such writes)."""
+        (``p.data = t``) is copied into the master (this rank's piece of it, when sharded); an
+        in-place write to our view shows as a bumped version counter (writes through a ``.data``
+        alias do not: with bf16/fp16 compute call ``engine.mark_parameters_changed()``)."""
         changed = False
         with torch.no_grad():
             for k, (p, view) in enumerate(zip(self.params, self.host_views)):
-                if p.data.data_ptr() != view.data_ptr() or p.data.dtype != view.dtype or p.data.shape != view.shape:
-                    if p.data.shape != view.shape:
+                data = p.data
+                if data.data_ptr() != view.data_ptr() or data.dtype != view.dtype or data.shape != view.shape or (
+                        data.device != view.device):
+                    if data.shape != view.shape:
                         raise ValueError(
-                            f"stronghold: parameter {self.fqn}.{self.names[k]} was given shape {tuple(p.data.shape)}, "
+                            f"stronghold: parameter {self.fqn}.{self.names[k]} was given shape {tuple(data.shape)}, "
                             f"its block was laid out for {tuple(view.shape)}. Change shapes before offload_model, or "
                             "close the engine first (engine.close())."
                         )
-                    view.copy_(p.data)
+                    self._write_host_value(k, data)
                     p.data = view
                     changed |= self.layout.entries[k].trainable
                 elif p._version != self._host_versions[k]:
@@ -183,6 +234,14 @@ class OffloadedBlock:
             self.image_stale = True
         return changed
 
+    def _write_host_value(self, k: int, value: torch.Tensor) -> None:
+        """Writes a full value of parameter ``k`` into what this rank keeps of it."""
+        view, piece = self.host_views[k], self.pieces[k]
+        if not _is_placeholder(view):
+            view.copy_(value)
+        elif piece is not None:
+            self.masters[k].data.copy_(value.reshape(-1)[piece[0] : piece[0] + piece[2]].view_as(self.masters[k]))
+
     def refresh_image(self) -> None:
         """Re-derives the compute-dtype image of trainable parameters from the fp32 masters."""
         if not self.image_stale:
@@ -190,7 +249,7 @@ class OffloadedBlock:
         with torch.no_grad():
             for e, img, master in zip(self.layout.entries, self.image_views, self.masters):
                 if e.trainable and master is not None and img.data_ptr() != master.data_ptr():
-                    img.copy_(master)
+                    img.copy_(master)  # fp32 -> compute dtype
         self.image_stale = False
 
     # ------------------------------------------------------------------ transitions
@@ -202,15 +261,30 @@ class OffloadedBlock:
             self.pool.acquire(self.index)
             self._storage.resize_(self.slot_bytes)  # on the compute stream: [Note: allocation stream]
             self.ledger.device_alloc(self.slot_bytes)
-            self._h2d_event = self.transfer.copy_h2d(self.slot, self.image, fetch=True)
+            events = []
+            if self.image_trainable is not None:  # this rank's shard (everything, unsharded)
+                events.append(self.transfer.copy_h2d(self.slot_local, self.image_trainable, fetch=True))
+            if self.image_frozen is not None:
+                events.append(self.transfer.copy_h2d(self.slot[self.layout.frozen_offset :], self.image_frozen,
+                                                     fetch=not events))
+            self._h2d_events = events
             for p, view in zip(self.params, self.slot_views):
                 p.data = view
         self.state = Residency.FETCHING
 
+    def _wait_copies(self) -> None:
+        for event in self._h2d_events:
+            self.transfer.device_wait(event)
+        self._h2d_events = []
+
     def wait_resident(self) -> None:
+        """The block is needed now: its copies landed and, with sharded state, the ranks' shards
+        are all-gathered. Called only where every rank uses the block ([Note: collective order])."""
         if self.state is Residency.FETCHING:
-            self.transfer.device_wait(self._h2d_event)
-            self._h2d_event = None
+            self._wait_copies()
+            if self.sharded and self.image_trainable is not None:
+                with record_function(f"stronghold.all_gather:{self.fqn}"):
+                    self.dp.all_gather_(self.slot_trainable, self.slot_local)
             self.state = Residency.ON_DEVICE
         assert self.state is Residency.ON_DEVICE, f"{self.fqn}: wait_resident from {self.state}"
 
@@ -220,7 +294,7 @@ class OffloadedBlock:
         assert self.holds == 0, f"{self.fqn}: evict while held ({self.holds})"
         assert self.lane is None, f"{self.fqn}: evict with a gradient buffer still attached"
         if self.state is Residency.FETCHING:
-            self.wait_resident()  # the copy must land before its destination is freed
+            self._wait_copies()  # the copies must land before their destination is freed (no gather)
         self._storage.resize_(0)
         self.ledger.device_free(self.slot_bytes)
         self.pool.release(self.index)
@@ -234,24 +308,26 @@ class OffloadedBlock:
         """Reads what the user left in ``.grad`` between steps: the source of truth for accumulation.
 
         ``model.zero_grad()`` sets it to None (the next flush overwrites); our host view
-        means "accumulate onto it"; any other tensor is copied in first."""
+        means "accumulate onto it"; any other tensor is copied in first. With sharded state
+        nothing is exposed and the engine's own flags stand."""
         if self.taken_grads:
             return
         self._check_not_poisoned()
         self.taken_grads = True
-        with torch.no_grad():
-            for k, (p, gv) in enumerate(zip(self.params, self.grad_views)):
-                if gv is None:
-                    continue
-                g = p.grad
-                if g is None:
-                    self.grad_valid[k] = False
-                elif g is gv:
-                    self.grad_valid[k] = True
-                else:
-                    gv.copy_(g)
-                    self.grad_valid[k] = True
-                p.grad = None
+        if self.exposes_grads:
+            with torch.no_grad():
+                for k, (p, gv) in enumerate(zip(self.params, self.grad_views)):
+                    if gv is None:
+                        continue
+                    g = p.grad
+                    if g is None:
+                        self.grad_valid[k] = False
+                    elif g is gv:
+                        self.grad_valid[k] = True
+                    else:
+                        gv.copy_(g)
+                        self.grad_valid[k] = True
+                    p.grad = None
         if not any(self.grad_valid):
             self.flushes = 0
             self.device_sq_norm = None
@@ -261,7 +337,8 @@ class OffloadedBlock:
     def _check_not_poisoned(self) -> None:
         if not self.grads_poisoned:
             return
-        if all(p.grad is None for p, gv in zip(self.params, self.grad_views) if gv is not None):
+        if not any(self.grad_valid) or (self.exposes_grads and all(
+                p.grad is None for p, gv in zip(self.params, self.grad_views) if gv is not None)):
             self.grads_poisoned = False  # the user zeroed them: nothing partial is left
             return
         raise RuntimeError(
@@ -271,6 +348,8 @@ class OffloadedBlock:
         )
 
     def _exposed_unchanged(self) -> bool:
+        if not self.exposes_grads:
+            return True  # nobody else holds the host gradients
         return bool(self._exposed_grad_versions) and all(
             gv is None or gv._version == v for gv, v in zip(self.grad_views, self._exposed_grad_versions)
         )
@@ -307,69 +386,104 @@ class OffloadedBlock:
         self._lane_views = None
         return touched
 
+    def local_params(self, touched: list[int]) -> list[int]:
+        """Of ``touched``, the parameters this rank keeps a piece of."""
+        return [k for k in touched if self.pieces[k] is not None]
+
     def fold(self, staged: torch.Tensor, touched: list[int], accumulate: list[bool]) -> None:
-        """Worker thread: adds (or copies) the staged lane into the fp32 host gradient."""
-        entries = self.layout.entries
-        if len(touched) == sum(e.trainable for e in entries) and len(set(accumulate)) <= 1:
-            # The usual case: one flat pass over the whole block.
+        """Worker thread: adds (or copies) the staged shard of the lane into the fp32 gradient.
+
+        ``staged`` is this rank's shard of the gradient layout (the whole layout, unsharded)."""
+        n_local = sum(piece is not None for piece in self.pieces)
+        if len(touched) == n_local and len(set(accumulate)) <= 1:
+            # The usual case: one flat pass over the whole shard.
             if accumulate and accumulate[0]:
                 self.grad_flat.add_(staged)
             else:
                 self.grad_flat.copy_(staged)
             return
         for k, acc in zip(touched, accumulate):
-            e = entries[k]
-            src = staged[e.grad_offset : e.grad_offset + e.numel]
-            dst = self.grad_flat[e.grad_offset : e.grad_offset + e.numel]
+            _, at, n = self.pieces[k]
+            src, dst = staged[at : at + n], self.grad_flat[at : at + n]
             if acc:
                 dst.add_(src)
             else:
                 dst.copy_(src)
 
     def expose_grads(self) -> None:
-        """After a backward: ``.grad`` of every trainable parameter is its host gradient (or None)."""
+        """After a backward: the masters' (and, unsharded, the parameters') ``.grad`` are the
+        host gradients, or None."""
         versions = []
         for k, (p, m, gv) in enumerate(zip(self.params, self.masters, self.grad_views)):
             if gv is None:
                 versions.append(0)
                 continue
             g = gv if self.grad_valid[k] else None
-            p.grad = g
+            if self.exposes_grads:
+                p.grad = g
             m.grad = g
             versions.append(gv._version)
         self._exposed_grad_versions = versions
         self.taken_grads = False
 
-    def clear_grads(self) -> None:
-        for k, (p, m, gv) in enumerate(zip(self.params, self.masters, self.grad_views)):
-            if gv is not None:
-                p.grad = None
-                m.grad = None
+    def current_grads(self) -> list[torch.Tensor]:
+        """The gradients the next step would apply (exposed ``.grad``, or the engine's own)."""
+        if self.exposes_grads:
+            return [p.grad for p, gv in zip(self.params, self.grad_views) if gv is not None and p.grad is not None]
+        return [gv for gv, valid in zip(self.grad_views, self.grad_valid) if gv is not None and valid]
+
+    def zero_grads(self, set_to_none: bool = True) -> None:
+        """``optimizer.zero_grad()``: forget (or zero) the accumulated gradients of this block."""
+        for k, (p, gv) in enumerate(zip(self.params, self.grad_views)):
+            if gv is None:
+                continue
+            if self.exposes_grads:
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+            elif set_to_none:
                 self.grad_valid[k] = False
-        self.flushes = 0
-        self.device_sq_norm = None
-        self._exposed_grad_versions = []
+            elif self.grad_valid[k]:
+                gv.zero_()
+
+    def consume_grads(self) -> None:
+        """After the step took them: the next backward starts a new accumulation window."""
+        for k, (p, gv) in enumerate(zip(self.params, self.grad_views)):
+            if gv is None:
+                continue
+            if self.exposes_grads:
+                p.grad = None
+            else:
+                self.grad_valid[k] = False
 
     def host_grad_sq_norm(self) -> torch.Tensor:
-        """Squared L2 norm of the exposed gradients, computed on the host (fp32 scalar)."""
-        grads = [p.grad for p, gv in zip(self.params, self.grad_views) if gv is not None and p.grad is not None]
+        """Squared L2 norm of this rank's gradients, computed on the host (fp32 scalar)."""
+        grads = self.current_grads()
         if not grads:
             return torch.zeros((), dtype=torch.float32)
         norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
         return torch.stack([n.float() for n in norms]).square().sum()
 
     def device_norm_valid(self) -> bool:
-        return self.device_sq_norm is not None and self.flushes == 1 and self._exposed_unchanged() and all(
+        if self.device_sq_norm is None or self.flushes != 1 or not self._exposed_unchanged():
+            return False
+        return not self.exposes_grads or all(
             p.grad is gv for p, gv, valid in zip(self.params, self.grad_views, self.grad_valid) if gv is not None and valid
         )
 
     def step_grads(self) -> list[tuple[int, torch.Tensor | None]]:
-        """At ``optimizer.step()`` (training thread): the gradient each trainable parameter steps
-        with, from the exposed ``.grad`` (which ``zero_grad`` or the user may have changed).
-        Reads only: the host worker applies it (`load_master_grads`), so nothing a running task
-        reads is touched here."""
+        """At ``optimizer.step()`` (training thread): the gradient each trainable piece steps with,
+        from the exposed ``.grad`` (which ``zero_grad`` or the user may have changed). Reads
+        only: the host worker applies it (`load_master_grads`), so nothing a running task reads
+        is touched here."""
         self._check_not_poisoned()
-        return [(k, p.grad) for k, (p, gv) in enumerate(zip(self.params, self.grad_views)) if gv is not None]
+        if self.exposes_grads:
+            return [(k, p.grad) for k, (p, gv) in enumerate(zip(self.params, self.grad_views)) if gv is not None]
+        return [(k, gv if valid else None) for k, (gv, valid) in enumerate(zip(self.grad_views, self.grad_valid))
+                if gv is not None]
 
     def host_grads(self) -> list[tuple[int, torch.Tensor]]:
         """The host gradients folded so far (what a speculative update reads)."""
@@ -405,23 +519,37 @@ class OffloadedBlock:
                 any_grad = True
         return any_grad
 
+    # ------------------------------------------------------------------ whole values (state dict)
+    def full_values(self) -> list[torch.Tensor]:
+        """Every parameter's whole host value (fp32 for trainable ones). With sharded state this
+        all-gathers the masters: every rank must call it, in the same block order."""
+        if not self.sharded:
+            return [v.detach() for v in self.host_views]
+        S = self.layout.shard_numel
+        full = torch.empty(self.layout.padded_grad_numel, dtype=torch.float32)
+        local = full[self.shard_lo : self.shard_lo + S]
+        if S:
+            local.copy_(self.master_flat)
+            self.dp.all_gather_host_(full, local)
+        out = []
+        for e, view in zip(self.layout.entries, self.host_views):
+            out.append(full[e.grad_offset : e.grad_offset + e.numel].view(e.shape) if e.trainable else view.detach())
+        return out
+
     # ------------------------------------------------------------------ teardown
-    def restore_parameters(self, device: torch.device) -> None:
+    def restore_parameters(self, device: torch.device, values: list[torch.Tensor]) -> None:
         """Gives each parameter an ordinary tensor of its stored dtype on ``device`` (engine.close)."""
         assert self.state is Residency.ON_HOST and self.lane is None
         with torch.no_grad():
-            for e, p, view in zip(self.layout.entries, self.params, self.host_views):
-                grad = p.grad
+            for e, p, value in zip(self.layout.entries, self.params, values):
+                grad = p.grad if self.exposes_grads else None
                 p.grad = None
-                p.data = view.to(device=device, dtype=e.stored_dtype, copy=True)
+                p.data = value.to(device=device, dtype=e.stored_dtype, copy=True)
                 if grad is not None:
                     p.grad = grad.to(device=device, dtype=e.stored_dtype, copy=True)
         self.masters = [None] * len(self.params)
 
     @property
-    def image_nbytes(self) -> int:
-        return self.image.numel()
-
-    @property
     def grad_nbytes_device(self) -> int:
-        return self.layout.grad_numel * (element_size(self.layout.grad_dtype) if self.layout.grad_dtype else 0)
+        """Bytes of this block's gradient lane on the device (the padded trainable region)."""
+        return self.layout.trainable_bytes

@@ -1,49 +1,121 @@
 """Data parallelism on torch.distributed (NCCL on GPU, gloo on CPU), without DDP.
 
 DDP registers every parameter and buckets them by storage, which cannot work for offloaded
-parameters whose storage is empty most of the time. The engine therefore reduces gradients
-itself, with the process group that ``accelerate launch`` / ``torchrun`` already set up:
+parameters whose storage comes and goes. The engine communicates itself, with the process
+group that ``accelerate launch`` / ``torchrun`` set up, in the places FSDP2's
+``_fsdp_collectives.py`` does:
 
-* an offloaded block's gradient is averaged across ranks while it is still on the device,
-  packed in one flat buffer, right before its device-to-host copy (so on GPU the reduction
-  overlaps with the backward of the blocks before it, and PCIe carries reduced bytes);
-* resident gradients are averaged in one flat buffer at the end of backward;
-* at start-up every rank takes rank 0's weights, as DDP does, so ranks start identical.
+* **sharded CPU state** (the default, ZeRO-Offload's partition): each rank keeps masters,
+  gradients and Adam state for one shard of every block's trainable region. A fetch copies
+  the local shard to the device and all-gathers the block there; a flush reduce-scatters
+  the gradient on the device and copies only the local shard to the host. Host memory per
+  rank falls as ``1/world``; the link carries ``1/world`` of each block each way.
+* **replicated CPU state** (``StrongholdConfig(shard_cpu_state=False)``): every rank keeps the
+  whole state; a flush all-reduces the gradient on the device. Less communication, ``world``
+  times the host memory.
+* resident gradients (embeddings, heads) are all-reduced at the end of backward, every rank
+  the same list (an unused parameter contributes zeros, as in DDP with unused parameters);
+* scalars the ranks must agree on (the global gradient norm, the overflow verdict, the auto
+  window size) are all-reduced.
 
-Every rank then applies the same update to the same masters: ranks never diverge.
+[Note: collectives on the right backend] Device tensors go through the default group (NCCL on
+CUDA). Tensors that live on the host (the initial broadcast of block weights, the gather of a
+full state dict) go through a gloo group made for them: NCCL cannot take CPU tensors. On a
+CPU-only run the default group is gloo and is used for both.
+
+[Note: collective order] Every rank must issue the same collectives in the same order. The
+engine issues them only at points every rank reaches in the same order: the use of a block
+(its all-gather, when a forward or backward needs it, never at a prefetch, whose timing
+depends on the local CPU updates), a flush (a block's backward done, an eviction for room,
+the end of backward), the end of backward, and the step's norm.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
 def world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return dist.get_world_size() if is_initialized() else 1
 
 
-def average_(tensor: torch.Tensor) -> None:
-    """In-place mean across ranks."""
-    if world_size() == 1:
-        return
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    tensor.div_(world_size())
+class DataParallel:
+    """The engine's communication with the other ranks (see the module docstring)."""
 
+    def __init__(self, device: torch.device, *, sharded: bool) -> None:
+        self.device = device
+        self.world = dist.get_world_size()
+        self.rank = dist.get_rank()
+        self.sharded = sharded
+        backend = dist.get_backend()
+        # [Note: collectives on the right backend]
+        self.host_group = None if backend == "gloo" else dist.new_group(backend="gloo")
 
-def average_grads_(grads: list[torch.Tensor]) -> None:
-    """Averages a list of gradients through one flat buffer (one collective)."""
-    if world_size() == 1 or not grads:
-        return
-    flat = _flatten_dense_tensors(grads)
-    average_(flat)
-    for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-        g.copy_(reduced)
+    @property
+    def shards(self) -> int:
+        return self.world if self.sharded else 1
 
+    @property
+    def shard_rank(self) -> int:
+        return self.rank if self.sharded else 0
 
-def broadcast_from_rank0_(tensors: list[torch.Tensor]) -> None:
-    if world_size() == 1:
-        return
-    for t in tensors:
-        dist.broadcast(t, src=0)
+    # ------------------------------------------------------------------ blocks
+    def all_gather_(self, full: torch.Tensor, local: torch.Tensor) -> None:
+        """``full`` [world * n] on the device; ``local`` is this rank's chunk of it (in place)."""
+        dist.all_gather_into_tensor(full, local)
+
+    def reduce_gradient_(self, lane: torch.Tensor, shard_numel: int) -> torch.Tensor:
+        """Averages a flat device gradient across ranks; returns the part this rank keeps."""
+        if not self.sharded:
+            dist.all_reduce(lane)
+            return lane.div_(self.world)
+        local = lane[self.rank * shard_numel : (self.rank + 1) * shard_numel]
+        dist.reduce_scatter_tensor(local, lane)
+        return local.div_(self.world)
+
+    # ------------------------------------------------------------------ resident parameters
+    def average_resident_grads_(self, params: list[torch.nn.Parameter]) -> None:
+        """One flat all-reduce over the trainable resident parameters' gradients (mean)."""
+        if not params:
+            return
+        grads = []
+        for p in params:
+            if p.grad is None:  # unused on this rank: zeros, so every rank sends the same layout
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat.div_(self.world)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def broadcast_(self, tensors: list[torch.Tensor]) -> None:
+        """Rank 0's values everywhere; host tensors through the host group."""
+        for t in tensors:
+            group = self.host_group if (t.device.type == "cpu" and self.host_group is not None) else None
+            dist.broadcast(t, src=0, group=group)
+
+    def all_gather_host_(self, full: torch.Tensor, local: torch.Tensor) -> None:
+        """Like `all_gather_` for host tensors (a full state dict)."""
+        dist.all_gather_into_tensor(full, local, group=self.host_group)
+
+    # ------------------------------------------------------------------ agreement
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        """In-place sum across ranks of a device tensor (the squared gradient norm)."""
+        dist.all_reduce(t)
+        return t
+
+    def min_int(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.host_group)

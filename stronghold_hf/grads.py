@@ -66,21 +66,25 @@ class GradLane:
         assert self.device_buffer is not None
         return self.device_buffer[offset : offset + numel].view(shape)
 
-    def staged(self) -> torch.Tensor:
+    def staged(self, numel: int) -> torch.Tensor:
         """The staging buffer as ``[numel]`` of the lane's dtype (read only after the copy landed)."""
-        return self.staging[: self.numel * element_size(self.dtype)].view(self.dtype)
+        return self.staging[: numel * element_size(self.dtype)].view(self.dtype)
 
 
 class GradientQueue:
     """``K`` lanes shared by all blocks; see the module docstring."""
 
     def __init__(self, num_lanes: int, max_bytes: int, *, device: torch.device, host: HostAllocator,
-                 transfer: TransferContext, ledger: MemoryLedger, worker: HostWorker) -> None:
+                 transfer: TransferContext, ledger: MemoryLedger, worker: HostWorker,
+                 staging_bytes: int | None = None) -> None:
         self.device = device
         self.transfer = transfer
         self.ledger = ledger
         self.worker = worker
-        self.max_bytes = max_bytes
+        self.max_bytes = max_bytes  # device buffer: the largest block's whole gradient
+        # Host staging: what one flush copies, the largest block's gradient shard (all of it
+        # without sharded data parallelism).
+        self.staging_bytes = max_bytes if staging_bytes is None else staging_bytes
         self._host = host
         self._lanes: list[GradLane] = []
         self._num_lanes = num_lanes
@@ -89,7 +93,8 @@ class GradientQueue:
 
     def _lane_pool(self) -> list[GradLane]:
         if not self._lanes and self.max_bytes > 0:  # staging is allocated at the first backward
-            self._lanes = [GradLane(i, self._host.allocate(self.max_bytes, transfer=True)) for i in range(self._num_lanes)]
+            self._lanes = [GradLane(i, self._host.allocate(self.staging_bytes, transfer=True))
+                           for i in range(self._num_lanes)]
         return self._lanes
 
     @property
@@ -127,20 +132,23 @@ class GradientQueue:
         self.peak_in_flight = max(self.peak_in_flight, self.busy)
         return lane
 
-    def flush(self, lane: GradLane, fold, *, label: str, sq_norm: torch.Tensor | None = None) -> Ticket:
-        """Starts the lane's copy to the host; ``fold(staged, sq_norm)`` runs on the worker once it
-        landed. ``sq_norm`` (a device scalar) travels too, first on the same stream, so the
-        lane's event covers it."""
+    def flush(self, lane: GradLane, fold, *, label: str, sq_norm: torch.Tensor | None = None,
+              send: torch.Tensor | None = None) -> Ticket:
+        """Starts copying ``send`` (the lane, or this rank's shard of it) to the host; ``fold(staged,
+        sq_norm)`` runs on the worker once it landed. ``sq_norm`` (a device scalar) travels too,
+        first on the same stream, so the copy's event covers it."""
         assert lane.state is LaneState.FILLING
+        send = lane.device_buffer if send is None else send
+        staged = lane.staged(send.numel())
         if sq_norm is not None:
             self.transfer.copy_d2h(lane.norm_host, sq_norm.reshape(1))
-        event = self.transfer.copy_d2h(lane.staged(), lane.device_buffer)
+        event = self.transfer.copy_d2h(staged, send)
         lane.state = LaneState.IN_FLIGHT
 
         def land_and_fold() -> None:
             try:
                 self.transfer.host_wait(event)  # the device buffer may be reused only now
-                fold(lane.staged(), float(lane.norm_host[0]) if sq_norm is not None else None)
+                fold(staged, float(lane.norm_host[0]) if sq_norm is not None else None)
             finally:
                 with self._free:
                     lane.device_buffer = None

@@ -49,6 +49,11 @@ def element_size(dtype: torch.dtype) -> int:
 
 
 # ---------------------------------------------------------------------------- layouts
+#: Trainable parameters start on a multiple of this many elements in the gradient layout: 64
+#: bytes of bf16, 128 of fp32, so their byte offsets in the slot are 64-byte aligned too.
+GRAD_ALIGN = 32
+
+
 @dataclass(frozen=True, slots=True)
 class ParamEntry:
     """Where one parameter of a block lives."""
@@ -59,18 +64,41 @@ class ParamEntry:
     device_dtype: torch.dtype
     stored_dtype: torch.dtype
     trainable: bool
-    byte_offset: int  # in the device slot and in the host image
-    grad_offset: int  # element offset in the gradient layout (and the master layout); -1 if frozen
+    byte_offset: int  # in the device slot
+    grad_offset: int  # element offset in the gradient layout (trainable only); -1 if frozen
 
 
 @dataclass(frozen=True, slots=True)
 class BlockLayout:
-    """The flat layouts of one block: slot/image bytes, and trainable elements (grads, masters)."""
+    """The flat layouts of one block.
+
+    The slot holds the *trainable region* first: the trainable parameters in the compute dtype,
+    at the same element offsets as in the gradient layout (``byte_offset = grad_offset * c``),
+    padded to ``shards`` equal shards of ``shard_numel`` elements. Under data parallelism each
+    rank keeps one shard of it (and of the masters, gradients and Adam state); a fetch
+    all-gathers the region and a flush reduce-scatters the gradient in the same shards. The
+    *frozen region* follows: frozen parameters in their stored dtype, the same on every rank.
+    """
 
     entries: tuple[ParamEntry, ...]
     slot_bytes: int
-    grad_numel: int
+    grad_numel: int  # trainable elements (unpadded end of the gradient layout)
     grad_dtype: torch.dtype | None  # device dtype of the trainable parameters (one per block)
+    shards: int
+    shard_numel: int  # elements of one shard of the trainable region (a multiple of GRAD_ALIGN)
+    frozen_offset: int  # byte offset of the frozen region in the slot
+
+    @property
+    def padded_grad_numel(self) -> int:
+        return self.shards * self.shard_numel
+
+    @property
+    def trainable_bytes(self) -> int:
+        return self.padded_grad_numel * (element_size(self.grad_dtype) if self.grad_dtype else 0)
+
+    @property
+    def frozen_bytes(self) -> int:
+        return self.slot_bytes - self.frozen_offset
 
     @property
     def masters_in_image(self) -> bool:
@@ -82,9 +110,10 @@ class BlockLayout:
         return tuple(e for e in self.entries if e.trainable)
 
 
-def layout_block(fqn: str, named: list[tuple[str, torch.nn.Parameter]], param_dtype: torch.dtype | None) -> BlockLayout:
-    """Packs a block's parameters: trainable ones in ``param_dtype`` (default: their own
-    dtype), frozen ones in their stored dtype, each at a 64-byte-aligned offset."""
+def layout_block(fqn: str, named: list[tuple[str, torch.nn.Parameter]], param_dtype: torch.dtype | None,
+                 shards: int = 1) -> BlockLayout:
+    """Lays a block out: trainable parameters in ``param_dtype`` (default: their own dtype) in
+    the trainable region, frozen ones in their stored dtype in the frozen region."""
     trainable_dtypes = {p.dtype for _, p in named if p.requires_grad}
     if param_dtype is None and len(trainable_dtypes) > 1:
         raise ValueError(
@@ -92,18 +121,25 @@ def layout_block(fqn: str, named: list[tuple[str, torch.nn.Parameter]], param_dt
             "StrongholdConfig(param_dtype=...) so their device copies (and gradients) share one dtype."
         )
     grad_dtype = (param_dtype or next(iter(trainable_dtypes))) if trainable_dtypes else None
-    entries, byte_off, grad_off = [], 0, 0
-    grad_align = ALIGN_BYTES // 4  # elements: 64 B of fp32, 32 B of bf16; both vector aligned
-    for name, p in named:
-        trainable = p.requires_grad
-        dev_dtype = grad_dtype if trainable else p.dtype
-        numel = p.numel()
-        entries.append(ParamEntry(name, p.shape, numel, dev_dtype, p.dtype, trainable, byte_off,
-                                  grad_off if trainable else -1))
-        byte_off += align_up(numel * element_size(dev_dtype))
-        if trainable:
-            grad_off += align_up(numel, grad_align)
-    return BlockLayout(tuple(entries), max(byte_off, ALIGN_BYTES), grad_off, grad_dtype)
+    c = element_size(grad_dtype) if grad_dtype is not None else 0
+    grad_offsets: dict[int, int] = {}
+    grad_off = 0
+    for k, (_, p) in enumerate(named):
+        if p.requires_grad:
+            grad_offsets[k] = grad_off
+            grad_off = align_up(grad_off + p.numel(), GRAD_ALIGN)
+    shard_numel = align_up(-(-grad_off // shards), GRAD_ALIGN) if grad_off else 0
+    frozen_offset = shards * shard_numel * c
+    entries, byte_off = [], frozen_offset
+    for k, (name, p) in enumerate(named):
+        if k in grad_offsets:
+            go = grad_offsets[k]
+            entries.append(ParamEntry(name, p.shape, p.numel(), grad_dtype, p.dtype, True, go * c, go))
+        else:
+            entries.append(ParamEntry(name, p.shape, p.numel(), p.dtype, p.dtype, False, byte_off, -1))
+            byte_off += align_up(p.numel() * element_size(p.dtype))
+    return BlockLayout(tuple(entries), max(byte_off, ALIGN_BYTES), grad_off, grad_dtype, shards, shard_numel,
+                       frozen_offset)
 
 
 def typed_view(flat_bytes: torch.Tensor, offset: int, numel: int, dtype: torch.dtype, shape) -> torch.Tensor:

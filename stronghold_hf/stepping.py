@@ -204,29 +204,31 @@ class StepCoordinator:
         return [p.grad for p in self.engine.resident_parameters() if p.grad is not None]
 
     def _offloaded_grads(self) -> list[torch.Tensor]:
-        return [p.grad for b in self.engine.blocks for p, gv in zip(b.params, b.grad_views)
-                if gv is not None and p.grad is not None]
+        return [g for b in self.engine.blocks for g in b.current_grads()]
 
     def global_grad_sq_norm(self) -> torch.Tensor:
-        """Sum of squared gradient entries over all parameters, as a device fp32 scalar."""
+        """Sum of squared gradient entries over all parameters, as a device fp32 scalar.
+
+        With sharded data parallelism each rank holds a shard of every block's gradient: the
+        ranks' block parts are summed (one all-reduce of a scalar), with the resident part,
+        which every rank holds whole after its all-reduce, counted once."""
         engine = self.engine
         engine._settle()
         device = engine.device
-        parts: list[torch.Tensor] = []
-        for block in engine.blocks:
-            if not block.trainable or not any(block.grad_valid):
-                continue
-            if block.device_norm_valid():
-                parts.append(block.device_sq_norm.to(device))
-            else:
-                parts.append(block.host_grad_sq_norm().to(device))
+        zero = torch.zeros((), dtype=torch.float32, device=device)
+        blocks = [b.device_sq_norm.to(device) if b.device_norm_valid() else b.host_grad_sq_norm().to(device)
+                  for b in engine.blocks if b.trainable and any(b.grad_valid)]
+        block_part = torch.stack(blocks).sum() if blocks else zero
         resident = self.resident_grads()
+        resident_part = zero
         if resident:
             norms = torch._foreach_norm(resident)
-            parts.append(torch.stack([n.float() for n in norms]).square().sum())
-        if not parts:
-            return torch.zeros((), dtype=torch.float32, device=device)
-        return torch.stack(parts).sum()
+            resident_part = torch.stack([n.float() for n in norms]).square().sum()
+        dp = engine.dp
+        if dp is not None and dp.sharded:
+            total = block_part + (resident_part if dp.rank == 0 else zero)
+            return dp.sum_(total.reshape(1)).reshape(())
+        return block_part + resident_part
 
     def global_grad_norm(self) -> torch.Tensor:
         """The total L2 norm of all gradients (unscaled), without clipping anything."""

@@ -44,6 +44,7 @@ from .discovery import build_block_specs, describe, find_block_stacks
 from .grads import GradientQueue
 from .hooks import BlockUse, current_graph_task, in_backward, wrap_differentiable
 from .ledger import MemoryLedger
+from .distributed import DataParallel
 from .memory import DeviceSlotPool, HostAllocator, element_size
 from .stats import EngineStats
 from .stepping import StepCoordinator
@@ -83,22 +84,30 @@ class WindowEngine:
         self._probe: AutoWindowProbe | None = None
         self.window_size = self._initial_window_size(len(specs))
         self.pool = DeviceSlotPool(capacity=self.window_size + 1)
+        # Data parallel whenever a process group exists (a group of one too: the same code path).
+        self.dp = DataParallel(device, sharded=config.shard_cpu_state) if distributed.is_initialized() else None
+        if self.dp is not None:
+            # Ranks start from rank 0's weights, as DDP does; block weights go through the host
+            # group before each rank keeps its shard of them.
+            self.dp.broadcast_([p.data for s in specs for _, p in s.params])
         self.blocks = [
             OffloadedBlock(s, device=device, param_dtype=config.param_dtype, host=self.host, transfer=self.transfer,
-                           pool=self.pool, ledger=self.ledger)
+                           pool=self.pool, ledger=self.ledger, dp=self.dp)
             for s in specs
         ]
+        self._gathering = False  # inside full_state_dict(): every rank is gathering
         self._block_param_ids = {id(p): b for b in self.blocks for p in b.params}
         self.worker = HostWorker(config.resolved_cpu_threads())
         max_grad_bytes = max(b.grad_nbytes_device for b in self.blocks)
+        max_shard_bytes = max(b.layout.shard_numel * (element_size(b.layout.grad_dtype) if b.trainable else 0)
+                              for b in self.blocks)
         self.grad_queue = GradientQueue(config.grad_buffers, max_grad_bytes, device=device, host=self.host,
-                                        transfer=self.transfer, ledger=self.ledger, worker=self.worker)
+                                        transfer=self.transfer, ledger=self.ledger, worker=self.worker,
+                                        staging_bytes=max_shard_bytes)
         self.coordinator = StepCoordinator(self)
         self._move_resident_parts(model, device)
-        if distributed.world_size() > 1:
-            # Ranks start from rank 0's weights and average every gradient (see distributed.py).
-            distributed.broadcast_from_rank0_([b.image for b in self.blocks] + [
-                b.master_flat for b in self.blocks if b.master_flat is not None] + [p.data for p in self.resident_parameters()])
+        if self.dp is not None:
+            self.dp.broadcast_([p.data for p in self.resident_parameters()])
         self.phase = Phase.IDLE
         self._backward_task: int | None = None  # graph task whose end-of-backward callback is queued
         self._forward_stack: list[tuple[OffloadedBlock, BlockUse | None]] = []
@@ -147,6 +156,8 @@ class WindowEngine:
         choice = probe.finish()
         self.window_choice = choice
         self.window_size = max(1, min(choice.window_size, self.num_blocks))
+        if self.dp is not None:  # every rank runs the same schedule: the smallest choice wins
+            self.window_size = self.dp.min_int(self.window_size)
         self.pool.resize(self.window_size + 1)
         (logger.info if choice.hidden else logger.warning)("stronghold: %s", choice.reason)
 
@@ -396,7 +407,7 @@ class WindowEngine:
         self._make_resident(b, direction=-1)
         b.wait_resident()
         if b.trainable and b.lane is None:
-            lane = self.grad_queue.acquire(b.index, b.layout.grad_numel, b.layout.grad_dtype)
+            lane = self.grad_queue.acquire(b.index, b.layout.padded_grad_numel, b.layout.grad_dtype)
             b.attach_lane(lane)
         if self._probe is not None:
             self._probe.pre_backward(b.index)
@@ -439,35 +450,45 @@ class WindowEngine:
         self.coordinator.begin_backward_pass()
 
     def _flush(self, b: OffloadedBlock) -> None:
-        """Sends ``b``'s lane to the host; the fold adds (or copies) it into the fp32 gradient."""
+        """Sends ``b``'s lane to the host; the fold adds (or copies) it into the fp32 gradient.
+
+        Under data parallelism the lane is reduced across ranks first, on the device (a
+        reduce-scatter with sharded CPU state, so only this rank's shard crosses the link), and
+        every trainable parameter counts as touched: another rank may have produced a gradient
+        this one did not, and every rank must issue the same collectives ([Note: collective
+        order] in distributed.py)."""
         lane = b.lane
         touched = b.collect_into_lane()
         b.lane = None
-        if not touched:
+        if self.dp is not None:
+            touched = [k for k, e in enumerate(b.layout.entries) if e.trainable]
+        elif not touched:
             self.grad_queue.discard(lane)
             return
         if b.spec is not None:
             # More gradient for a block already updated speculatively (a late gradient, another
             # micro-batch): undo that update before the fold changes what it read.
             self.coordinator.undo_speculation(b)
-        accumulate = [b.grad_valid[k] for k in touched]
+        local = b.local_params(touched)
+        accumulate = [b.grad_valid[k] for k in local]
         fresh = b.flushes == 0 and not any(b.grad_valid)
-        if distributed.world_size() > 1:
-            distributed.average_(lane.device_buffer)  # still on the device: PCIe carries reduced bytes
-        # Squared norm of a gradient that is the block's whole gradient for this step, on the
-        # device while the buffer is read anyway (global clipping needs it; see stepping.py).
-        b.device_sq_norm = (
-            torch.linalg.vector_norm(lane.device_buffer, dtype=torch.float32).square() if fresh else None
-        )
+        send = lane.device_buffer
+        if self.dp is not None:
+            send = self.dp.reduce_gradient_(lane.device_buffer, b.layout.shard_numel)
+        # Squared norm of a gradient that is the block's whole gradient for this step (this
+        # rank's shard of it), on the device while the buffer is read anyway (global clipping
+        # needs it; see stepping.py).
+        b.device_sq_norm = torch.linalg.vector_norm(send, dtype=torch.float32).square() if fresh else None
         partial_norm = self.coordinator.partial_norm if self.coordinator.speculating else None
 
-        def fold(staged, sq_norm, b=b, t=touched, a=accumulate):
+        def fold(staged, sq_norm, b=b, t=local, a=accumulate):
             b.fold(staged, t, a)
             if partial_norm is not None and sq_norm is not None:
                 partial_norm.add(sq_norm)
 
-        self.grad_queue.flush(lane, fold, label=b.fqn, sq_norm=b.device_sq_norm if partial_norm is not None else None)
-        for k in touched:
+        self.grad_queue.flush(lane, fold, label=b.fqn, send=send,
+                              sq_norm=b.device_sq_norm if partial_norm is not None else None)
+        for k in local:
             b.grad_valid[k] = True
         b.flushes += 1
         b.flushes_this_pass += 1
@@ -481,7 +502,7 @@ class WindowEngine:
                 if e.trainable and p.grad is not None and p.grad is not b.grad_views[k]]
         if not late:
             return
-        lane = self.grad_queue.acquire(b.index, b.layout.grad_numel, b.layout.grad_dtype)
+        lane = self.grad_queue.acquire(b.index, b.layout.padded_grad_numel, b.layout.grad_dtype)
         b.lane = lane
         with torch.no_grad():
             for k in late:
@@ -511,8 +532,8 @@ class WindowEngine:
         self.grad_queue.release_device_buffers()
         self.coordinator.speculating = False
         self.transfer.collect_timings()
-        if distributed.world_size() > 1:
-            distributed.average_grads_(self.coordinator.resident_grads())
+        if self.dp is not None:
+            self.dp.average_resident_grads_([p for p in self.resident_parameters() if p.requires_grad])
         for b in self.blocks:
             if b.trainable:
                 b.expose_grads()
@@ -585,27 +606,69 @@ class WindowEngine:
     # ------------------------------------------------------------------ state dict
     def _make_state_dict_hook(self, b: OffloadedBlock):
         def hook(module, state_dict, prefix, local_metadata):
-            self.coordinator.wait_update(b)
-            if b.state is not Residency.ON_HOST:  # mid-pass: the slot holds a compute copy
-                for name, view in zip(b.names, b.host_views):
-                    if prefix + name in state_dict:
-                        state_dict[prefix + name] = view.detach()
+            self.coordinator.wait_update(b, forward=False)
+            if b.sharded:
+                if not self._gathering:
+                    raise RuntimeError(
+                        "stronghold: with sharded CPU state (data parallel) each rank holds a shard of the offloaded "
+                        "weights; model.state_dict() alone cannot assemble them. Call engine.full_state_dict() on "
+                        "every rank (the Trainer's save does), or use StrongholdConfig(shard_cpu_state=False)."
+                    )
+                values = b.full_values()  # collective: every rank gathers this block now
+            elif b.state is not Residency.ON_HOST:  # mid-pass: the slot holds a compute copy
+                values = [v.detach() for v in b.host_views]
+            else:
+                return None
+            for name, value in zip(b.names, values):
+                if prefix + name in state_dict:
+                    state_dict[prefix + name] = value
             return None
 
         return hook
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """``model.state_dict()`` with every offloaded weight whole (fp32 masters for trainable
+        ones). With sharded CPU state this gathers the shards: call it on every rank."""
+        self.evict_all()
+        self._gathering = True
+        try:
+            return self.model.state_dict()
+        finally:
+            self._gathering = False
+
     def _make_load_pre_hook(self, b: OffloadedBlock):
         def hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-            self.coordinator.wait_update(b)
+            self.coordinator.wait_update(b, forward=False)
             if b.state is not Residency.ON_HOST:
                 if b.holds:
                     raise RuntimeError(f"stronghold: load_state_dict during the forward or backward of {b.fqn}.")
                 self._release(b)
+            if not b.sharded:
+                return  # the default load writes each parameter, which is its host master now
+            # Sharded: every rank takes its piece of each full tensor into its masters.
+            loaded = []
+            with torch.no_grad():
+                for k, (name, view) in enumerate(zip(b.names, b.host_views)):
+                    key = prefix + name
+                    if key not in state_dict or not b.layout.entries[k].trainable:
+                        continue
+                    value = state_dict.pop(key)
+                    if tuple(value.shape) != tuple(view.shape):
+                        error_msgs.append(f"size mismatch for {key}: copying {tuple(value.shape)} into {tuple(view.shape)}")
+                        continue
+                    b._write_host_value(k, value.to(torch.float32))
+                    loaded.append(key)
+            b.image_stale = not b.layout.masters_in_image
+            b._loaded_keys = loaded
 
         return hook
 
     def _make_load_post_hook(self, b: OffloadedBlock):
         def hook(module, incompatible_keys):
+            loaded = set(getattr(b, "_loaded_keys", ()))
+            if loaded:
+                incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys if k not in loaded]
+                b._loaded_keys = []
             for name, p in zip(b.names, b.params):
                 owner_name, _, leaf = name.rpartition(".")
                 owner = module.get_submodule(owner_name) if owner_name else module
@@ -685,8 +748,8 @@ class WindowEngine:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        for b in self.blocks:
-            b.restore_parameters(target)
+        for b in self.blocks:  # with sharded state, gathering is collective: every rank closes
+            b.restore_parameters(target, b.full_values())
         if target != self.device:
             self._move_resident_parts(self.model, target)
         self.transfer.close()

@@ -142,7 +142,8 @@ def test_pinning_budget_and_pageable_fallback():
     full = engine.memory_stats()
     assert full["pinned_host_bytes"] > 0
     # Only transfer buffers are pinned: the images (4 B/param here) and the K staging buffers.
-    images = sum(b.image.numel() for b in engine.blocks)
+    images = sum(b.image_trainable.numel() + (b.image_frozen.numel() if b.image_frozen is not None else 0)
+                 for b in engine.blocks)
     assert full["pinned_host_bytes"] <= images + 2 * engine.grad_queue.max_bytes + 16 * 4096 * 8
 
     model = _gpt2(4)

@@ -423,17 +423,22 @@ class _StrongholdTrainerMixin:
         run_dir = super()._get_output_dir(trial=trial)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         final = os.path.join(run_dir, name)
-        staging_root = os.path.join(run_dir, _STAGING_DIR)
-        os.makedirs(staging_root, exist_ok=True)
-        staging_run = tempfile.mkdtemp(prefix=f"{name}-", dir=staging_root)
-        self._stronghold_output_dir_override = staging_run
+        # One staging folder for every rank (each writes its RNG state and, with sharded CPU
+        # state, its optimizer shard there); rank 0 moves it into place once all have written.
+        staging_run = os.path.join(run_dir, _STAGING_DIR, name)
         if self.args.should_save:
+            shutil.rmtree(staging_run, ignore_errors=True)  # left by a save that was interrupted
+            os.makedirs(staging_run, exist_ok=True)
             _hf_logger.info(f"Saving model checkpoint to {final}")
+        self.accelerator.wait_for_everyone()
+        self._stronghold_output_dir_override = staging_run
         try:
             with _transformers_info_silenced():  # its lines would name the staging folder
                 super()._save_checkpoint(model, trial)
+            self.accelerator.wait_for_everyone()
         except BaseException:
-            shutil.rmtree(staging_run, ignore_errors=True)
+            if self.args.should_save:
+                shutil.rmtree(staging_run, ignore_errors=True)
             raise
         finally:
             self._stronghold_output_dir_override = None
@@ -441,12 +446,36 @@ class _StrongholdTrainerMixin:
         if self.args.should_save and os.path.isdir(written):
             self._fix_paths_after_staging(written, staging_run, run_dir)
             _atomic_replace_dir(written, final)
-        shutil.rmtree(staging_run, ignore_errors=True)
+        if self.args.should_save:
+            shutil.rmtree(staging_run, ignore_errors=True)
         if self.state.best_model_checkpoint and self.state.best_model_checkpoint.startswith(staging_run):
             self.state.best_model_checkpoint = self.state.best_model_checkpoint.replace(staging_run, run_dir, 1)
         if self.args.should_save:
             rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+        self.accelerator.wait_for_everyone()  # no rank goes on before the checkpoint is in place
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        engine = self.stronghold_engine
+        if not self._stronghold_on or engine is None or engine.dp is None or not engine.dp.sharded:
+            return super().save_model(output_dir, _internal_call)
+        # Sharded CPU state: every rank contributes its shard of the weights (a collective),
+        # rank 0 writes them.
+        state_dict = engine.full_state_dict()
+        if self.args.should_save:
+            self._save(output_dir, state_dict=state_dict)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        engine = self.stronghold_engine
+        if not self._stronghold_on or engine is None or engine.dp is None or not engine.dp.sharded:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        # Each rank's CPU Adam state covers its own shard: one file per rank.
+        dp = engine.dp
+        torch.save(self.optimizer.state_dict(), os.path.join(output_dir, _optimizer_shard_name(dp.rank, dp.world)))
+        if self.args.should_save:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _fix_paths_after_staging(self, written: str, staging_run: str, run_dir: str) -> None:
         state_file = os.path.join(written, "trainer_state.json")
@@ -468,6 +497,22 @@ class _StrongholdTrainerMixin:
             return super()._load_optimizer_and_scheduler(checkpoint)
         opt_file = os.path.join(checkpoint, OPTIMIZER_NAME)
         sched_file = os.path.join(checkpoint, SCHEDULER_NAME)
+        dp = self.stronghold_engine.dp
+        shard_files = sorted(f for f in os.listdir(checkpoint) if f.startswith("optimizer-rank"))
+        if dp is not None and dp.sharded:
+            opt_file = os.path.join(checkpoint, _optimizer_shard_name(dp.rank, dp.world))
+            if not os.path.isfile(opt_file):
+                saved = shard_files[0].rsplit("-of-", 1)[-1].split(".")[0] if shard_files else "1 (unsharded)"
+                raise ValueError(
+                    f"Checkpoint {checkpoint} holds CPU optimizer state sharded over {saved} rank(s); this run has "
+                    f"{dp.world} with sharded CPU state. Resume with the same number of processes, or start the "
+                    "optimizer afresh from the checkpoint's weights (--model_name_or_path <checkpoint>)."
+                )
+        elif shard_files:
+            raise ValueError(
+                f"Checkpoint {checkpoint} holds CPU optimizer state sharded over several ranks ({shard_files[0]}); "
+                "resume it with the same number of processes and sharded CPU state."
+            )
         if not (os.path.isfile(opt_file) and os.path.isfile(sched_file)):
             return
         # CPU Adam state belongs in CPU RAM whatever the world size: map it there directly.
@@ -512,6 +557,10 @@ def _transformers_info_silenced():
         yield
     finally:
         hf_root.setLevel(level)
+
+
+def _optimizer_shard_name(rank: int, world: int) -> str:
+    return f"optimizer-rank{rank}-of-{world}.pt"
 
 
 def _atomic_replace_dir(src: str, dst: str) -> None:

@@ -180,9 +180,7 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         # [Note: the step owns the offloaded gradients] The update reads them after step()
         # returns; the parameters' .grad let go of them now, so a zero_grad(set_to_none=False)
         # or a new backward cannot write into a buffer the update is still reading.
-        for p, gv in zip(block.params, block.grad_views):
-            if gv is not None:
-                p.grad = None
+        block.consume_grads()
 
     def _update_block(self, block, groups: list[int], grads, grad_mul: float) -> None:
         """Host worker: one block's update with ``grad * grad_mul`` (clip coefficient x 1/scale)."""
@@ -254,14 +252,10 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         if self.device_optimizer is not None:
             self.device_optimizer.zero_grad(set_to_none=set_to_none)
         self.engine._settle()
+        if not set_to_none:
+            self.engine.synchronize()  # zeroing in place writes what an update may still read
         for block in self.engine.blocks:
-            for p, gv in zip(block.params, block.grad_views):
-                if gv is None or p.grad is None:
-                    continue
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.zero_()
+            block.zero_grads(set_to_none)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -339,6 +333,8 @@ def build_optimizer(engine, params: Iterable | None = None, *, fp16_loss_scaling
             if engine.is_offloaded(p):
                 block = engine.block_of(p)
                 master = block.master_of(p)
+                if master is None and block.is_trainable_param(p):
+                    continue  # sharded data parallel: another rank keeps (and steps) this parameter
                 if master is None:
                     raise ValueError(
                         f"build_optimizer: parameter {block.fqn} ({tuple(p.shape)}) was frozen when the model was "

@@ -1,8 +1,14 @@
-"""Trains a tiny GPT-2 with StrongholdTrainer; run under torchrun (gloo) or alone.
+"""Trains a tiny GPT-2 with the HF Trainer under torchrun (gloo) or alone; writes what it saw.
 
-Writes the logged losses and the final parameters to ``$OUT_DIR/rank{rank}.pt``.
+    dp_train.py OUT_DIR PER_DEVICE_BATCH MODE [--max_steps N] [--save_steps N] [--resume DIR]
+
+MODE: ``plain`` (Trainer, DDP when launched with several processes), ``sharded`` (STRONGHOLD,
+sharded CPU state) or ``replicated`` (STRONGHOLD, full CPU replicas). Writes
+``OUT_DIR/rank{rank}.pt``: logged losses and grad norms, the final weights (whole, gathered),
+and the engine's host bytes.
 """
 
+import argparse
 import os
 import sys
 
@@ -11,26 +17,51 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 
 import conftest  # noqa: E402,F401  - offline settings
+from transformers import Trainer, TrainingArguments  # noqa: E402
+
 from stronghold_hf import StrongholdTrainer, StrongholdTrainingArguments  # noqa: E402
 from test_trainer import TinyDataset  # noqa: E402
 from tiny_models import tiny_model  # noqa: E402
 
 
 def main() -> None:
-    out_dir, per_device = sys.argv[1], int(sys.argv[2])
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out_dir")
+    ap.add_argument("per_device", type=int)
+    ap.add_argument("mode", choices=["plain", "sharded", "replicated"])
+    ap.add_argument("--max_steps", type=int, default=3)
+    ap.add_argument("--save_steps", type=int, default=0)
+    ap.add_argument("--resume", default=None)
+    opts = ap.parse_args()
     rank = int(os.environ.get("RANK", "0"))
-    args = StrongholdTrainingArguments(
-        output_dir=out_dir, per_device_train_batch_size=per_device, gradient_accumulation_steps=2, max_steps=3,
-        learning_rate=1e-2, weight_decay=0.1, warmup_steps=1, max_grad_norm=1.0, logging_steps=1, report_to=[],
-        seed=0, save_strategy="no", use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
-        ddp_backend="gloo" if "RANK" in os.environ else None, stronghold=True, stronghold_window_size="1",
+    common = dict(
+        output_dir=opts.out_dir, per_device_train_batch_size=opts.per_device, gradient_accumulation_steps=2,
+        max_steps=opts.max_steps, learning_rate=1e-2, weight_decay=0.1, warmup_steps=1, max_grad_norm=1.0,
+        logging_steps=1, report_to=[], seed=0, use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
+        save_strategy="steps" if opts.save_steps else "no", save_steps=opts.save_steps or 500,
+        ddp_backend="gloo" if "RANK" in os.environ else None,
     )
-    model = tiny_model("gpt2", seed=rank)  # ranks start different: the engine must broadcast rank 0
-    trainer = StrongholdTrainer(model=model, args=args, train_dataset=TinyDataset("gpt2", n=32, padded=False))
-    trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    torch.save({"losses": losses, "state": {k: v.clone() for k, v in model.state_dict().items()}},
-               os.path.join(out_dir, f"rank{rank}.pt"))
+    model = tiny_model("gpt2", seed=rank)  # ranks start different: rank 0's weights must win
+    data = TinyDataset("gpt2", n=48, padded=False)
+    if opts.mode == "plain":
+        trainer = Trainer(model=model, args=TrainingArguments(**common), train_dataset=data)
+    else:
+        args = StrongholdTrainingArguments(
+            **common, stronghold=True, stronghold_window_size="1",
+            stronghold_config={"shard_cpu_state": opts.mode == "sharded"},
+        )
+        trainer = StrongholdTrainer(model=model, args=args, train_dataset=data)
+    trainer.train(resume_from_checkpoint=opts.resume)
+    engine = getattr(trainer, "stronghold_engine", None)
+    state = engine.full_state_dict() if engine is not None else model.state_dict()  # every rank gathers
+    record = {
+        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
+        "state": {k: v.detach().clone() for k, v in state.items()},
+        "memory": engine.memory_stats() if engine is not None else None,
+        "staging_bytes": engine.grad_queue.staging_bytes * engine.config.grad_buffers if engine is not None else 0,
+    }
+    torch.save(record, os.path.join(opts.out_dir, f"rank{rank}.pt"))
 
 
 if __name__ == "__main__":
