@@ -81,7 +81,8 @@ class OffloadedBlock:
         self.ledger = ledger
         self.dp = dp
         shards, rank = (dp.shards, dp.shard_rank) if dp is not None else (1, 0)
-        self.sharded = shards > 1
+        # Sharded even in a group of one: the same code path (all-gather, reduce-scatter) runs.
+        self.sharded = dp is not None and dp.sharded
         self.layout: BlockLayout = layout_block(spec.fqn, list(spec.params), param_dtype, shards)
         lay = self.layout
         S = lay.shard_numel

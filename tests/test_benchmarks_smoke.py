@@ -53,3 +53,16 @@ def test_bench_lora_smoke():
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["ratio_offload_vs_plain"] > 0
     assert 0 < summary["adapter_params"] < summary["base_params_offloaded"]
+
+
+def test_bench_dp_host_bytes_fall_with_world():
+    import pytest
+
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_dp.py"), "--worlds", "1,2", "--n_layer", "2", "--n_embd",
+         "64", "--seq", "16", "--rounds", "1", "--steps", "2"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["host_ratio_vs_world1"]["2"] == pytest.approx(0.5, abs=0.05)

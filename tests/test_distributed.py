@@ -91,3 +91,42 @@ def test_exact_resume_and_a_different_world_size_is_refused(tmp_path):
     proc = _run(tmp_path / "other", 3, 2, "sharded", "--max_steps", "6", "--resume", str(checkpoint), expect_ok=False)
     assert proc.returncode != 0
     assert "sharded over 2 rank(s); this run has 3" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("shard", [True, False])
+def test_a_process_group_of_one_takes_the_data_parallel_path_exactly(shard):
+    """In-process gloo group of one: every collective of the sharded (or replicated) path runs,
+    and training equals plain training. (tests/test_gpu.py does the same under NCCL.)"""
+    import copy
+
+    import torch.distributed as dist
+
+    from stronghold_hf import StrongholdConfig, offload_model
+    from tiny_models import batch, tiny_model
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1)
+    try:
+        ref = tiny_model("t5")
+        model = copy.deepcopy(ref)
+        engine = offload_model(model, StrongholdConfig(window_size=1, shard_cpu_state=shard), device="cpu")
+        assert engine.dp is not None and engine.dp.sharded is shard and engine.blocks[0].sharded is shard
+        opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+        opt = engine.build_optimizer(lr=1e-2, weight_decay=0.1)
+        for step in range(3):
+            b = batch("t5", seed=step)
+            loss_ref, loss = ref(**b).loss, model(**b).loss
+            assert loss.item() == pytest.approx(loss_ref.item(), rel=1e-5)
+            loss_ref.backward()
+            loss.backward()
+            n_ref, n = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0), engine.clip_grad_norm_(1.0)
+            assert float(n) == pytest.approx(float(n_ref), rel=1e-5)
+            opt_ref.step()
+            opt.step()
+            opt_ref.zero_grad()
+            opt.zero_grad()
+        state = engine.full_state_dict()
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(state[k], v, rtol=1e-4, atol=ADAM_SLACK, msg=lambda m: f"{k}: {m}")
+        engine.close()
+    finally:
+        dist.destroy_process_group()
