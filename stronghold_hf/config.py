@@ -94,13 +94,15 @@ class StrongholdConfig:
     host-to-device copies, same results). ``None``: no bound; pinning still falls back to
     pageable memory, with one warning, when the system refuses it."""
 
-    shard_cpu_state: bool = True
+    shard_cpu_state: bool | None = None
     """Under data parallelism (a torch.distributed process group, e.g. ``torchrun`` or
     ``accelerate launch``), each rank keeps the fp32 masters, gradients and Adam state of
     1/world of every block (ZeRO-Offload's partition): host memory per rank falls as 1/world,
     blocks are all-gathered on the device when used and gradients reduce-scattered there.
-    ``False`` keeps full replicas on every rank (world times the host memory; gradients are
-    all-reduced and every parameter stays readable between steps). See docs/distributed.md."""
+    ``None`` (default): sharded when the group has more than one rank. ``False`` keeps full
+    replicas on every rank (world times the host memory; gradients are all-reduced and every
+    parameter stays readable between steps). ``True`` shards even a group of one (the same
+    code path as a larger group). See docs/distributed.md."""
 
     speculative_step: Literal["auto", "on", "off"] = "auto"
     """Start each block's CPU Adam during backward, as soon as its gradient reaches the host,
@@ -142,7 +144,9 @@ class StrongholdConfig:
             raise ValueError(
                 f"StrongholdConfig.speculative_step={self.speculative_step!r}; use \"auto\", \"on\" or \"off\"."
             )
-        for name in ("offload_optimizer", "pin_memory", "check_fit", "offload_activations", "shard_cpu_state"):
+        if self.shard_cpu_state is not None and not isinstance(self.shard_cpu_state, bool):
+            raise TypeError(f"StrongholdConfig.shard_cpu_state={self.shard_cpu_state!r} must be None, True or False.")
+        for name in ("offload_optimizer", "pin_memory", "check_fit", "offload_activations"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"StrongholdConfig.{name}={getattr(self, name)!r} must be a bool.")
         if self.block_classes is not None:

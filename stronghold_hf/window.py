@@ -85,7 +85,10 @@ class WindowEngine:
         self.window_size = self._initial_window_size(len(specs))
         self.pool = DeviceSlotPool(capacity=self.window_size + 1)
         # Data parallel whenever a process group exists (a group of one too: the same code path).
-        self.dp = DataParallel(device, sharded=config.shard_cpu_state) if distributed.is_initialized() else None
+        self.dp = None
+        if distributed.is_initialized():
+            shard = config.shard_cpu_state
+            self.dp = DataParallel(device, sharded=distributed.world_size() > 1 if shard is None else shard)
         if self.dp is not None:
             # Ranks start from rank 0's weights, as DDP does; block weights go through the host
             # group before each rank keeps its shard of them.

@@ -191,7 +191,7 @@ def test_nccl_world_of_one_trains_and_matches(monkeypatch):
     try:
         ref = tiny_model("gpt2").cuda()
         model = copy.deepcopy(ref).cpu()
-        engine = offload_model(model, StrongholdConfig(window_size=1), device="cuda")
+        engine = offload_model(model, StrongholdConfig(window_size=1, shard_cpu_state=True), device="cuda")
         assert engine.dp is not None and engine.dp.sharded and engine.dp.host_group is not None
         opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
         opt = engine.build_optimizer(lr=1e-2, weight_decay=0.1)

@@ -364,6 +364,15 @@ class _StrongholdTrainerMixin:
             grad_norm = self.stronghold_engine.global_grad_norm()
         return float(grad_norm)
 
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
+        engine = self.stronghold_engine
+        if (isinstance(self, Seq2SeqTrainer) and engine is not None and engine.dp is not None and engine.dp.sharded
+                and engine.dp.world > 1):
+            # Every block use all-gathers across ranks, so every rank must run as many decoder
+            # steps as the longest generation: what synced_gpus does for ZeRO-3 and FSDP.
+            gen_kwargs.setdefault("synced_gpus", True)
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)
+
     # ------------------------------------------------------------------ logging
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         if self._stronghold_on and "loss" in logs and self.stronghold_engine is not None:
