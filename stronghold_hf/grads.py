@@ -139,10 +139,15 @@ class GradientQueue:
         first on the same stream, so the copy's event covers it."""
         assert lane.state is LaneState.FILLING
         send = lane.device_buffer if send is None else send
-        staged = lane.staged(send.numel())
         if sq_norm is not None:
             self.transfer.copy_d2h(lane.norm_host, sq_norm.reshape(1))
-        event = self.transfer.copy_d2h(staged, send)
+        if self.transfer.mode == "sync":
+            # A CPU "device": the lane is host memory already and stays untouched until the
+            # fold has read it (the lane is FREE only after), so the fold reads it in place.
+            staged, event = send, self.transfer.book_d2h(send)
+        else:
+            staged = lane.staged(send.numel())
+            event = self.transfer.copy_d2h(staged, send)
         lane.state = LaneState.IN_FLIGHT
 
         def land_and_fold() -> None:

@@ -242,6 +242,14 @@ class TransferContext:
                 pending.append((counter, start, end))
         self._timed = pending
 
+    def book_d2h(self, src: torch.Tensor):
+        """The ``"sync"`` mode's zero-copy device-to-host transfer: the bytes are host memory
+        already; they are booked as crossed, and the returned event is complete."""
+        assert self.mode == "sync"
+        self.ledger.count_d2h(src.numel() * src.element_size())
+        self.stats.add("d2h_bytes", src.numel() * src.element_size())
+        return _DONE
+
     def host_wait(self, event) -> None:
         """Blocks the host until ``event`` completed; afterwards the copy's bytes may be read."""
         if not event.query():
