@@ -40,6 +40,9 @@ from .transfer import TransferContext
 from .workers import HostWorker, Ticket
 
 
+_NORM_BYTES = 64  # room for one fp32 norm at the end of each staging buffer, alignment kept
+
+
 class LaneState(enum.Enum):
     FREE = "free"
     FILLING = "filling"
@@ -55,8 +58,10 @@ class GradLane:
         self.state = LaneState.FREE
         self.device_bytes: torch.Tensor | None = None  # uint8 [max bytes] on the device, for one backward pass
         self.device_buffer: torch.Tensor | None = None  # [numel] grad dtype: the used part, typed, while in use
-        self.staging = staging  # uint8 [max bytes], pinned host; typed per flush
-        self.norm_host = staging.new_zeros(4).view(torch.float32)  # fp32 [1]: the flush's squared norm
+        # uint8 [staging bytes + 64], pinned host: the gradient (typed per flush), then, in the
+        # last 64 bytes, the flush's squared norm (pinned too, so its copy stays asynchronous).
+        self.staging = staging[:-_NORM_BYTES]
+        self.norm_host = staging[-_NORM_BYTES:][:4].view(torch.float32)  # fp32 [1]
         self.dtype: torch.dtype | None = None
         self.numel = 0
         self.block_index = -1
@@ -93,7 +98,7 @@ class GradientQueue:
 
     def _lane_pool(self) -> list[GradLane]:
         if not self._lanes and self.max_bytes > 0:  # staging is allocated at the first backward
-            self._lanes = [GradLane(i, self._host.allocate(self.staging_bytes, transfer=True))
+            self._lanes = [GradLane(i, self._host.allocate(self.staging_bytes + _NORM_BYTES, transfer=True))
                            for i in range(self._num_lanes)]
         return self._lanes
 
