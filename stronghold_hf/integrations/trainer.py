@@ -478,8 +478,10 @@ class _StrongholdTrainerMixin:
         engine = self.stronghold_engine
         if not self._stronghold_on or engine is None or engine.dp is None or not engine.dp.sharded:
             return super()._save_optimizer_and_scheduler(output_dir)
-        # Each rank's CPU Adam state covers its own shard: one file per rank.
+        # Each rank's CPU Adam state covers its own shard: one file per rank. Rank 0 may not have
+        # created the folder yet (it writes the weights first): every rank makes sure it exists.
         dp = engine.dp
+        os.makedirs(output_dir, exist_ok=True)
         torch.save(self.optimizer.state_dict(), os.path.join(output_dir, _optimizer_shard_name(dp.rank, dp.world)))
         if self.args.should_save:
             with warnings.catch_warnings():
