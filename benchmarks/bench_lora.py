@@ -22,7 +22,6 @@ Output: one JSON line per round, then the summary (the last line) with
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import statistics

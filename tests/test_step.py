@@ -7,7 +7,6 @@ Reference: the untouched model trained with ``torch.optim.AdamW`` and
 from __future__ import annotations
 
 import copy
-import threading
 
 import pytest
 import torch

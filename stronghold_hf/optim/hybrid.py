@@ -25,7 +25,6 @@ overflow check inside ``step``) ran after the whole backward.
 
 from __future__ import annotations
 
-import time
 from functools import partial
 from typing import Any, Iterable
 

@@ -4,7 +4,6 @@ Imported from the scripts' own folder, so it also proves that the launcher puts 
 script's folder first on ``sys.path``, as ``python SCRIPT`` does.
 """
 
-import os
 
 import torch
 
