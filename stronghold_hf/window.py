@@ -46,6 +46,7 @@ from .hooks import BlockUse, current_graph_task, in_backward, wrap_differentiabl
 from .ledger import MemoryLedger
 from .distributed import DataParallel
 from .memory import DeviceSlotPool, HostAllocator, element_size
+from .state_dict import install_state_dict_hooks
 from .stats import EngineStats
 from .stepping import StepCoordinator
 from .transfer import TransferContext
@@ -179,9 +180,7 @@ class WindowEngine:
             m = b.module
             self._handles.append(m.register_forward_pre_hook(self._make_pre_forward(b), with_kwargs=True))
             self._handles.append(m.register_forward_hook(self._make_post_forward(b), with_kwargs=True))
-            self._handles.append(m.register_state_dict_post_hook(self._make_state_dict_hook(b)))
-            self._handles.append(m._register_load_state_dict_pre_hook(self._make_load_pre_hook(b)))
-            self._handles.append(m.register_load_state_dict_post_hook(self._make_load_post_hook(b)))
+            self._handles.extend(install_state_dict_hooks(self, b))
             for k, (e, p) in enumerate(zip(b.layout.entries, b.params)):
                 if e.trainable:
                     self._handles.append(p.register_post_accumulate_grad_hook(self._make_touched_hook(b, k)))
@@ -277,7 +276,7 @@ class WindowEngine:
         for idx in sorted(self.pool.in_use):
             b = self.blocks[idx]
             if idx not in keep and b.holds == 0:
-                self._release(b)
+                self._release(b)  # a lane goes with it: a collective, at the same point on every rank
 
     def _turn_kept(self, i: int) -> set[int]:
         """Blocks of the tail this differentiable pass already ran: backward needs them first."""
@@ -309,7 +308,9 @@ class WindowEngine:
                 self._prefetched.add(j)
 
     def _make_room(self, b: OffloadedBlock) -> None:
-        candidates = [j for j in self.pool.in_use if self.blocks[j].holds == 0]
+        # Only blocks without a gradient lane: whether the pool is full depends on how far this
+        # rank prefetched, and flushing a lane is a collective under data parallelism.
+        candidates = [j for j in self.pool.in_use if self.blocks[j].holds == 0 and self.blocks[j].lane is None]
         if not candidates:
             raise RuntimeError(
                 f"stronghold: no device slot for block {b.fqn}: all {self.pool.capacity} slots are held by blocks "
@@ -607,28 +608,6 @@ class WindowEngine:
                 b.image_stale = True
 
     # ------------------------------------------------------------------ state dict
-    def _make_state_dict_hook(self, b: OffloadedBlock):
-        def hook(module, state_dict, prefix, local_metadata):
-            self.coordinator.wait_update(b, forward=False)
-            if b.sharded:
-                if not self._gathering:
-                    raise RuntimeError(
-                        "stronghold: with sharded CPU state (data parallel) each rank holds a shard of the offloaded "
-                        "weights; model.state_dict() alone cannot assemble them. Call engine.full_state_dict() on "
-                        "every rank (the Trainer's save does), or use StrongholdConfig(shard_cpu_state=False)."
-                    )
-                values = b.full_values()  # collective: every rank gathers this block now
-            elif b.state is not Residency.ON_HOST:  # mid-pass: the slot holds a compute copy
-                values = [v.detach() for v in b.host_views]
-            else:
-                return None
-            for name, value in zip(b.names, values):
-                if prefix + name in state_dict:
-                    state_dict[prefix + name] = value
-            return None
-
-        return hook
-
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """``model.state_dict()`` with every offloaded weight whole (fp32 masters for trainable
         ones). With sharded CPU state this gathers the shards: call it on every rank."""
@@ -638,50 +617,6 @@ class WindowEngine:
             return self.model.state_dict()
         finally:
             self._gathering = False
-
-    def _make_load_pre_hook(self, b: OffloadedBlock):
-        def hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-            self.coordinator.wait_update(b, forward=False)
-            if b.state is not Residency.ON_HOST:
-                if b.holds:
-                    raise RuntimeError(f"stronghold: load_state_dict during the forward or backward of {b.fqn}.")
-                self._release(b)
-            if not b.sharded:
-                return  # the default load writes each parameter, which is its host master now
-            # Sharded: every rank takes its piece of each full tensor into its masters.
-            loaded = []
-            with torch.no_grad():
-                for k, (name, view) in enumerate(zip(b.names, b.host_views)):
-                    key = prefix + name
-                    if key not in state_dict or not b.layout.entries[k].trainable:
-                        continue
-                    value = state_dict.pop(key)
-                    if tuple(value.shape) != tuple(view.shape):
-                        error_msgs.append(f"size mismatch for {key}: copying {tuple(value.shape)} into {tuple(view.shape)}")
-                        continue
-                    b._write_host_value(k, value.to(torch.float32))
-                    loaded.append(key)
-            b.image_stale = not b.layout.masters_in_image
-            b._loaded_keys = loaded
-
-        return hook
-
-    def _make_load_post_hook(self, b: OffloadedBlock):
-        def hook(module, incompatible_keys):
-            loaded = set(getattr(b, "_loaded_keys", ()))
-            if loaded:
-                incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys if k not in loaded]
-                b._loaded_keys = []
-            for name, p in zip(b.names, b.params):
-                owner_name, _, leaf = name.rpartition(".")
-                owner = module.get_submodule(owner_name) if owner_name else module
-                if owner._parameters.get(leaf) is not p:
-                    raise RuntimeError(
-                        f"stronghold: load_state_dict replaced parameter {b.fqn}.{name} (assign=True?). An offloaded "
-                        "model keeps its parameter objects; load with assign=False, or engine.close() first."
-                    )
-
-        return hook
 
     # ------------------------------------------------------------------ step (delegates)
     def build_optimizer(self, params=None, **adamw_kwargs):
