@@ -7,14 +7,14 @@
 #
 # What it runs, in order, each under `timeout` with its own budget (seconds):
 #   setup                       ~20  import check, nvidia-smi
-#   pytest -m gpu               90   the CUDA tests (tests/test_gpu.py): parity, ledger vs allocator,
+#   pytest -m gpu               120  the CUDA tests (tests/test_gpu.py): parity, ledger vs allocator,
 #                                    deep == shallow peak, a model 3x the capped device trains
 #   bench_memory.py             60   the ledger at 4/16/64 blocks next to torch.cuda.max_memory_allocated,
 #                                    and the deepest model under a cap of 1/3 of its blocks
 #   bench_step.py (fp32)        90   plain vs offloaded W=1,2,4 (+ speculation off, + DeepSpeed ZeRO-Offload
 #                                    when it imports) on a GPT-2-medium-like model: paired ratios,
 #                                    first_block_ready_fraction, forward_stall_fraction, miss rate
-#   bench_max_model.py --quick  110  largest trainable model under a 32 GB cap
+#   bench_max_model.py --quick  90   largest trainable model under a 32 GB cap
 #   bench_train.py --quick      90   HF Trainer: plain vs --stronghold (auto, 1, 2), FSDP2 offload
 #   bench_step.py (bf16)        rest only if at least 60 s of the 8 minutes are left
 #   total                       <= 460 + the optional bf16 run, capped at 470
@@ -87,8 +87,8 @@ if ! python -c "$ENV_CHECK" >>"$OUT_DIR/env.txt" 2>>"$ERR"; then
 fi
 log "setup done"
 
-# ---------------------------------------------------------------------------- CUDA tests (90 s)
-run_piece "pytest -m gpu" 90 "$OUT_DIR/gpu_tests.txt" python -m pytest -m gpu tests -q -x -p no:cacheprovider
+# ---------------------------------------------------------------------------- CUDA tests (120 s)
+run_piece "pytest -m gpu" 120 "$OUT_DIR/gpu_tests.txt" python -m pytest -m gpu tests -q -x -p no:cacheprovider
 tail -n 3 "$OUT_DIR/gpu_tests.txt" >>"$SUMMARY" || true
 
 # ---------------------------------------------------------------------------- bench_memory (60 s)
@@ -105,11 +105,11 @@ run_piece "bench_step cuda fp32" 90 "$OUT_DIR/bench_step_cuda.jsonl" \
     python benchmarks/bench_step.py --device cuda --model gpt2-medium-like --n_embd 1024 --n_layer 24 \
     --seq 512 --batch 8 --windows 1,2,4 --speculative auto,off --warmup 2 --rounds 3 --block_steps 3 --time_budget_s 70
 
-# ---------------------------------------------------------------------------- bench_max_model (110 s)
-# hidden 2048, 16 heads; --quick: seq 512, batch 2, host RAM capped at 48 GiB; search budget 80 s
+# ---------------------------------------------------------------------------- bench_max_model (90 s)
+# hidden 2048, 16 heads; --quick: seq 512, batch 2, host RAM capped at 48 GiB; search budget 60 s
 # (after ~15 s of imports and estimator bounds), probes bounded by what is left.
-run_piece "bench_max_model quick 32GB" 110 "$OUT_DIR/bench_max_model.jsonl" \
-    python benchmarks/bench_max_model.py --quick --gpu_memory 32GB --time_budget_s 80
+run_piece "bench_max_model quick 32GB" 90 "$OUT_DIR/bench_max_model.jsonl" \
+    python benchmarks/bench_max_model.py --quick --gpu_memory 32GB --time_budget_s 60
 
 # ---------------------------------------------------------------------------- bench_train (90 s)
 # GPT-2-small-like (n_embd 768, 12 layers, seq 512, batch 8): 2 rounds x 8 steps per variant; no new
