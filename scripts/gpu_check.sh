@@ -92,10 +92,10 @@ run_piece "pytest -m gpu" 120 "$OUT_DIR/gpu_tests.txt" python -m pytest -m gpu t
 tail -n 3 "$OUT_DIR/gpu_tests.txt" >>"$SUMMARY" || true
 
 # ---------------------------------------------------------------------------- bench_memory (60 s)
-# Width 1024 (~12.6 M parameters, 50 MB per block): device peak, host B/param and fetches per step
+# Width 512 (~3.2 M parameters, 12.6 MB per block): device peak, host B/param and fetches per step
 # at 4, 16 and 64 blocks, the ledger against the CUDA allocator, and 64 blocks under a cap of 1/3.
 run_piece "bench_memory cuda" 60 "$OUT_DIR/bench_memory_cuda.jsonl" \
-    python benchmarks/bench_memory.py --device cuda --width 1024 --depths 4,16,64 --seq 32 --batch 1 --cap_third
+    python benchmarks/bench_memory.py --device cuda --width 512 --depths 4,16,64 --seq 32 --batch 1 --cap_third
 
 # ---------------------------------------------------------------------------- bench_step fp32 (90 s)
 # GPT-2-medium-like: n_embd 1024, 24 layers, 16 heads, seq 512, batch 8. Each variant: 2 warm-up
