@@ -334,6 +334,7 @@ class OffloadedBlock:
             self.device_sq_norm = None
         elif not self._exposed_unchanged():
             self.device_sq_norm = None
+        self._exposed_grad_versions = []  # the engine owns the gradients until the next exposure
 
     def _check_not_poisoned(self) -> None:
         if not self.grads_poisoned:

@@ -112,6 +112,11 @@ class DataParallel:
         dist.all_reduce(t)
         return t
 
+    def max_(self, t: torch.Tensor) -> torch.Tensor:
+        """In-place element-wise maximum across ranks of a device tensor (a flag per block)."""
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t
+
     def min_int(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)

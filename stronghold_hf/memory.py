@@ -25,9 +25,11 @@ the ledger says which is which.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -149,13 +151,41 @@ def typed_view(flat_bytes: torch.Tensor, offset: int, numel: int, dtype: torch.d
 
 
 # ---------------------------------------------------------------------------- pinning
+_cuda_get_last_error = None
+
+
+def _clear_cuda_last_error() -> None:
+    """Resets the CUDA runtime's last error after a refused ``cudaHostRegister``.
+
+    torch's binding returns the error but leaves it pending, and torch's next kernel-launch
+    check would report it as a failure of that unrelated kernel. torch loads the CUDA runtime
+    into the global namespace, so the symbol is found there (or in the mapped library)."""
+    global _cuda_get_last_error
+    if _cuda_get_last_error is None:
+        fn = None
+        try:
+            fn = ctypes.CDLL(None).cudaGetLastError
+        except (OSError, AttributeError):
+            try:
+                with open("/proc/self/maps", encoding="ascii", errors="replace") as fh:
+                    paths = sorted({line.split()[-1] for line in fh if "libcudart" in line})
+                fn = ctypes.CDLL(paths[0]).cudaGetLastError if paths else None
+            except (OSError, AttributeError, IndexError):
+                fn = None
+        _cuda_get_last_error = fn if fn is not None else (lambda: 0)
+    _cuda_get_last_error()
+
+
 class CudaHostRegister:
     """Page-locks existing host memory in place (see [Note: pinning without rounding])."""
 
     def pin(self, t: torch.Tensor) -> bool:
         cudart = torch.cuda.cudart()
         err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-        return int(getattr(err, "value", err)) == 0
+        if int(getattr(err, "value", err)) != 0:
+            _clear_cuda_last_error()
+            return False
+        return True
 
     def unpin(self, t: torch.Tensor) -> None:
         torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
@@ -209,6 +239,8 @@ class HostAllocator:
         self._buffers: list[tuple[torch.Tensor, int, bool]] = []  # (tensor, booked bytes, pinned)
         self._lock = threading.Lock()
         self._warned = False
+        # An engine dropped without close() still unregisters its pinned pages.
+        weakref.finalize(self, _unpin_all, self.pinning, self._buffers)
 
     def allocate(self, nbytes: int, *, transfer: bool) -> torch.Tensor:
         """A zeroed uint8 buffer of ``nbytes`` (64-byte aligned start). ``transfer=True``:
@@ -263,15 +295,21 @@ class HostAllocator:
     def release_all(self) -> None:
         """Unpins and forgets every buffer (the tensors are freed once nothing views them)."""
         with self._lock:
-            buffers, self._buffers = self._buffers, []
+            buffers = list(self._buffers)
+            self._buffers.clear()  # in place: the finalizer holds this list
             self._pinned_total = 0
-        for t, booked, pinned in buffers:
-            if pinned:
-                try:
-                    self.pinning.unpin(t)
-                except (RuntimeError, OSError):  # pragma: no cover - nothing left to do at teardown
-                    pass
+        _unpin_all(self.pinning, buffers)
+        for _, booked, pinned in buffers:
             self.ledger.host_free(booked, pinned=pinned)
+
+
+def _unpin_all(pinning, buffers: list[tuple[torch.Tensor, int, bool]]) -> None:
+    for t, _, pinned in buffers:
+        if pinned:
+            try:
+                pinning.unpin(t)
+            except (RuntimeError, OSError):  # pragma: no cover - nothing left to do at teardown
+                pass
 
 
 class DeviceSlotPool:

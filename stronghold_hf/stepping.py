@@ -163,6 +163,11 @@ class StepCoordinator:
             if self._first_ticket is ticket:
                 self._account_first_block()
 
+    def _wait_ticket(self, block) -> None:
+        ticket = self._tickets.get(block.index)
+        if ticket is not None:
+            self.engine.stats.add("blocked_s", ticket.wait())
+
     def synchronize(self) -> None:
         """Waits for every in-flight CPU task (before reading masters, saving, clipping)."""
         for index in list(self._tickets):
@@ -179,8 +184,10 @@ class StepCoordinator:
         self.speculating = bool(expect_step and opt is not None and opt.can_speculate and self.policy.should_speculate())
         if self.speculating:
             self.synchronize()  # the groups' hyperparameters are written next
-            opt.prepare_speculation()
-            self.partial_norm.reset(self.last_max_norm)
+            inv_scale = opt.prepare_speculation()
+            # The flushed norms are of the loss-scaled gradient: the limit is in the same units.
+            limit = None if self.last_max_norm is None else self.last_max_norm / inv_scale
+            self.partial_norm.reset(limit)
 
     def speculate(self, block) -> None:
         """``block``'s gradient for this step is complete on its way to the host: update it now."""
@@ -194,6 +201,17 @@ class StepCoordinator:
         self.engine.stats.add("speculated_blocks", 1)
 
     def undo_speculation(self, block) -> None:
+        if block.grads_modified_in_place():
+            # The undo recomputes the old moments from the gradient the update read: refuse
+            # rather than undo with a gradient that was changed since.
+            self._wait_ticket(block)  # did the speculative update run?
+            if block.spec.applied:
+                raise RuntimeError(
+                    f"stronghold: the gradients of {block.fqn} were changed in place after the engine had updated the "
+                    "block speculatively with them, and the step it guessed did not come, so the update can no "
+                    "longer be undone exactly. Clear gradients with zero_grad(set_to_none=True) or "
+                    "optimizer.zero_grad(), or set StrongholdConfig(speculative_step='off')."
+                )
         record, block.spec = block.spec, None
         block.spec_blocked = True  # more gradient arrived or the step did not come: no second guess
         self.submit(block, "the rollback of a speculative update", lambda: self.optimizer.undo_speculation(block, record),

@@ -192,6 +192,8 @@ class TransferContext:
             dst.copy_(src, non_blocking=True)
             event.record(self.h2d_stream)
         self._timed.append(("h2d_s", start, event))
+        if len(self._timed) > 512:  # forward-only loops (eval, generate) never reach a backward's end
+            self.collect_timings()
         return event
 
     def device_wait(self, event) -> None:
@@ -224,6 +226,8 @@ class TransferContext:
             dst.copy_(src, non_blocking=True)
             event.record(self.d2h_stream)
         self._timed.append(("d2h_s", start, event))
+        if len(self._timed) > 512:
+            self.collect_timings()
         return event
 
     def collect_timings(self) -> None:

@@ -308,9 +308,13 @@ class WindowEngine:
                 self._prefetched.add(j)
 
     def _make_room(self, b: OffloadedBlock) -> None:
-        # Only blocks without a gradient lane: whether the pool is full depends on how far this
-        # rank prefetched, and flushing a lane is a collective under data parallelism.
-        candidates = [j for j in self.pool.in_use if self.blocks[j].holds == 0 and self.blocks[j].lane is None]
+        # Only blocks without a gradient lane, prefetches first: whether the pool is full depends
+        # on how far this rank prefetched, and under data parallelism flushing a lane is a
+        # collective, and a gathered block evicted on one rank only would be gathered again by
+        # that rank alone. Without prefetches in the pool, the residents are the same everywhere.
+        idle = [j for j in self.pool.in_use if self.blocks[j].holds == 0 and self.blocks[j].lane is None]
+        fetching = [j for j in idle if self.blocks[j].state is Residency.FETCHING]
+        candidates = fetching or idle
         if not candidates:
             raise RuntimeError(
                 f"stronghold: no device slot for block {b.fqn}: all {self.pool.capacity} slots are held by blocks "
@@ -373,7 +377,11 @@ class WindowEngine:
         return output
 
     def _pre_forward_in_backward(self, b: OffloadedBlock, args, kwargs):
-        """A forward inside backward: gradient checkpointing recomputing the block."""
+        """A forward inside backward: gradient checkpointing recomputing the block.
+
+        No forward hold is taken: the block's backward hold already keeps it resident, and a
+        non-reentrant checkpoint may stop the recompute early (an internal exception once the
+        last saved tensor is repacked), so the post-hook that would release it may never run."""
         if b.backward_holds == 0:
             # Reentrant checkpointing: the original forward ran under no_grad, so this
             # recompute starts the block's backward; its post-backward node goes on the
@@ -385,11 +393,9 @@ class WindowEngine:
                 (args, kwargs), _ = wrap_differentiable(use.post_backward, (args, kwargs))
         else:
             b.wait_resident()
-        b.forward_holds += 1
         return args, kwargs
 
     def _post_forward_in_backward(self, b: OffloadedBlock, output):
-        b.forward_holds = max(0, b.forward_holds - 1)
         return output
 
     # ------------------------------------------------------------------ backward hooks
@@ -499,13 +505,16 @@ class WindowEngine:
         if self.coordinator.speculating and b.pending_backward == 0 and not b.spec_blocked:
             self.coordinator.speculate(b)
 
+    @staticmethod
+    def _late_params(b: OffloadedBlock) -> list[int]:
+        return [k for k, (e, p) in enumerate(zip(b.layout.entries, b.params))
+                if e.trainable and p.grad is not None and p.grad is not b.grad_views[k]]
+
     def _flush_late_grads(self, b: OffloadedBlock) -> None:
         """Gradients autograd produced after ``b`` left the device (T5's relative bias, whose
-        gradient arrives through every later block): one more flush that accumulates."""
-        late = [k for k, (e, p) in enumerate(zip(b.layout.entries, b.params))
-                if e.trainable and p.grad is not None and p.grad is not b.grad_views[k]]
-        if not late:
-            return
+        gradient arrives through every later block): one more flush that accumulates. Under
+        data parallelism it runs on every rank where any rank has one (a flush is a collective)."""
+        late = self._late_params(b)
         lane = self.grad_queue.acquire(b.index, b.layout.padded_grad_numel, b.layout.grad_dtype)
         b.lane = lane
         with torch.no_grad():
@@ -526,9 +535,14 @@ class WindowEngine:
             b.backward_holds = 0
             if b.lane is not None:
                 self._flush(b)
-        for b in self.blocks:
-            if b.trainable:
-                self._flush_late_grads(b)
+        late = [b for b in self.blocks if b.trainable and self._late_params(b)]
+        if self.dp is not None:  # which blocks have late gradients is the ranks' union
+            flags = torch.zeros(self.num_blocks, dtype=torch.int32, device=self.device)
+            for b in late:
+                flags[b.index] = 1
+            late = [self.blocks[i] for i in self.dp.max_(flags).nonzero().flatten().tolist()]
+        for b in late:
+            self._flush_late_grads(b)
         for b in self.blocks:
             if b.state is not Residency.ON_HOST and b.holds == 0:
                 self._release(b)
@@ -550,6 +564,8 @@ class WindowEngine:
         self._backward_task = None
         for b in self.blocks:
             b.backward_holds = 0
+            if not self._forward_stack:
+                b.forward_holds = 0
             if b.lane is not None:
                 b.collect_into_lane()
                 lane, b.lane = b.lane, None

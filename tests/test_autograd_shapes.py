@@ -192,3 +192,33 @@ def test_backward_that_raises_during_accumulation_is_refused_until_zeroed():
     opt.step()
     engine.synchronize()
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class _CheckpointedStack(torch.nn.Module):
+    """Blocks called through torch.utils.checkpoint from the parent: the module hooks run
+    inside the checkpoint, and non-reentrant checkpointing may stop the recompute early."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.reentrant = reentrant
+        self.inp = torch.nn.Linear(8, 16)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16)) for _ in range(4))
+        self.out = torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + torch.utils.checkpoint.checkpoint(block, h, use_reentrant=self.reentrant)
+        return self.out(h).square().mean()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("window_size", [1, 2])
+def test_user_checkpointing_around_block_calls(reentrant, window_size):
+    ref, model, engine = _pair(lambda: _CheckpointedStack(reentrant), window_size=window_size)
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randn(4, 8, generator=g) for _ in range(3)]
+    _step_both(ref, model, engine, lambda m, s: m(data[s]))
+    assert all(b.holds == 0 for b in engine.blocks) and engine.resident_blocks() == []

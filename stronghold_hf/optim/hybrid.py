@@ -80,11 +80,12 @@ class StrongholdOptimizer(torch.optim.Optimizer):
                 *(self.device_optimizer.param_groups if self.device_optimizer is not None else [])]
 
     def _push_hyperparameters(self) -> None:
-        """Copies what schedulers changed in our groups into the inner ones (see the note)."""
+        """Copies what schedulers changed in our groups into the inner ones (see the note). A
+        tensor value (a tensor lr, which schedulers fill in place) is copied, not shared."""
         for public, inner in zip(self.param_groups, self._inner_groups):
             for key, value in public.items():
                 if key != "params":
-                    inner[key] = value
+                    inner[key] = value.clone() if isinstance(value, torch.Tensor) else value
 
     # ------------------------------------------------------------------ stepping
     @torch.no_grad()
@@ -133,7 +134,10 @@ class StrongholdOptimizer(torch.optim.Optimizer):
                     )
                 if guess_holds and block.grads_match(grads, record.grads):
                     hits += 1
-                    plan.append((block, "", None, ""))  # already updated during backward
+                    # Updated during backward, unless the pass stopped speculating before this
+                    # block's turn: then the worker applies the update now (same coefficient).
+                    plan.append((block, "the CPU optimizer update",
+                                 partial(self._complete_speculation, block, record), "cpu_adam_s"))
                     self._release_grads(block)
                     continue
                 misses += 1
@@ -152,8 +156,6 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         # Block 0 first, on this thread: the next forward needs it before anything else, and
         # handing it to the worker would add the worker's wake-up to the forward's wait. The
         # worker takes the other blocks once it is done, in order, each with every core.
-        if plan and plan[0][2] is None:
-            coordinator.note_first_block(plan[0][0])  # validated speculation: block 0 is (nearly) ready
         inline = self._asynchronous and next((e for e in plan if e[2] is not None), None)
         if inline:
             coordinator.wait_update(inline[0], forward=False)  # its speculative update, if any, ran first
@@ -207,7 +209,7 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         return isinstance(self.cpu_optimizer, CPUAdam)
 
     def _hyperparameters_changed(self) -> bool:
-        return any(public[k] != inner[k] for public, inner in zip(self.param_groups, self._inner_groups)
+        return any(bool(public[k] != inner[k]) for public, inner in zip(self.param_groups, self._inner_groups)
                    for k in _HYPER_KEYS)
 
     def prepare_speculation(self) -> None:
@@ -215,6 +217,7 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         hyperparameters, and the loss scale of this step is the one speculation applies."""
         self._push_hyperparameters()
         self._speculation_scale = 1.0 if self.scaler is None else self.scaler.inv_scale
+        return self._speculation_scale
 
     def speculation_record(self, block) -> SpecRecord | None:
         groups = self.block_groups.get(block.index)
@@ -230,6 +233,11 @@ class StrongholdOptimizer(torch.optim.Optimizer):
             return
         self._update_block(block, record.groups, record.grads, record.grad_mul)
         record.applied = True
+
+    def _complete_speculation(self, block, record: SpecRecord) -> None:
+        """Host worker, after a validated speculation: nothing if it ran, else the update it skipped."""
+        if not record.applied:
+            self._update_block(block, record.groups, record.grads, record.grad_mul)
 
     def undo_speculation(self, block, record: SpecRecord) -> None:
         """Host worker: inverts a speculative update exactly from what it applied."""
@@ -251,8 +259,12 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         if self.device_optimizer is not None:
             self.device_optimizer.zero_grad(set_to_none=set_to_none)
         self.engine._settle()
+        coordinator = self.engine.coordinator
+        for block in self.engine.blocks:
+            if block.spec is not None:  # the step it guessed did not come: undo it while its gradient is intact
+                coordinator.undo_speculation(block)
         if not set_to_none:
-            self.engine.synchronize()  # zeroing in place writes what an update may still read
+            self.engine.synchronize()  # zeroing in place writes what an update (or undo) may still read
         for block in self.engine.blocks:
             block.zero_grads(set_to_none)
 
