@@ -62,6 +62,11 @@ def main() -> None:
         "staging_bytes": engine.grad_queue.staging_bytes * engine.config.grad_buffers if engine is not None else 0,
     }
     torch.save(record, os.path.join(opts.out_dir, f"rank{rank}.pt"))
+    # Skip interpreter teardown: freeing a DDP Reducer there can deadlock in torch's gloo
+    # ProcessGroup destructor (it joins a thread that waits for the GIL); the record is saved.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
