@@ -12,7 +12,9 @@ Discovery, in order:
    ``_no_split_modules`` or of ``transformers.modeling_layers.GradientCheckpointingLayer``.
 3. Failing that, the largest homogeneous ``nn.ModuleList`` (same child class, each child
    holding parameters; lists of >= 2 children first, then of one, for ALBERT's single
-   shared layer group).
+   shared layer group). A list of lists (Funnel's ``blocks[i][j]``) counts by its innermost
+   modules: a container has no forward of its own, so only the modules it holds are called
+   and can be streamed.
 
 A parameter is windowed only if it belongs to exactly one block: a weight that is also
 registered elsewhere (tied into another block, or shared with a resident module) stays
@@ -33,10 +35,30 @@ except ImportError:  # pragma: no cover - older transformers
 
 @dataclass(frozen=True, slots=True)
 class BlockStack:
-    """One ``nn.ModuleList`` of blocks, by its fully qualified name."""
+    """One ``nn.ModuleList`` of blocks, by its fully qualified name.
+
+    ``names`` are the blocks' names inside the list: ``"3"``, or ``"3.0"`` for a list of lists."""
 
     fqn: str
     blocks: tuple[nn.Module, ...]
+    names: tuple[str, ...]
+
+
+def _stack(fqn: str, mlist: nn.ModuleList) -> BlockStack:
+    units = _callable_units(mlist)
+    return BlockStack(fqn, tuple(m for _, m in units), tuple(n for n, _ in units))
+
+
+def _callable_units(mlist: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
+    """The modules a list holds, looking through nested containers (``ModuleList`` and
+    ``ModuleDict`` have no forward: code calls what they hold, so that is what has hooks)."""
+    out: list[tuple[str, nn.Module]] = []
+    for name, child in mlist.named_children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            out.extend(_callable_units(child, f"{prefix}{name}."))
+        else:
+            out.append((f"{prefix}{name}", child))
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +119,7 @@ def find_block_stacks(model: nn.Module, block_classes: tuple[str, ...] | None = 
                 f"No nn.ModuleList of {list(block_classes)} found in {type(model).__name__}. "
                 f"ModuleList children seen: {seen or 'none'}. Fix block_classes, or leave it unset to discover."
             )
-        return [BlockStack(n, tuple(m)) for n, m in _drop_nested(found)]
+        return [_stack(n, m) for n, m in _drop_nested(found)]
 
     class_names = _no_split_class_names(model)
     found = [(n, m) for n, m in lists if _is_block_list(m, class_names, use_gc_layer=True)]
@@ -110,7 +132,7 @@ def find_block_stacks(model: nn.Module, block_classes: tuple[str, ...] | None = 
             f"homogeneous nn.ModuleLists of parameterised modules ({len(lists)} ModuleList(s) seen). "
             "Pass StrongholdConfig(block_classes=[...]) naming the block class."
         )
-    return [BlockStack(n, tuple(m)) for n, m in _drop_nested(found)]
+    return [_stack(n, m) for n, m in _drop_nested(found)]
 
 
 def _largest_homogeneous(lists: list[tuple[str, nn.ModuleList]]) -> list[tuple[str, nn.ModuleList]]:
@@ -124,9 +146,10 @@ def _largest_homogeneous(lists: list[tuple[str, nn.ModuleList]]) -> list[tuple[s
         best: tuple[str, nn.ModuleList] | None = None
         best_params = 0
         for name, mlist in lists:
-            if len(mlist) < min_len or len({type(c) for c in mlist}) != 1:
+            units = [m for _, m in _callable_units(mlist)]
+            if len(units) < min_len or len({type(c) for c in units}) != 1:
                 continue
-            if any(next(c.parameters(), None) is None for c in mlist):
+            if any(next(c.parameters(), None) is None for c in units):
                 continue
             n_params = sum(p.numel() for p in mlist.parameters())
             if n_params > best_params:
@@ -152,7 +175,7 @@ def build_block_specs(model: nn.Module, stacks: list[BlockStack]) -> list[BlockS
     specs: list[BlockSpec] = []
     seen_blocks: set[int] = set()
     for stack in stacks:
-        for i, block in enumerate(stack.blocks):
+        for local_name, block in zip(stack.names, stack.blocks):
             if id(block) in seen_blocks:
                 continue
             seen_blocks.add(id(block))
@@ -162,7 +185,8 @@ def build_block_specs(model: nn.Module, stacks: list[BlockStack]) -> list[BlockS
                 if registrars[id(p)] <= inside and p.is_floating_point():
                     owned.append((name, p))
             if owned:  # a block whose weights all live elsewhere has nothing to stream
-                specs.append(BlockSpec(len(specs), f"{stack.fqn}.{i}" if stack.fqn else str(i), block, tuple(owned)))
+                specs.append(BlockSpec(len(specs), f"{stack.fqn}.{local_name}" if stack.fqn else local_name, block,
+                                       tuple(owned)))
     return specs
 
 

@@ -234,8 +234,14 @@ class StepCoordinator:
         engine._settle()
         device = engine.device
         zero = torch.zeros((), dtype=torch.float32, device=device)
-        blocks = [b.device_sq_norm.to(device) if b.device_norm_valid() else b.host_grad_sq_norm().to(device)
-                  for b in engine.blocks if b.trainable and any(b.grad_valid)]
+        blocks = []
+        for b in engine.blocks:
+            if not b.trainable:
+                continue
+            if b.device_norm_valid():
+                blocks.append(b.device_sq_norm.to(device))
+            elif b.current_grads():  # also a .grad set outside the engine's flushes (by the user)
+                blocks.append(b.host_grad_sq_norm().to(device))
         block_part = torch.stack(blocks).sum() if blocks else zero
         resident = self.resident_grads()
         resident_part = zero

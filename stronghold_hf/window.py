@@ -120,6 +120,9 @@ class WindowEngine:
         if getattr(self, "_auto_pending", False):
             self._probe = AutoWindowProbe(self)
         self._handles: list[Any] = []
+        self._block_entries = 0  # block forwards entered (outside backward), for the check below
+        self._entries_at_model_start = 0
+        self._warned_no_block_ran = False
         self._install_hooks()
         setattr(model, _ENGINE_ATTR, self)
         stats = self.memory_stats()
@@ -176,6 +179,8 @@ class WindowEngine:
                         module._buffers[name] = buf.to(device)
 
     def _install_hooks(self) -> None:
+        self._handles.append(self.model.register_forward_pre_hook(self._on_model_forward_start))
+        self._handles.append(self.model.register_forward_hook(self._on_model_forward_end))
         for b in self.blocks:
             m = b.module
             self._handles.append(m.register_forward_pre_hook(self._make_pre_forward(b), with_kwargs=True))
@@ -323,6 +328,22 @@ class WindowEngine:
         self._release(self.blocks[max(candidates, key=lambda j: abs(j - b.index))])
 
     # ------------------------------------------------------------------ forward hooks
+    def _on_model_forward_start(self, module, args) -> None:
+        self._entries_at_model_start = self._block_entries
+
+    def _on_model_forward_end(self, module, args, output) -> None:
+        # A training forward that entered no block used the block weights some other way (a
+        # container's contents called directly, `block.forward(...)` bypassing hooks): nothing
+        # was streamed, and on a GPU those weights are host memory. Said once, plainly.
+        if (self._block_entries == self._entries_at_model_start and torch.is_grad_enabled() and module.training
+                and not self._warned_no_block_ran):
+            self._warned_no_block_ran = True
+            logger.warning(
+                "stronghold: a training forward of %s ran none of its %d offloaded blocks (%s ... %s) through their "
+                "forward, so their weights were not streamed (on a GPU they are host memory). If the model calls "
+                "its layers some other way, pass StrongholdConfig(block_classes=[...]) naming the layer class the "
+                "forward calls.", type(module).__name__, self.num_blocks, self.blocks[0].fqn, self.blocks[-1].fqn)
+
     def _make_pre_forward(self, b: OffloadedBlock):
         def hook(module, args, kwargs):
             return self._pre_forward(b, args, kwargs)
@@ -338,6 +359,7 @@ class WindowEngine:
     def _pre_forward(self, b: OffloadedBlock, args, kwargs):
         if in_backward():
             return self._pre_forward_in_backward(b, args, kwargs)
+        self._block_entries += 1
         self._settle()
         if self._forward_stack:  # a previous forward raised inside a block: its holds are stale
             for stale, _ in self._forward_stack:

@@ -222,3 +222,56 @@ def test_user_checkpointing_around_block_calls(reentrant, window_size):
     data = [torch.randn(4, 8, generator=g) for _ in range(3)]
     _step_both(ref, model, engine, lambda m, s: m(data[s]))
     assert all(b.holds == 0 for b in engine.blocks) and engine.resident_blocks() == []
+
+
+def _funnel():
+    # Funnel keeps its layers as a list of lists (encoder.blocks[i][j]) and calls the inner
+    # layers directly: the outer lists' items have no forward of their own.
+    torch.manual_seed(0)
+    cfg = T.FunnelConfig(vocab_size=96, d_model=32, n_head=2, d_head=16, d_inner=64, block_sizes=[1, 2],
+                         num_decoder_layers=1, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+    return T.FunnelForMaskedLM(cfg).train()
+
+
+def test_list_of_lists_streams_the_layers_it_holds():
+    ref, model, engine = _pair(_funnel, window_size=1)
+    assert [b.fqn for b in engine.blocks] == ["funnel.encoder.blocks.0.0", "funnel.encoder.blocks.1.0",
+                                              "funnel.encoder.blocks.1.1"]
+    _step_both(ref, model, engine, _mlm_loss)
+    # Every block went through the window: fetched for forward and again for backward.
+    assert engine.memory_stats()["h2d_bytes"] > 0
+    assert engine.memory_stats()["fetches"] == 3 * (2 * engine.num_blocks - 1)
+
+
+def test_grad_norm_counts_gradients_the_user_set_between_steps():
+    ref, model, engine = _pair(lambda: tiny_model("gpt2"), window_size=1)
+    engine.build_optimizer(lr=LR)
+    for m in (ref, model):
+        with torch.no_grad():  # no backward ran: gradients written by hand (a custom update rule)
+            for i, p in enumerate(m.parameters()):
+                p.grad = torch.full_like(p, 0.01 * i)
+    torch.testing.assert_close(engine.global_grad_norm(), torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9),
+                               rtol=1e-5, atol=1e-6)
+
+
+class _BypassingModel(torch.nn.Module):
+    """Calls its layers through ``.forward``, which skips module hooks."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer.forward(x)
+        return x.square().mean()
+
+
+def test_a_forward_that_runs_no_block_is_reported(caplog):
+    model = _BypassingModel().train()
+    offload_model(model, StrongholdConfig(window_size=1), device="cpu")
+    with caplog.at_level("WARNING", logger="stronghold_hf"):
+        model(torch.randn(2, 8))
+        model(torch.randn(2, 8))
+    said = [r.getMessage() for r in caplog.records if "ran none of its 3 offloaded blocks" in r.getMessage()]
+    assert len(said) == 1 and "block_classes" in said[0]
