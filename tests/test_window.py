@@ -17,7 +17,7 @@ from stronghold_hf.block import Residency
 from stronghold_hf.testing import simulated_device
 from tiny_models import batch, is_seq2seq, tiny_model
 
-FAMILIES = ["gpt2", "llama", "bert", "t5", "bart", "opt"]
+FAMILIES = ["gpt2", "llama", "bert", "t5", "bart", "opt", "mixtral", "gemma2", "deberta-v2", "falcon"]
 
 
 def _grads_by_name(model, engine=None):

@@ -32,6 +32,15 @@ FAMILIES: dict[str, tuple[type, dict]] = {
     "gpt_neox": (T.AutoModelForCausalLM, dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
                                               intermediate_size=64, max_position_embeddings=64)),
     "distilbert": (T.AutoModelForMaskedLM, dict(dim=32, n_layers=3, n_heads=2, hidden_dim=64, max_position_embeddings=64)),
+    # Mixture of experts: experts a batch never routes to get no gradient at all.
+    "mixtral": (T.AutoModelForCausalLM, dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+                                             num_key_value_heads=1, intermediate_size=64, max_position_embeddings=64,
+                                             num_local_experts=4, num_experts_per_tok=2)),
+    "gemma2": (T.AutoModelForCausalLM, dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=2, head_dim=16,
+                                            num_key_value_heads=1, intermediate_size=64, max_position_embeddings=64)),
+    "deberta-v2": (T.AutoModelForMaskedLM, dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+                                                intermediate_size=64, max_position_embeddings=64)),
+    "falcon": (T.AutoModelForCausalLM, dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=2)),
 }
 
 
