@@ -243,6 +243,35 @@ def test_trl_sft_script_unchanged_trains_with_stronghold(tmp_path):
     _assert_same_training(result, ref)
 
 
+TRL_RUNS = {
+    "dpo_script.py": ["--per_device_train_batch_size", "4", "--learning_rate", "1e-3", "--bf16", "false"],
+    # Four completions per prompt, six tokens each, sampled with the seed both runs share.
+    "grpo_script.py": ["--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "6",
+                       "--learning_rate", "1e-3", "--bf16", "false"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", sorted(TRL_RUNS))
+def test_trl_preference_and_rl_scripts_unchanged_train_with_stronghold(tmp_path, script):
+    """DPO (a frozen reference model next to the trained one) and GRPO (generation inside
+    every training step, raw rows as the batch) through the launcher, against the same script."""
+    pytest.importorskip("trl")
+    common = ["--use_cpu", "--max_steps", "3", "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no",
+              "--seed", "0", "--disable_tqdm", "true", *TRL_RUNS[script]]
+    path = str(SCRIPTS / script)
+    _run_together({
+        "plain": ([sys.executable, path, "--output_dir", str(tmp_path / "plain"), *common], _env()),
+        "launcher": ([sys.executable, "-m", "stronghold_hf", path, "--output_dir", str(tmp_path / "launcher"), *common],
+                     _env(STRONGHOLD_WINDOW_SIZE="1")),
+    })
+    ref = torch.load(tmp_path / "plain" / "result.pt", weights_only=True)
+    result = torch.load(tmp_path / "launcher" / "result.pt", weights_only=True)
+    assert not ref["engine"] and result["engine"]
+    assert len(result["losses"]) == 3
+    _assert_same_training(result, ref)
+
+
 def test_trl_subclass_route(tmp_path, monkeypatch):
     """``class MySFTTrainer(StrongholdTrainer, SFTTrainer)``: TRL configs take the environment,
     or the stronghold flags when the config is declared with `StrongholdArgumentsMixin`."""

@@ -282,12 +282,16 @@ class _StrongholdTrainerMixin:
         dataclasses.replace(est, gpu_fits=None).raise_if_not_fits()
         self._stronghold_pending_fit = (est.gpu_memory_bytes, est.cpu_memory_bytes)
 
-    def _check_fits_on_batch(self, inputs: Mapping[str, Any]) -> None:
+    def _check_fits_on_batch(self, inputs: Any) -> None:
         gpu_memory, cpu_memory = self._stronghold_pending_fit
         self._stronghold_pending_fit = None
-        tokens = inputs.get("input_ids")
-        if tokens is None:
-            tokens = inputs.get("inputs_embeds")
+        # Trainers that build their batch inside training_step (TRL's GRPO gets a list of raw
+        # rows and generates first) give nothing to size it by here.
+        tokens = None
+        if isinstance(inputs, Mapping):
+            tokens = inputs.get("input_ids")
+            if tokens is None:
+                tokens = inputs.get("inputs_embeds")
         if not isinstance(tokens, torch.Tensor) or tokens.dim() < 2:
             logger.warning("STRONGHOLD fit check skipped: the training batch has no input_ids to size it by.")
             return
