@@ -270,6 +270,15 @@ def test_trl_preference_and_rl_scripts_unchanged_train_with_stronghold(tmp_path,
     assert not ref["engine"] and result["engine"]
     assert len(result["losses"]) == 3
     _assert_same_training(result, ref)
+    if script == "dpo_script.py":
+        # The reference model streams through its own forward-only window: frozen, so it holds
+        # its stored bytes on the host, and a bounded window on the device (a whole copy there
+        # would undo the offloading of the trained model).
+        assert ref["auxiliary"]["ref_model"] is None
+        ledger = result["auxiliary"]["ref_model"]
+        assert ledger is not None and ledger["offloaded_trainable_params"] == 0
+        assert ledger["fetches"] == 3 * ledger["blocks"]  # one forward over every block per step
+        assert ledger["device_peak_bytes"] <= (ledger["window_size"] + 1) * ledger["slot_bytes"]
 
 
 def test_trl_subclass_route(tmp_path, monkeypatch):

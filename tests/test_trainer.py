@@ -435,3 +435,48 @@ def test_start_line_says_stronghold_is_on(tmp_path):
     lines = [r.getMessage() for r in records if "STRONGHOLD is on" in r.getMessage()]
     assert len(lines) == 1
     assert "window_size=2 of 3 blocks" in lines[0] and "offloaded parameters" in lines[0] and "CPU Adam threads=" in lines[0]
+
+
+def test_inference_only_models_prepared_next_to_the_trained_one_get_their_own_window(tmp_path, monkeypatch):
+    """What TRL does with a reference model, a reward model or a teacher:
+    ``accelerator.prepare_model(m, evaluation_mode=True)``. With STRONGHOLD on, such a model
+    streams through its own frozen window; one without repeated blocks, and any model prepared
+    for training, is placed on the device as without STRONGHOLD."""
+    from stronghold_hf import get_engine
+
+    t = StrongholdTrainer(model=tiny_model("gpt2"), args=StrongholdTrainingArguments(
+        output_dir=str(tmp_path), stronghold=True, stronghold_window_size="1", **COMMON), train_dataset=TinyDataset("gpt2"))
+    placements = []
+    original = type(t.accelerator).prepare_model
+
+    def recording(accelerator, model, device_placement=None, evaluation_mode=False):
+        placements.append((type(model).__name__, device_placement))
+        return original(accelerator, model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+    monkeypatch.setattr(type(t.accelerator), "prepare_model", recording)
+    # create_accelerator_and_postprocess bound the original; rebuild the wrapper over the recorder
+    t.create_accelerator_and_postprocess()
+
+    reference = tiny_model("gpt2", seed=1)
+    before = {k: v.clone() for k, v in reference.state_dict().items()}
+    assert t.accelerator.prepare_model(reference, evaluation_mode=True) is reference
+    engine = get_engine(reference)
+    assert engine is not None and engine is not t.stronghold_engine
+    assert not any(p.requires_grad for p in reference.parameters())
+    assert engine.memory_stats()["offloaded_trainable_params"] == 0
+    with torch.no_grad():
+        out = reference(**batch("gpt2", seed=0)).logits
+    ref_copy = tiny_model("gpt2", seed=1)
+    with torch.no_grad():
+        torch.testing.assert_close(out, ref_copy(**batch("gpt2", seed=0)).logits)
+    for k, v in reference.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+    reward_head = torch.nn.Linear(8, 1)  # no repeated blocks: placed whole
+    t.accelerator.prepare_model(reward_head, evaluation_mode=True)
+    trained_elsewhere = tiny_model("gpt2", seed=2)  # prepared for training: placed, not windowed
+    t.accelerator.prepare_model(trained_elsewhere)
+    assert get_engine(reward_head) is None and get_engine(trained_elsewhere) is None
+    t.accelerator.prepare_model(t.model)  # the trained model: never placed by accelerate
+    assert placements == [("GPT2LMHeadModel", False), ("Linear", True), ("GPT2LMHeadModel", True),
+                          ("GPT2LMHeadModel", False)]

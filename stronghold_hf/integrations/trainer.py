@@ -178,6 +178,17 @@ def _trained_lengths(args: Any, dataset: Any, encoder_decoder: bool) -> tuple[in
     return seq, dec
 
 
+def _carries_engine(model: Any) -> bool:
+    """Whether ``model`` or a module inside it (a PEFT wrapper's base) has a STRONGHOLD engine."""
+    if not isinstance(model, torch.nn.Module):
+        return False
+    return get_engine(model) is not None or any(get_engine(m) is not None for m in model.modules())
+
+
+def _is_auxiliary(trainer: Any, model: Any) -> bool:
+    return any(model is m for m in trainer._stronghold_auxiliary)
+
+
 class _StrongholdTrainerMixin:
     """The stronghold behaviour, in front of any `transformers.Trainer` class.
 
@@ -192,11 +203,13 @@ class _StrongholdTrainerMixin:
     """
 
     stronghold_engine: WindowEngine | None = None
+    _stronghold_auxiliary: list[torch.nn.Module]  # inference-only models given their own window
 
     def __init__(self, *pos, **kwargs):
         named = _named_call_arguments(self, pos, kwargs)
         on, cfg = stronghold_settings(named.get("args"))
         self._stronghold_on = on
+        self._stronghold_auxiliary = []
         self._stronghold_pending_fit: tuple[int | None, int | None] | None = None
         if on:
             if named.get("model") is None:
@@ -210,15 +223,18 @@ class _StrongholdTrainerMixin:
                     "optimizers=(...) or optimizer_cls_and_kwargs. Set learning_rate/weight_decay/adam_* in "
                     "the arguments instead."
                 )
-        super().__init__(*pos, **kwargs)
-        if on:
-            args = self.args
+            args = named.get("args")
             # Low-precision device copies halve PCIe traffic on CUDA, where autocast runs norms in
             # fp32. CPU autocast does not (a bf16 LayerNorm weight next to an fp32 residual
             # stream fails), so on CPU the copies stay in the model's dtype.
             if cfg.param_dtype is None and args.device.type == "cuda" and (args.bf16 or args.fp16):
                 cfg = cfg.replace(param_dtype=torch.bfloat16 if args.bf16 else torch.float16)
+            # Set before the parent's __init__: TRL trainers prepare their reference and reward
+            # models in there (see _prepare_auxiliary_model).
             self._stronghold_config = cfg
+        super().__init__(*pos, **kwargs)
+        if on:
+            args = self.args
             if cfg.check_fit:
                 self._check_fits()
             engine = get_engine(self.model)
@@ -328,10 +344,40 @@ class _StrongholdTrainerMixin:
             # (it would pull every block onto the GPU) nor DDP (it registers every parameter and
             # would all-reduce empty offloaded ones). evaluation_mode=True is accelerate's switch
             # for exactly "autocast and compile only".
-            def prepare_model_without_placement(model, device_placement=None, evaluation_mode=False):
-                return prepare_model(model, device_placement=False, evaluation_mode=True)
+            def prepare_model_for_stronghold(model, device_placement=None, evaluation_mode=False):
+                auxiliary = _is_auxiliary(self, model)
+                if not auxiliary and (model is getattr(self, "model", None) or _carries_engine(model)):
+                    return prepare_model(model, device_placement=False, evaluation_mode=True)
+                return self._prepare_auxiliary_model(model, prepare_model, device_placement, evaluation_mode)
 
-            accelerator.prepare_model = prepare_model_without_placement
+            accelerator.prepare_model = prepare_model_for_stronghold
+
+    def _prepare_auxiliary_model(self, model, prepare_model, device_placement, evaluation_mode):
+        """A model the trainer runs next to the trained one: TRL's reference model (DPO, KTO,
+        GRPO), a reward model, a distillation teacher.
+
+        Prepared for inference only (``evaluation_mode=True``), it gets its own forward-only
+        window, frozen, so it costs its stored bytes on the host and a window on the device,
+        like the trained model: a full copy on the GPU would undo the point of offloading.
+        Anything else, or a model without repeated blocks, is placed on the device the way the
+        Trainer would without STRONGHOLD (the accelerator here has placement off)."""
+        placement = True if device_placement is None else device_placement
+        if not isinstance(model, torch.nn.Module) or not evaluation_mode:
+            return prepare_model(model, device_placement=placement, evaluation_mode=evaluation_mode)
+        if get_engine(model) is None:
+            cfg = self._stronghold_config
+            window = cfg.window_size if cfg.window_size != "auto" else 2  # no backward to probe with
+            aux_cfg = cfg.replace(window_size=window, shard_cpu_state=False, check_fit=False)
+            try:
+                model.requires_grad_(False)  # never trained: no gradients, no masters beyond its dtype
+                offload_model(model, aux_cfg, device=self.args.device)
+            except ValueError as exc:  # nothing to window (no repeated blocks)
+                _hf_logger.info(f"STRONGHOLD: {type(model).__name__} is placed on the device whole: {exc}")
+                return prepare_model(model, device_placement=placement, evaluation_mode=evaluation_mode)
+            _hf_logger.info(f"STRONGHOLD: {type(model).__name__} (inference only) streams through its own window of "
+                            f"{window} blocks")
+            self._stronghold_auxiliary.append(model)
+        return prepare_model(model, device_placement=False, evaluation_mode=True)
 
     # ------------------------------------------------------------------ optimizer and clipping
     def create_optimizer(self, model=None):

@@ -20,4 +20,14 @@ def save_run(trainer, model, path: str) -> None:
         "state": {k: v.clone() for k, v in model.state_dict().items()},
         "trainer_mro": [c.__name__ for c in type(trainer).__mro__],
         "engine": getattr(model, "_stronghold_engine", None) is not None,
+        # Models the trainer runs next to the trained one (TRL's reference model): the ledger
+        # of the engine each carries, or None.
+        "auxiliary": {name: _ledger(getattr(trainer, name, None)) for name in ("ref_model", "teacher_model")},
     }, path)
+
+
+def _ledger(model):
+    engine = getattr(model, "_stronghold_engine", None)
+    if engine is None:
+        return None
+    return dict(engine.memory_stats(), blocks=len(engine.blocks))
