@@ -213,3 +213,25 @@ def test_nccl_world_of_one_trains_and_matches(monkeypatch):
         engine.close()
     finally:
         dist.destroy_process_group()
+
+
+def test_trainer_reference_model_runs_on_cuda(tmp_path):
+    """TRL's DPO prepares its reference model with ``accelerator.prepare_model(ref,
+    evaluation_mode=True)``: under STRONGHOLD it must end up usable with CUDA inputs (its own
+    window), and a model without blocks must be placed on the GPU."""
+    from stronghold_hf import StrongholdTrainer, StrongholdTrainingArguments, get_engine
+    from test_trainer import TinyDataset
+
+    args = StrongholdTrainingArguments(output_dir=str(tmp_path), stronghold=True, stronghold_window_size="1",
+                                       max_steps=2, per_device_train_batch_size=2, report_to=[], save_strategy="no")
+    t = StrongholdTrainer(model=tiny_model("gpt2"), args=args, train_dataset=TinyDataset("gpt2"))
+    reference = tiny_model("gpt2", seed=1)
+    expected = copy.deepcopy(reference).cuda()
+    t.accelerator.prepare_model(reference, evaluation_mode=True)
+    assert get_engine(reference) is not None
+    b = _cuda_batch("gpt2", 0)
+    with torch.no_grad():
+        torch.testing.assert_close(reference(**b).logits, expected(**b).logits, rtol=1e-4, atol=1e-5)
+    head = t.accelerator.prepare_model(torch.nn.Linear(8, 1), evaluation_mode=True)
+    assert next(head.parameters()).device.type == "cuda"
+    t.train()
