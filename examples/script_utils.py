@@ -390,8 +390,26 @@ def new_config(model_type: str, tokenizer=None, overrides: str | None = None, **
         init.update(_special_token_ids(AutoConfig.for_model(model_type), tokenizer))
     init.update(kwargs)
     reference = _with_decoder_start(AutoConfig.for_model(model_type, **init))
-    init.update(parse_config_overrides(overrides, reference))
-    return _with_decoder_start(AutoConfig.for_model(model_type, **init))
+    given = parse_config_overrides(overrides, reference)
+    init.update(given)
+    config = _with_decoder_start(AutoConfig.for_model(model_type, **init))
+    _check_attention_heads(config, given)
+    return config
+
+
+def _check_attention_heads(config, given: dict[str, Any]) -> None:
+    """Grouped-query attention needs ``num_attention_heads`` divisible by ``num_key_value_heads``;
+    shrinking the heads with --config_overrides while a default of 8 key/value heads stays
+    would otherwise fail in the first forward with a bare shape error."""
+    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    if not given or not isinstance(heads, int) or not isinstance(kv, int) or kv <= 0 or heads % kv == 0:
+        return
+    source = "given" if "num_key_value_heads" in given else f"{type(config).__name__}'s default"
+    divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+    raise ValueError(
+        f"--config_overrides: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv} ({source}); "
+        f"add num_key_value_heads=N with N one of {divisors}."
+    )
 
 
 def _special_token_ids(base, tokenizer) -> dict[str, int]:

@@ -153,6 +153,12 @@ def test_config_overrides_go_through_the_constructor(example_env, monkeypatch):
         config(config_overrides="d_model")
     with pytest.raises(ValueError, match="only applies to a model trained from scratch"):
         config(model_name_or_path="some/model", config_overrides="d_model=64")
+    # Fewer query heads than Mistral's default 8 key/value heads: refused before any forward.
+    with pytest.raises(ValueError, match=r"num_attention_heads=2 is not a multiple of num_key_value_heads=8 "
+                                         r"\(MistralConfig's default\); add num_key_value_heads=N with N one of \[1, 2\]"):
+        config(model_type="mistral", config_overrides="hidden_size=32,num_attention_heads=2")
+    assert config(model_type="mistral", config_overrides="hidden_size=32,num_attention_heads=2,"
+                                                         "num_key_value_heads=1").num_key_value_heads == 1
 
 
 def test_run_glue_embedded_task(example_env, tmp_path):
