@@ -179,3 +179,14 @@ def test_prepare_stronghold_refuses_a_compiling_accelerator():
         assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters()), "nothing was offloaded"
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_no_arguments_at_all_take_the_environment(monkeypatch, tmp_path):
+    """``StrongholdTrainer(model=...)`` without ``args``: the Trainer builds its defaults, and
+    ``STRONGHOLD=1`` still turns the engine on."""
+    monkeypatch.setenv("STRONGHOLD", "1")
+    monkeypatch.setenv("STRONGHOLD_WINDOW_SIZE", "1")
+    monkeypatch.chdir(tmp_path)  # the default output_dir is relative
+    trainer = StrongholdTrainer(model=tiny_model("gpt2"))
+    assert trainer.stronghold_engine is not None and trainer.stronghold_engine.window_size == 1
+    trainer.stronghold_engine.close()

@@ -178,6 +178,15 @@ def _trained_lengths(args: Any, dataset: Any, encoder_decoder: bool) -> tuple[in
     return seq, dec
 
 
+def _with_low_precision_copies(cfg: StrongholdConfig, args: Any) -> StrongholdConfig:
+    """Low-precision device copies halve PCIe traffic on CUDA, where autocast runs norms in
+    fp32. CPU autocast does not (a bf16 LayerNorm weight next to an fp32 residual stream
+    fails), so on CPU the copies stay in the model's dtype."""
+    if cfg.param_dtype is None and args.device.type == "cuda" and (args.bf16 or args.fp16):
+        return cfg.replace(param_dtype=torch.bfloat16 if args.bf16 else torch.float16)
+    return cfg
+
+
 def _carries_engine(model: Any) -> bool:
     """Whether ``model`` or a module inside it (a PEFT wrapper's base) has a STRONGHOLD engine."""
     if not isinstance(model, torch.nn.Module):
@@ -223,18 +232,14 @@ class _StrongholdTrainerMixin:
                     "optimizers=(...) or optimizer_cls_and_kwargs. Set learning_rate/weight_decay/adam_* in "
                     "the arguments instead."
                 )
-            args = named.get("args")
-            # Low-precision device copies halve PCIe traffic on CUDA, where autocast runs norms in
-            # fp32. CPU autocast does not (a bf16 LayerNorm weight next to an fp32 residual
-            # stream fails), so on CPU the copies stay in the model's dtype.
-            if cfg.param_dtype is None and args.device.type == "cuda" and (args.bf16 or args.fp16):
-                cfg = cfg.replace(param_dtype=torch.bfloat16 if args.bf16 else torch.float16)
             # Set before the parent's __init__: TRL trainers prepare their reference and reward
             # models in there (see _prepare_auxiliary_model).
-            self._stronghold_config = cfg
+            args = named.get("args")
+            self._stronghold_config = cfg if args is None else _with_low_precision_copies(cfg, args)
         super().__init__(*pos, **kwargs)
         if on:
-            args = self.args
+            args = self.args  # the Trainer's defaults when none were given
+            cfg = self._stronghold_config = _with_low_precision_copies(self._stronghold_config, args)
             if cfg.check_fit:
                 self._check_fits()
             engine = get_engine(self.model)
