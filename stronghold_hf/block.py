@@ -470,8 +470,9 @@ class OffloadedBlock:
         return torch.stack([n.float() for n in norms]).square().sum()
 
     def device_norm_valid(self) -> bool:
-        if self.device_sq_norm is None or self.flushes != 1 or not self._exposed_unchanged():
-            return False
+        if (self.device_sq_norm is None or self.flushes != 1 or not any(self.grad_valid)
+                or not self._exposed_unchanged()):
+            return False  # no gradient left (consumed, zeroed): the norm of the last flush is stale
         return not self.exposes_grads or all(
             p.grad is gv for p, gv, valid in zip(self.params, self.grad_views, self.grad_valid) if gv is not None and valid
         )

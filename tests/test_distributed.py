@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -124,9 +125,44 @@ def test_a_process_group_of_one_takes_the_data_parallel_path_exactly(shard):
             opt.step()
             opt_ref.zero_grad()
             opt.zero_grad()
+            # Nothing left to step with: the norm of the last flush must not be counted again.
+            assert float(engine.global_grad_norm()) == 0.0
         state = engine.full_state_dict()
         for k, v in ref.state_dict().items():
             torch.testing.assert_close(state[k], v, rtol=1e-4, atol=ADAM_SLACK, msg=lambda m: f"{k}: {m}")
         engine.close()
     finally:
+        dist.destroy_process_group()
+
+
+def test_sync_ref_model_with_sharded_state_is_refused_before_training(monkeypatch, tmp_path):
+    """TRL's sync_ref_model reads the trained weights between steps; a rank holds only a shard."""
+    trl = pytest.importorskip("trl")
+    import torch.distributed as dist
+
+    import copy
+
+    from stronghold_hf import StrongholdTrainer
+
+    class MyDPOTrainer(StrongholdTrainer, trl.DPOTrainer):
+        pass
+
+    monkeypatch.setenv("STRONGHOLD", "1")
+    monkeypatch.setenv("STRONGHOLD_CONFIG", '{"shard_cpu_state": true, "window_size": 1}')
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1)
+    try:
+        sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+        from dpo_script import CHOSEN, PROMPTS, REJECTED
+        from sft_script import build
+
+        model, tokenizer, _ = build()
+        from datasets import Dataset
+
+        pairs = Dataset.from_dict({"prompt": PROMPTS, "chosen": CHOSEN, "rejected": REJECTED})
+        args = trl.DPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], sync_ref_model=True, bf16=False)
+        with pytest.raises(ValueError, match="sync_ref_model=True .*shard_cpu_state"):
+            MyDPOTrainer(model=model, ref_model=copy.deepcopy(model), args=args, train_dataset=pairs,
+                         processing_class=tokenizer)
+    finally:
+        sys.path.remove(str(Path(__file__).parent / "scripts"))
         dist.destroy_process_group()
