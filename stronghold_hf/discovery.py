@@ -50,15 +50,22 @@ def _stack(fqn: str, mlist: nn.ModuleList) -> BlockStack:
 
 
 def _callable_units(mlist: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
-    """The modules a list holds, looking through nested containers (``ModuleList`` and
-    ``ModuleDict`` have no forward: code calls what they hold, so that is what has hooks)."""
+    """The modules a list holds, in order and with repeats, looking through nested plain
+    containers (a ``ModuleList``/``ModuleDict`` without a forward of its own: code calls what
+    it holds, so that is what has hooks). A container subclass with a forward is a unit."""
     out: list[tuple[str, nn.Module]] = []
-    for name, child in mlist.named_children():
-        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+    for name, child in mlist._modules.items():
+        if child is None:
+            continue
+        if _is_plain_container(child):
             out.extend(_callable_units(child, f"{prefix}{name}."))
         else:
             out.append((f"{prefix}{name}", child))
     return out
+
+
+def _is_plain_container(module: nn.Module) -> bool:
+    return isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward
 
 
 @dataclass(frozen=True, slots=True)

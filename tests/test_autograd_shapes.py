@@ -243,6 +243,44 @@ def test_list_of_lists_streams_the_layers_it_holds():
     assert engine.memory_stats()["fetches"] == 3 * (2 * engine.num_blocks - 1)
 
 
+class _DictBlock(torch.nn.ModuleDict):
+    """A container subclass with its own forward: a block, not something to look through."""
+
+    def __init__(self):
+        super().__init__({"inner": torch.nn.Linear(8, 8), "outer": torch.nn.Linear(8, 8)})
+
+    def forward(self, x):
+        return self["outer"](torch.tanh(self["inner"](x)))
+
+
+class _Containers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_DictBlock() for _ in range(4))
+        shared = torch.nn.Linear(8, 8)
+        self.shared = torch.nn.ModuleList([shared] * 6)  # one layer applied six times
+        self.heads = torch.nn.ModuleList(torch.nn.Linear(8, 1) for _ in range(2))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return sum(h(x).square().mean() for h in self.heads)
+
+
+def test_container_subclasses_with_a_forward_are_blocks():
+    from stronghold_hf.discovery import build_block_specs, find_block_stacks
+
+    model = _Containers()
+    stacks = find_block_stacks(model)
+    assert [s.fqn for s in stacks] == ["blocks"] and [type(b) for b in stacks[0].blocks] == [_DictBlock] * 4
+    assert [s.fqn for s in find_block_stacks(model, ("_DictBlock",))] == ["blocks"]
+    # A list holding one layer six times counts six uses, not one distinct module.
+    del model.blocks
+    stacks = find_block_stacks(model)
+    assert [s.fqn for s in stacks] == ["shared"] and len(stacks[0].blocks) == 6
+    assert len(build_block_specs(model, stacks)) == 1
+
+
 def test_grad_norm_counts_gradients_the_user_set_between_steps():
     ref, model, engine = _pair(lambda: tiny_model("gpt2"), window_size=1)
     engine.build_optimizer(lr=LR)
