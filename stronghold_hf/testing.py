@@ -3,7 +3,8 @@
 On a machine without CUDA the "device" and the host are the same memory, and copies are
 synchronous, so a missing wait or a buffer reused too early cannot show. `simulated_device`
 makes every engine built inside it run its copies on background threads with an injected
-delay, completing through the same events and waits as CUDA streams (``transfer.py``), and
+delay, completing through the same events and waits as CUDA streams (``transfer.py``), delays
+every task of the host worker (CPU Adam updates, gradient folds) by the same amount, and
 books its transfer buffers as pinned, optionally refusing past a byte count (``memory.py``),
 so the pageable fallback runs too. The parity tests run under it in CI.
 

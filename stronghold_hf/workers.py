@@ -101,12 +101,17 @@ def _run(jobs: queue.SimpleQueue, num_threads: int) -> None:
     import torch
 
     # OpenMP's team size is a per-thread setting: this thread uses all the cores it was given.
+    from .transfer import simulated_copy_delay
+
     torch.set_num_threads(num_threads)
     while True:
         job = jobs.get()
         if job is None:
             return
         fn, ticket = job
+        delay = simulated_copy_delay()  # testing.simulated_device: host work is slow, as on a large model,
+        if delay:                       # so a read that does not wait for it sees old values
+            time.sleep(delay)
         try:
             fn()
         except BaseException as err:  # surfaced in the training thread by Ticket.wait

@@ -244,32 +244,43 @@ def test_trl_sft_script_unchanged_trains_with_stronghold(tmp_path):
 
 
 TRL_RUNS = {
-    "dpo_script.py": ["--per_device_train_batch_size", "4", "--learning_rate", "1e-3", "--bf16", "false"],
+    "dpo": ("dpo_script.py", ["--per_device_train_batch_size", "4", "--learning_rate", "1e-3", "--bf16", "false"]),
+    # The trained weights are mixed into the reference model after every step (a callback
+    # reading the weights right after optimizer.step(), while CPU updates may still run).
+    "dpo_sync_ref_model": ("dpo_script.py", ["--per_device_train_batch_size", "4", "--learning_rate", "1e-2",
+                                             "--bf16", "false", "--sync_ref_model", "true",
+                                             "--ref_model_sync_steps", "1", "--ref_model_mixup_alpha", "0.5"]),
     # Four completions per prompt, six tokens each, sampled with the seed both runs share.
-    "grpo_script.py": ["--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "6",
-                       "--learning_rate", "1e-3", "--bf16", "false"],
+    "grpo": ("grpo_script.py", ["--per_device_train_batch_size", "4", "--num_generations", "4",
+                                "--max_completion_length", "6", "--learning_rate", "1e-3", "--bf16", "false"]),
 }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", sorted(TRL_RUNS))
-def test_trl_preference_and_rl_scripts_unchanged_train_with_stronghold(tmp_path, script):
+@pytest.mark.parametrize("run", sorted(TRL_RUNS))
+def test_trl_preference_and_rl_scripts_unchanged_train_with_stronghold(tmp_path, run):
     """DPO (a frozen reference model next to the trained one) and GRPO (generation inside
     every training step, raw rows as the batch) through the launcher, against the same script."""
     pytest.importorskip("trl")
+    script, extra = TRL_RUNS[run]
     common = ["--use_cpu", "--max_steps", "3", "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no",
-              "--seed", "0", "--disable_tqdm", "true", *TRL_RUNS[script]]
+              "--seed", "0", "--disable_tqdm", "true", *extra]
     path = str(SCRIPTS / script)
     _run_together({
         "plain": ([sys.executable, path, "--output_dir", str(tmp_path / "plain"), *common], _env()),
+        # Delayed copies and host work (testing.simulated_device): a read that does not wait
+        # for the CPU updates sees old weights.
         "launcher": ([sys.executable, "-m", "stronghold_hf", path, "--output_dir", str(tmp_path / "launcher"), *common],
-                     _env(STRONGHOLD_WINDOW_SIZE="1")),
+                     _env(STRONGHOLD_WINDOW_SIZE="1", STRONGHOLD_SIMULATE_COPY_DELAY_MS="3")),
     })
     ref = torch.load(tmp_path / "plain" / "result.pt", weights_only=True)
     result = torch.load(tmp_path / "launcher" / "result.pt", weights_only=True)
     assert not ref["engine"] and result["engine"]
     assert len(result["losses"]) == 3
     _assert_same_training(result, ref)
+    for k, v in ref["auxiliary_state"].get("ref_model", {}).items():
+        torch.testing.assert_close(result["auxiliary_state"]["ref_model"][k], v, rtol=1e-4, atol=ADAM_SLACK,
+                                   msg=lambda m: f"reference model {k}: {m}")
     if script == "dpo_script.py":
         # The reference model streams through its own forward-only window: frozen, so it holds
         # its stored bytes on the host, and a bounded window on the device (a whole copy there

@@ -478,5 +478,20 @@ def test_inference_only_models_prepared_next_to_the_trained_one_get_their_own_wi
     t.accelerator.prepare_model(trained_elsewhere)
     assert get_engine(reward_head) is None and get_engine(trained_elsewhere) is None
     t.accelerator.prepare_model(t.model)  # the trained model: never placed by accelerate
+    # Data loaders still deliver on the device (TRL feeds prepared batches straight to a reference model).
+    loader = t.accelerator.prepare_data_loader(torch.utils.data.DataLoader(TinyDataset("gpt2", n=4), batch_size=2))
+    assert loader.device == t.args.device
     assert placements == [("GPT2LMHeadModel", False), ("Linear", True), ("GPT2LMHeadModel", True),
                           ("GPT2LMHeadModel", False)]
+
+
+def test_an_inference_only_model_of_another_architecture_ignores_the_trained_models_block_classes(tmp_path):
+    from stronghold_hf import get_engine
+
+    args = StrongholdTrainingArguments(output_dir=str(tmp_path), stronghold=True, stronghold_window_size="1",
+                                       stronghold_config={"block_classes": ["GPT2Block"]}, **COMMON)
+    t = StrongholdTrainer(model=tiny_model("gpt2"), args=args, train_dataset=TinyDataset("gpt2"))
+    teacher = tiny_model("llama")
+    t.accelerator.prepare_model(teacher, evaluation_mode=True)
+    engine = get_engine(teacher)
+    assert engine is not None and engine.num_blocks == 3 and engine.blocks[0].fqn == "model.layers.0"

@@ -40,7 +40,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from transformers import Seq2SeqTrainer, Trainer
+from transformers import Seq2SeqTrainer, Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from ..config import StrongholdConfig
@@ -187,6 +187,11 @@ def _with_low_precision_copies(cfg: StrongholdConfig, args: Any) -> StrongholdCo
     return cfg
 
 
+def _acts_at_step_end(callback: Any) -> bool:
+    cls = type(callback)
+    return cls.on_step_end is not TrainerCallback.on_step_end and not cls.__module__.startswith("transformers.")
+
+
 def _carries_engine(model: Any) -> bool:
     """Whether ``model`` or a module inside it (a PEFT wrapper's base) has a STRONGHOLD engine."""
     if not isinstance(model, torch.nn.Module):
@@ -253,6 +258,15 @@ class _StrongholdTrainerMixin:
             self._stronghold_log_t0 = time.perf_counter()
             self._stronghold_log_steps = 0
             self._log_stronghold_on()
+            self._settle_weights_for_step_end_callbacks()
+            if getattr(args, "sync_ref_model", False) and self.stronghold_engine.dp is not None and \
+                    self.stronghold_engine.dp.sharded:
+                raise ValueError(
+                    "sync_ref_model=True mixes the trained weights into the reference model between steps, but with "
+                    "sharded CPU state (the default under data parallelism) each rank holds only a shard of them. "
+                    "Set STRONGHOLD_CONFIG='{\"shard_cpu_state\": false}' (or StrongholdConfig(shard_cpu_state=False)), "
+                    "or sync_ref_model=False."
+                )
 
     def _log_stronghold_on(self) -> None:
         """One line at start, through transformers' logger so it shows at the Trainer's verbosity."""
@@ -265,6 +279,24 @@ class _StrongholdTrainerMixin:
             f"state ({mem['pinned_host_bytes'] / 2**30:.2f} GiB pinned), CPU Adam threads={engine.worker.num_threads}, "
             f"device {engine.device}"
         )
+
+    def _settle_weights_for_step_end_callbacks(self) -> None:
+        """Callbacks that run right after a step see every block's updated weights.
+
+        ``optimizer.step()`` returns while the CPU updates of later blocks still run (the next
+        forward waits per block). A callback from outside transformers that acts at
+        ``on_step_end`` (TRL's ``SyncRefModelCallback`` mixes the trained weights into the
+        reference model there; EMA callbacks read them) would read half-updated blocks, so the
+        engine finishes its updates first, only when such a callback is registered."""
+        handler = self.callback_handler
+        deliver = handler.on_step_end
+
+        def on_step_end(args, state, control):
+            if any(_acts_at_step_end(cb) for cb in handler.callbacks):
+                self.stronghold_engine.synchronize()
+            return deliver(args, state, control)
+
+        handler.on_step_end = on_step_end
 
     def _move_model_to_device(self, model, device):
         if getattr(self, "_stronghold_on", False):
@@ -356,6 +388,16 @@ class _StrongholdTrainerMixin:
                 return self._prepare_auxiliary_model(model, prepare_model, device_placement, evaluation_mode)
 
             accelerator.prepare_model = prepare_model_for_stronghold
+            prepare_data_loader = accelerator.prepare_data_loader
+
+            # Placement is off in the accelerator only for the trained model's sake; batches still
+            # go to the device, as without STRONGHOLD (TRL's DPO precomputes reference log-probs
+            # from a prepared loader and feeds its batches straight to the reference model).
+            def prepare_data_loader_on_device(data_loader, device_placement=None, **kw):
+                return prepare_data_loader(data_loader, device_placement=True if device_placement is None
+                                           else device_placement, **kw)
+
+            accelerator.prepare_data_loader = prepare_data_loader_on_device
 
     def _prepare_auxiliary_model(self, model, prepare_model, device_placement, evaluation_mode):
         """A model the trainer runs next to the trained one: TRL's reference model (DPO, KTO,
@@ -373,11 +415,18 @@ class _StrongholdTrainerMixin:
             cfg = self._stronghold_config
             window = cfg.window_size if cfg.window_size != "auto" else 2  # no backward to probe with
             aux_cfg = cfg.replace(window_size=window, shard_cpu_state=False, check_fit=False)
+            model.requires_grad_(False)  # never trained: no gradients, no masters beyond its dtype
             try:
-                model.requires_grad_(False)  # never trained: no gradients, no masters beyond its dtype
-                offload_model(model, aux_cfg, device=self.args.device)
+                try:
+                    offload_model(model, aux_cfg, device=self.args.device)
+                except ValueError:
+                    if aux_cfg.block_classes is None:
+                        raise
+                    # block_classes named the trained model's layers; this one may be another architecture
+                    offload_model(model, aux_cfg.replace(block_classes=None), device=self.args.device)
             except ValueError as exc:  # nothing to window (no repeated blocks)
-                _hf_logger.info(f"STRONGHOLD: {type(model).__name__} is placed on the device whole: {exc}")
+                _hf_logger.warning(f"STRONGHOLD: {type(model).__name__} (inference only) is placed on the device whole, "
+                                   f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters: {exc}")
                 return prepare_model(model, device_placement=placement, evaluation_mode=evaluation_mode)
             _hf_logger.info(f"STRONGHOLD: {type(model).__name__} (inference only) streams through its own window of "
                             f"{window} blocks")

@@ -23,6 +23,9 @@ def save_run(trainer, model, path: str) -> None:
         # Models the trainer runs next to the trained one (TRL's reference model): the ledger
         # of the engine each carries, or None.
         "auxiliary": {name: _ledger(getattr(trainer, name, None)) for name in ("ref_model", "teacher_model")},
+        "auxiliary_state": {name: {k: v.clone() for k, v in m.state_dict().items()}
+                            for name in ("ref_model", "teacher_model")
+                            if isinstance(m := getattr(trainer, name, None), torch.nn.Module)},
     }, path)
 
 
