@@ -355,3 +355,42 @@ def test_dir_and_help_list_the_lazy_names():
     )
     out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_trl_sft_with_peft_config_trains_lora_on_an_offloaded_base(tmp_path, monkeypatch):
+    """``SFTTrainer(..., peft_config=LoraConfig(...))`` wraps the model inside its __init__; the
+    engine then windows the frozen base and trains the adapters, exactly like plain TRL."""
+    pytest.importorskip("trl")
+    peft = pytest.importorskip("peft")
+    from trl import SFTConfig, SFTTrainer
+
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        from sft_script import build
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+    class MySFTTrainer(StrongholdTrainer, SFTTrainer):
+        pass
+
+    runs = {}
+    for name, cls in (("plain", SFTTrainer), ("stronghold", MySFTTrainer)):
+        if name == "stronghold":
+            monkeypatch.setenv("STRONGHOLD", "1")
+            monkeypatch.setenv("STRONGHOLD_WINDOW_SIZE", "1")
+        model, tokenizer, dataset = build()
+        args = SFTConfig(output_dir=str(tmp_path / name), use_cpu=True, max_steps=3, per_device_train_batch_size=2,
+                         learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="no", bf16=False,
+                         max_length=32, seed=0)
+        trainer = cls(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                      peft_config=peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+        trainer.train()
+        runs[name] = trainer
+    plain, sh = runs["plain"], runs["stronghold"]
+    assert [h["loss"] for h in sh.state.log_history if "loss" in h] == pytest.approx(
+        [h["loss"] for h in plain.state.log_history if "loss" in h], rel=1e-4)
+    ledger = sh.stronghold_engine.memory_stats()
+    lora = sum(p.numel() for n, p in sh.model.named_parameters() if "lora_" in n and ".layers." in n)
+    assert ledger["offloaded_trainable_params"] == lora > 0
+    for k, v in plain.model.state_dict().items():
+        torch.testing.assert_close(sh.model.state_dict()[k], v, rtol=1e-4, atol=ADAM_SLACK, msg=lambda m: f"{k}: {m}")
