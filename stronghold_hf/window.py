@@ -753,6 +753,13 @@ def offload_model(model: nn.Module, config: StrongholdConfig | dict | None = Non
         raise ValueError(
             f"{type(model).__name__} is already offloaded by stronghold; offload_model must be called once per model."
         )
+    dispatched = next((name or type(model).__name__ for name, m in model.named_modules() if hasattr(m, "_hf_hook")), None)
+    if dispatched is not None:
+        raise ValueError(
+            f"{type(model).__name__} carries accelerate dispatch hooks (on {dispatched}): it was loaded with "
+            "device_map=... or passed through cpu_offload/dispatch_model, which move weights on their own. Load it "
+            "without device_map (on the CPU); STRONGHOLD then streams its blocks to the GPU itself."
+        )
     config = StrongholdConfig.from_any(config)
     device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda" and device.index is None:

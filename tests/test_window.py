@@ -246,6 +246,16 @@ def test_double_offload_refused():
         offload_model(model, StrongholdConfig(window_size=1), device="cpu")
 
 
+def test_a_model_dispatched_by_accelerate_is_refused():
+    """device_map=... / cpu_offload attach hooks that move weights themselves: two owners."""
+    from accelerate import cpu_offload
+
+    model = tiny_model("gpt2")
+    cpu_offload(model, execution_device="cpu")
+    with pytest.raises(ValueError, match="accelerate dispatch hooks .* Load it without device_map"):
+        offload_model(model, StrongholdConfig(window_size=1), device="cpu")
+
+
 def test_model_without_blocks_refused():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
     with pytest.raises(ValueError, match="no repeated blocks"):
