@@ -44,7 +44,7 @@ from transformers import Seq2SeqTrainer, Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from ..config import StrongholdConfig
-from ..optim.hybrid import StrongholdOptimizer
+from ..optim.hybrid import StrongholdOptimizer, remap_cpu_state
 from ..window import WindowEngine, get_engine, offload_model
 from .arguments import ENV_FLAG, refuse_incompatible_options, settings_from_env
 
@@ -610,31 +610,63 @@ class _StrongholdTrainerMixin:
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
         if not self._stronghold_on or checkpoint is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        opt_file = os.path.join(checkpoint, OPTIMIZER_NAME)
         sched_file = os.path.join(checkpoint, SCHEDULER_NAME)
         dp = self.stronghold_engine.dp
+        sharded = dp is not None and dp.sharded
+        own = os.path.join(checkpoint, _optimizer_shard_name(dp.rank, dp.world) if sharded else OPTIMIZER_NAME)
         shard_files = sorted(f for f in os.listdir(checkpoint) if f.startswith("optimizer-rank"))
-        if dp is not None and dp.sharded:
-            opt_file = os.path.join(checkpoint, _optimizer_shard_name(dp.rank, dp.world))
-            if not os.path.isfile(opt_file):
-                saved = shard_files[0].rsplit("-of-", 1)[-1].split(".")[0] if shard_files else "1 (unsharded)"
-                raise ValueError(
-                    f"Checkpoint {checkpoint} holds CPU optimizer state sharded over {saved} rank(s); this run has "
-                    f"{dp.world} with sharded CPU state. Resume with the same number of processes, or start the "
-                    "optimizer afresh from the checkpoint's weights (--model_name_or_path <checkpoint>)."
-                )
-        elif shard_files:
-            raise ValueError(
-                f"Checkpoint {checkpoint} holds CPU optimizer state sharded over several ranks ({shard_files[0]}); "
-                "resume it with the same number of processes and sharded CPU state."
-            )
-        if not (os.path.isfile(opt_file) and os.path.isfile(sched_file)):
+        if not os.path.isfile(sched_file):
             return
-        # CPU Adam state belongs in CPU RAM whatever the world size: map it there directly.
-        self.optimizer.load_state_dict(torch.load(opt_file, map_location="cpu", weights_only=True))
+        if os.path.isfile(own) and (sharded or not shard_files):
+            # CPU Adam state belongs in CPU RAM whatever the world size: map it there directly.
+            state = torch.load(own, map_location="cpu", weights_only=True)
+        elif shard_files or os.path.isfile(os.path.join(checkpoint, OPTIMIZER_NAME)):
+            state = self._optimizer_state_for_this_layout(checkpoint, shard_files or [OPTIMIZER_NAME])
+        else:
+            return
+        self.optimizer.load_state_dict(state)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             self.lr_scheduler.load_state_dict(torch.load(sched_file, map_location="cpu", weights_only=True))
+
+    def _optimizer_state_for_this_layout(self, checkpoint: str, files: list[str]) -> dict[str, Any]:
+        """The checkpoint's optimizer state, re-cut for this run's data-parallel layout.
+
+        A checkpoint written by W ranks with sharded CPU state holds W files, each with the
+        Adam state of that rank's shard of every block and the map of what it covers
+        (``cpu_pieces``). Resuming with another number of processes, or without sharding, takes
+        from every file the elements this rank now keeps, one file at a time."""
+        worlds = {f.rsplit("-of-", 1)[-1].split(".")[0] for f in files if f.startswith("optimizer-rank")}
+        dp = self.stronghold_engine.dp
+        layout = (f"{dp.world} process(es) with {'sharded' if dp.sharded else 'replicated'} CPU state"
+                  if dp is not None else "one process")
+        if len(worlds) > 1 or (worlds and len(files) != int(next(iter(worlds)))):
+            raise ValueError(f"Checkpoint {checkpoint} holds an incomplete or mixed set of optimizer shards "
+                             f"({files}); it cannot be resumed with {layout}.")
+        paths = [os.path.join(checkpoint, f) for f in files]
+        first = torch.load(paths[0], map_location="cpu", weights_only=True)
+        if "cpu_pieces" not in first:
+            raise ValueError(
+                f"Checkpoint {checkpoint} holds CPU optimizer state for another data-parallel layout ({files[0]}) "
+                f"and was written before checkpoints recorded what each shard covers; resume it with the layout "
+                f"that wrote it, not {layout}, or start the optimizer afresh from its weights "
+                "(--model_name_or_path <checkpoint>)."
+            )
+        mine = self.optimizer.state_dict()  # this layout's groups and pieces, with no state yet
+        if mine["cpu"] is not None:
+            def saved():
+                yield first["cpu_pieces"], first["cpu"]["state"]
+                for path in paths[1:]:
+                    other = torch.load(path, map_location="cpu", weights_only=True)
+                    yield other["cpu_pieces"], other["cpu"]["state"]
+
+            inner = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps it
+            shapes = [p.shape for g in inner.cpu_optimizer.param_groups for p in g["params"]]
+            mine["cpu"]["state"] = remap_cpu_state(mine["cpu_pieces"], shapes, saved())
+        # Resident parameters, the loss scale and the public groups are the same on every rank.
+        mine.update(device=first["device"], scaler=first["scaler"], param_groups=first["param_groups"])
+        _hf_logger.info(f"STRONGHOLD: optimizer state of {checkpoint} ({len(files)} file(s)) re-cut for {layout}")
+        return mine
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         if not self._stronghold_on:

@@ -275,6 +275,9 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         return {
             "stronghold_format": 1,
             "cpu": cpu_state,
+            # What each CPU state entry covers, by name: lets a checkpoint be loaded under another
+            # data-parallel layout (a different world size, sharded or not). See `remap_cpu_state`.
+            "cpu_pieces": self.cpu_pieces(),
             "device": self.device_optimizer.state_dict() if self.device_optimizer else None,
             "scaler": self.scaler.state_dict() if self.scaler else None,
             # Our own groups run one scheduler step ahead of the inner ones (see the note).
@@ -306,6 +309,20 @@ class StrongholdOptimizer(torch.optim.Optimizer):
             )
         for public, saved in zip(self.param_groups, saved_public):
             public.update(saved)
+
+    def cpu_pieces(self) -> list[tuple[str, str, int, int]] | None:
+        """Per CPU optimizer parameter, in ``state_dict`` index order: ``(block, parameter name,
+        first element, element count)`` of the piece of the parameter it is (the whole
+        parameter unless CPU state is sharded)."""
+        if self.cpu_optimizer is None:
+            return None
+        where: dict[int, tuple[str, str, int, int]] = {}
+        for b in self.engine.blocks:
+            for k, master in enumerate(b.masters):
+                if master is not None:
+                    offset, _, count = b.pieces[k]
+                    where[id(master)] = (b.fqn, b.layout.entries[k].name, offset, count)
+        return [where[id(p)] for g in self.cpu_optimizer.param_groups for p in g["params"]]
 
     @property
     def state(self):  # noqa: D401 - merged view for code that inspects optimizer.state
@@ -377,3 +394,44 @@ def build_optimizer(engine, params: Iterable | None = None, *, fp16_loss_scaling
                     cpu_opt.register_copy_out(m, img)
     engine.coordinator.attach_optimizer(opt)
     return opt
+
+
+def remap_cpu_state(pieces: list[tuple[str, str, int, int]], shapes: list[torch.Size],
+                    saved: Iterable[tuple[list[tuple[str, str, int, int]], dict[int, dict[str, Any]]]]
+                    ) -> dict[int, dict[str, Any]]:
+    """CPU Adam state for this optimizer's ``pieces`` from states saved under another layout.
+
+    ``saved`` yields, one checkpoint file at a time, ``(pieces, state)`` of the optimizer that
+    wrote it (``state_dict()["cpu_pieces"]`` and ``["cpu"]["state"]``); only one file's state
+    is held at a time. Every element of a piece that has state must be covered exactly once
+    by the saved pieces, or a ``ValueError`` says which parameter is not.
+    """
+    by_name: dict[tuple[str, str], list[int]] = {}
+    for j, (block, name, _, _) in enumerate(pieces):
+        by_name.setdefault((block, name), []).append(j)
+    flat: dict[int, dict[str, Any]] = {}
+    covered = [0] * len(pieces)
+    for saved_pieces, saved_state in saved:
+        for i, (block, name, offset, count) in enumerate(saved_pieces):
+            st = saved_state.get(i)
+            if st is None:
+                continue
+            for j in by_name.get((block, name), ()):
+                _, _, my_offset, my_count = pieces[j]
+                lo, hi = max(offset, my_offset), min(offset + count, my_offset + my_count)
+                if hi <= lo:
+                    continue
+                out = flat.setdefault(j, {"step": st["step"].clone(),
+                                          "exp_avg": torch.zeros(my_count, dtype=st["exp_avg"].dtype),
+                                          "exp_avg_sq": torch.zeros(my_count, dtype=st["exp_avg_sq"].dtype)})
+                for key in ("exp_avg", "exp_avg_sq"):
+                    out[key][lo - my_offset:hi - my_offset] = st[key].reshape(-1)[lo - offset:hi - offset]
+                covered[j] += hi - lo
+    for j, out in flat.items():
+        block, name, _, count = pieces[j]
+        if covered[j] != count:
+            raise ValueError(f"The checkpoint's optimizer state covers {covered[j]} of the {count} elements of "
+                             f"{block}.{name} this rank keeps; it was written for another model.")
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[key] = out[key].view(shapes[j])
+    return flat

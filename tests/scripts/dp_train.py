@@ -17,11 +17,29 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 
 import conftest  # noqa: E402,F401  - offline settings
-from transformers import Trainer, TrainingArguments  # noqa: E402
+from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from stronghold_hf import StrongholdTrainer, StrongholdTrainingArguments  # noqa: E402
 from test_trainer import TinyDataset  # noqa: E402
 from tiny_models import tiny_model  # noqa: E402
+
+
+def _adam_state(trainer) -> dict:
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # under accelerate's wrapper
+    return {"pieces": optimizer.cpu_pieces(),
+            "state": {i: {k: v.clone() for k, v in st.items()}
+                      for i, st in optimizer.cpu_optimizer.state_dict()["state"].items()}}
+
+
+class _AdamAtStart(TrainerCallback):
+    """Keeps the optimizer state as the training loop starts (after a resume has loaded it)."""
+
+    def __init__(self, trainer, out: dict):
+        self.trainer, self.out = trainer, out
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if getattr(self.trainer, "stronghold_engine", None) is not None:
+            self.out["adam"] = _adam_state(self.trainer)
 
 
 def main() -> None:
@@ -51,6 +69,8 @@ def main() -> None:
             stronghold_config={"shard_cpu_state": opts.mode == "sharded"},
         )
         trainer = StrongholdTrainer(model=model, args=args, train_dataset=data)
+    at_start = {}
+    trainer.add_callback(_AdamAtStart(trainer, at_start))
     trainer.train(resume_from_checkpoint=opts.resume)
     engine = getattr(trainer, "stronghold_engine", None)
     state = engine.full_state_dict() if engine is not None else model.state_dict()  # every rank gathers
@@ -60,6 +80,10 @@ def main() -> None:
         "state": {k: v.detach().clone() for k, v in state.items()},
         "memory": engine.memory_stats() if engine is not None else None,
         "staging_bytes": engine.grad_queue.staging_bytes * engine.config.grad_buffers if engine is not None else 0,
+        # This rank's CPU Adam state and what each entry covers (block, parameter, offset, count),
+        # at the end and right after a resume loaded it.
+        "adam": _adam_state(trainer) if engine is not None else None,
+        "adam_at_start": at_start.get("adam"),
     }
     torch.save(record, os.path.join(opts.out_dir, f"rank{rank}.pt"))
     # Skip interpreter teardown: freeing a DDP Reducer there can deadlock in torch's gloo
