@@ -122,6 +122,18 @@ def test_resume_with_another_world_size_recuts_the_optimizer_state(tmp_path):
         for key, entry in reference.items():
             for part in ("exp_avg", "exp_avg_sq"):
                 assert torch.equal(full[key][part], entry[part]), (world, key, part)
+    # A checkpoint from before the files said what they cover: refused under another layout, with the fix.
+    import shutil
+
+    older = tmp_path / "older"
+    shutil.copytree(checkpoint, older)
+    for name in os.listdir(older):
+        if name.startswith("optimizer-rank"):
+            state = torch.load(older / name, weights_only=True)
+            del state["cpu_pieces"]
+            torch.save(state, older / name)
+    proc = _run(tmp_path / "older1", 1, 2, "sharded", "--max_steps", "4", "--resume", str(older), expect_ok=False)
+    assert proc.returncode != 0 and "resume it with the layout that wrote it" in proc.stdout + proc.stderr
     went_on = _run(tmp_path / "on3", 3, 2, "sharded", "--max_steps", "5", "--resume", str(checkpoint))
     assert len(went_on[0]["losses"]) == 5 and all(math.isfinite(x) for x in went_on[0]["losses"])
     assert all(float(e["step"]) == 5 for e in _full_adam_state(went_on).values())
