@@ -303,8 +303,11 @@ def main() -> None:
         emit({"variant": name, "median_ms": round(med * 1e3, 2), "min_ms": round(min(ts) * 1e3, 2),
               "mparams_per_s": round(mps[name], 1), "gb_per_s_at_28B": round(28 * n / med / 1e9, 2)})
 
-    # Free the optimizer states before the thread study allocates its own.
-    del variants, fused, bound_m, bound_v, shared_state
+    # Free the optimizer states before the thread study allocates its own (the closures above
+    # still name these containers, so they are emptied rather than deleted).
+    del variants, fused
+    for container in (bound_m, bound_v, shared_state):
+        container.clear()
     thread_study(params, args.threads, max(3, repeats // 2 + 1), kernels)
 
     def ratio(a: str, b: str) -> float | None:
