@@ -421,7 +421,8 @@ def remap_cpu_state(pieces: list[tuple[str, str, int, int]], shapes: list[torch.
                 lo, hi = max(offset, my_offset), min(offset + count, my_offset + my_count)
                 if hi <= lo:
                     continue
-                out = flat.setdefault(j, {"step": st["step"].clone(),
+                step = st["step"]
+                out = flat.setdefault(j, {"step": step.clone() if isinstance(step, torch.Tensor) else step,
                                           "exp_avg": torch.zeros(my_count, dtype=st["exp_avg"].dtype),
                                           "exp_avg_sq": torch.zeros(my_count, dtype=st["exp_avg_sq"].dtype)})
                 for key in ("exp_avg", "exp_avg_sq"):
