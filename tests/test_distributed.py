@@ -211,3 +211,21 @@ def test_sync_ref_model_with_sharded_state_is_refused_before_training(monkeypatc
     finally:
         sys.path.remove(str(Path(__file__).parent / "scripts"))
         dist.destroy_process_group()
+
+
+def test_remap_cpu_state_recuts_pieces_and_names_a_gap():
+    from stronghold_hf.optim.hybrid import remap_cpu_state
+
+    full = torch.arange(10.0)
+
+    def state(lo, hi):
+        return {"step": torch.tensor(3.0), "exp_avg": full[lo:hi].clone(), "exp_avg_sq": 2 * full[lo:hi]}
+
+    saved = [([("b0", "w", 0, 4)], {0: state(0, 4)}), ([("b0", "w", 4, 6)], {0: state(4, 10)})]
+    # One rank now keeps elements 2..8 as a flat piece; another keeps the whole parameter as [2, 5].
+    out = remap_cpu_state([("b0", "w", 2, 7)], [torch.Size([7])], iter(saved))
+    assert torch.equal(out[0]["exp_avg"], full[2:9]) and torch.equal(out[0]["exp_avg_sq"], 2 * full[2:9])
+    whole = remap_cpu_state([("b0", "w", 0, 10)], [torch.Size([2, 5])], iter(saved))
+    assert torch.equal(whole[0]["exp_avg"], full.view(2, 5)) and float(whole[0]["step"]) == 3.0
+    with pytest.raises(ValueError, match="covers 4 of the 10 elements of b0.w"):
+        remap_cpu_state([("b0", "w", 0, 10)], [torch.Size([10])], iter(saved[:1]))
