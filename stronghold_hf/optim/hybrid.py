@@ -7,7 +7,7 @@ composite:
   user group), so a block can be stepped alone from a worker thread;
 * a device AdamW over the resident parameters (embeddings, final norm, heads).
 
-Its ``param_groups`` are its own dicts, one per inner group, sharing the ``params`` lists.
+Its ``param_groups`` are its own dicts, one per group the user gave ([Note: public groups]).
 An LR scheduler writes them; ``step()`` copies the hyperparameters into the inner groups
 *before* it submits any update. [Note: hyperparameter snapshot] The CPU updates run after
 ``step()`` returns, while the Trainer calls ``lr_scheduler.step()``; were the inner groups
@@ -64,7 +64,8 @@ class StrongholdOptimizer(torch.optim.Optimizer):
     """The optimizer `WindowEngine.build_optimizer` returns; see the module docstring."""
 
     def __init__(self, engine, cpu_optimizer: torch.optim.Optimizer, device_optimizer: torch.optim.Optimizer | None,
-                 block_groups: dict[int, list[int]], scaler: DynamicLossScaler | None, defaults: dict[str, Any]) -> None:
+                 block_groups: dict[int, list[int]], scaler: DynamicLossScaler | None, defaults: dict[str, Any],
+                 user_groups: list[dict[str, Any]], inner_user: list[int]) -> None:
         self.engine = engine
         self.cpu_optimizer = cpu_optimizer
         self.device_optimizer = device_optimizer
@@ -72,7 +73,12 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         self.scaler = scaler
         self._asynchronous = isinstance(cpu_optimizer, CPUAdam)
         self._inner_groups = self._collect_inner_groups()
-        super().__init__([dict(g) for g in self._inner_groups], defaults)
+        # [Note: public groups] One per group the user gave (the Trainer's decay / no-decay),
+        # holding the model's parameters: the same on every rank and for every layout, so an LR
+        # scheduler saved by one rank, or a checkpoint written by another world size, fits.
+        # Inner groups (one per block and user group, and the resident ones) follow them.
+        self._inner_user = list(inner_user)
+        super().__init__([dict(g) for g in user_groups], defaults)
         self.last_step_skipped = False
 
     def _collect_inner_groups(self) -> list[dict[str, Any]]:
@@ -82,8 +88,8 @@ class StrongholdOptimizer(torch.optim.Optimizer):
     def _push_hyperparameters(self) -> None:
         """Copies what schedulers changed in our groups into the inner ones (see the note). A
         tensor value (a tensor lr, which schedulers fill in place) is copied, not shared."""
-        for public, inner in zip(self.param_groups, self._inner_groups):
-            for key, value in public.items():
+        for inner, u in zip(self._inner_groups, self._inner_user):
+            for key, value in self.param_groups[u].items():
                 if key != "params":
                     inner[key] = value.clone() if isinstance(value, torch.Tensor) else value
 
@@ -209,7 +215,7 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         return isinstance(self.cpu_optimizer, CPUAdam)
 
     def _hyperparameters_changed(self) -> bool:
-        return any(bool(public[k] != inner[k]) for public, inner in zip(self.param_groups, self._inner_groups)
+        return any(bool(self.param_groups[u][k] != inner[k]) for inner, u in zip(self._inner_groups, self._inner_user)
                    for k in _HYPER_KEYS)
 
     def prepare_speculation(self) -> None:
@@ -299,9 +305,16 @@ class StrongholdOptimizer(torch.optim.Optimizer):
             self.scaler.load_state_dict(state_dict["scaler"])
         # The inner loads replaced their group dicts: re-point at them and mirror their values.
         self._inner_groups = self._collect_inner_groups()
-        saved_public = state_dict.get("param_groups") or [
-            {k: v for k, v in inner.items() if k != "params"} for inner in self._inner_groups
-        ]
+        saved_public = state_dict.get("param_groups")
+        if not saved_public or (len(saved_public) != len(self.param_groups)
+                                and len(saved_public) == len(self._inner_groups)):
+            # Written before the public groups were the user's (one per inner group): each user
+            # group takes the values of its first inner group.
+            old = saved_public or [{k: v for k, v in g.items() if k != "params"} for g in self._inner_groups]
+            first = {}
+            for values, u in zip(old, self._inner_user):
+                first.setdefault(u, values)
+            saved_public = [first.get(u, {}) for u in range(len(self.param_groups))]
         if len(saved_public) != len(self.param_groups):
             raise ValueError(
                 f"StrongholdOptimizer.load_state_dict: the checkpoint has {len(saved_public)} param groups, this "
@@ -351,11 +364,14 @@ def build_optimizer(engine, params: Iterable | None = None, *, fp16_loss_scaling
     cpu_groups: list[dict[str, Any]] = []
     block_groups: dict[int, list[int]] = {}
     device_groups: list[dict[str, Any]] = []
-    for g in groups:
+    cpu_users: list[int] = []  # the user group each inner group came from
+    device_users: list[int] = []
+    for u, g in enumerate(groups):
         hyper = {k: g[k] for k in _HYPER_KEYS}
         resident = [p for p in g["params"] if not engine.is_offloaded(p)]
         if resident:
             device_groups.append({"params": resident, **hyper})
+            device_users.append(u)
         by_block: dict[int, list[nn.Parameter]] = {}
         for p in g["params"]:
             if engine.is_offloaded(p):
@@ -372,6 +388,7 @@ def build_optimizer(engine, params: Iterable | None = None, *, fp16_loss_scaling
         for idx, masters in by_block.items():
             block_groups.setdefault(idx, []).append(len(cpu_groups))
             cpu_groups.append({"params": masters, **hyper})
+            cpu_users.append(u)
     cpu_opt: torch.optim.Optimizer | None = None
     if cpu_groups and engine.config.offload_optimizer:
         cpu_opt = CPUAdam(cpu_groups, **defaults)
@@ -382,7 +399,8 @@ def build_optimizer(engine, params: Iterable | None = None, *, fp16_loss_scaling
         device_opt = torch.optim.AdamW(device_groups, **defaults, fused=True)
     scaler = fp16_loss_scaling if isinstance(fp16_loss_scaling, DynamicLossScaler) else (
         DynamicLossScaler() if fp16_loss_scaling else None)
-    opt = StrongholdOptimizer(engine, cpu_opt, device_opt, block_groups, scaler, defaults)
+    opt = StrongholdOptimizer(engine, cpu_opt, device_opt, block_groups, scaler, defaults, groups,
+                              cpu_users + device_users)
     if isinstance(cpu_opt, CPUAdam):
         # The kernel writes the compute-dtype image of each master in the same pass.
         stepped = {id(p) for g in cpu_groups for p in g["params"]}
@@ -410,16 +428,18 @@ def remap_cpu_state(pieces: list[tuple[str, str, int, int]], shapes: list[torch.
     for j, (block, name, _, _) in enumerate(pieces):
         by_name.setdefault((block, name), []).append(j)
     flat: dict[int, dict[str, Any]] = {}
-    covered = [0] * len(pieces)
+    covered = [0] * len(pieces)  # elements with state
+    found = [0] * len(pieces)  # elements the checkpoint has at all (stepped or not)
     for saved_pieces, saved_state in saved:
         for i, (block, name, offset, count) in enumerate(saved_pieces):
             st = saved_state.get(i)
-            if st is None:
-                continue
             for j in by_name.get((block, name), ()):
                 _, _, my_offset, my_count = pieces[j]
                 lo, hi = max(offset, my_offset), min(offset + count, my_offset + my_count)
                 if hi <= lo:
+                    continue
+                found[j] += hi - lo
+                if st is None:
                     continue
                 step = st["step"]
                 out = flat.setdefault(j, {"step": step.clone() if isinstance(step, torch.Tensor) else step,
@@ -428,6 +448,11 @@ def remap_cpu_state(pieces: list[tuple[str, str, int, int]], shapes: list[torch.
                 for key in ("exp_avg", "exp_avg_sq"):
                     out[key][lo - my_offset:hi - my_offset] = st[key].reshape(-1)[lo - offset:hi - offset]
                 covered[j] += hi - lo
+        saved_pieces = saved_state = None  # let this file go before the next one loads
+    missing = [f"{block}.{name}" for j, (block, name, _, count) in enumerate(pieces) if found[j] != count]
+    if missing:
+        raise ValueError(f"The checkpoint's optimizer state does not cover {len(missing)} parameter piece(s) this rank "
+                         f"keeps ({', '.join(missing[:3])}...); it was written for another model.")
     for j, out in flat.items():
         block, name, _, count = pieces[j]
         if covered[j] != count:
