@@ -109,14 +109,18 @@ def _full_adam_state(runs, when="adam") -> dict[tuple[str, str], dict[str, torch
 
 
 def test_resume_with_another_world_size_recuts_the_optimizer_state(tmp_path):
-    """Written by 2 ranks with sharded CPU state; resumed by 3 sharded ranks, and by one process:
-    each holds exactly the Adam state the writers held for its elements, and training goes on."""
-    written = _run(tmp_path / "two", 2, 3, "sharded", "--max_steps", "3", "--save_steps", "3")
+    """Written by 2 ranks with sharded CPU state; resumed by 2 and 3 sharded ranks, and by one
+    process: each holds exactly the Adam state the writers held for its elements, and training
+    goes on. Llama with weight decay: its norms end each block, so one rank's shards hold only
+    decayed weights and another's both kinds (the optimizer's groups must not depend on that)."""
+    llama = ("--family", "llama")
+    written = _run(tmp_path / "two", 2, 3, "sharded", "--max_steps", "3", "--save_steps", "3", *llama)
     checkpoint = tmp_path / "two" / "checkpoint-3"
     reference = _full_adam_state(written)
     assert len(reference) > 0 and all(float(e["step"]) == 3 for e in reference.values())
-    for world in (3, 1):
-        loaded = _run(tmp_path / f"as{world}", world, 2, "sharded", "--max_steps", "4", "--resume", str(checkpoint))
+    for world in (2, 3, 1):
+        loaded = _run(tmp_path / f"as{world}", world, 2, "sharded", "--max_steps", "4", "--resume", str(checkpoint),
+                      *llama)
         full = _full_adam_state(loaded, when="adam_at_start")  # as the resumed loop starts
         assert full.keys() == reference.keys()
         for key, entry in reference.items():
@@ -132,9 +136,10 @@ def test_resume_with_another_world_size_recuts_the_optimizer_state(tmp_path):
             state = torch.load(older / name, weights_only=True)
             del state["cpu_pieces"]
             torch.save(state, older / name)
-    proc = _run(tmp_path / "older1", 1, 2, "sharded", "--max_steps", "4", "--resume", str(older), expect_ok=False)
+    proc = _run(tmp_path / "older1", 1, 2, "sharded", "--max_steps", "4", "--resume", str(older), *llama,
+                expect_ok=False)
     assert proc.returncode != 0 and "resume it with the layout that wrote it" in proc.stdout + proc.stderr
-    went_on = _run(tmp_path / "on3", 3, 2, "sharded", "--max_steps", "5", "--resume", str(checkpoint))
+    went_on = _run(tmp_path / "on3", 3, 2, "sharded", "--max_steps", "5", "--resume", str(checkpoint), *llama)
     assert len(went_on[0]["losses"]) == 5 and all(math.isfinite(x) for x in went_on[0]["losses"])
     assert all(float(e["step"]) == 5 for e in _full_adam_state(went_on).values())
 
@@ -227,5 +232,9 @@ def test_remap_cpu_state_recuts_pieces_and_names_a_gap():
     assert torch.equal(out[0]["exp_avg"], full[2:9]) and torch.equal(out[0]["exp_avg_sq"], 2 * full[2:9])
     whole = remap_cpu_state([("b0", "w", 0, 10)], [torch.Size([2, 5])], iter(saved))
     assert torch.equal(whole[0]["exp_avg"], full.view(2, 5)) and float(whole[0]["step"]) == 3.0
-    with pytest.raises(ValueError, match="covers 4 of the 10 elements of b0.w"):
-        remap_cpu_state([("b0", "w", 0, 10)], [torch.Size([10])], iter(saved[:1]))
+    with pytest.raises(ValueError, match=r"does not cover 1 parameter piece\(s\) this rank keeps \(b0.w"):
+        remap_cpu_state([("b0", "w", 0, 10)], [torch.Size([10])], iter(saved[:1]))  # elements 4..9 absent
+    with pytest.raises(ValueError, match="covers 4 of the 10 elements of b0.w"):  # present, half never stepped
+        remap_cpu_state([("b0", "w", 0, 10)], [torch.Size([10])], iter([saved[0], ([("b0", "w", 4, 6)], {})]))
+    # A writer that never stepped a parameter: no state to bring, and no error.
+    assert remap_cpu_state([("b0", "w", 0, 10)], [torch.Size([10])], iter([([("b0", "w", 0, 10)], {})])) == {}

@@ -644,7 +644,7 @@ class _StrongholdTrainerMixin:
             raise ValueError(f"Checkpoint {checkpoint} holds an incomplete or mixed set of optimizer shards "
                              f"({files}); it cannot be resumed with {layout}.")
         paths = [os.path.join(checkpoint, f) for f in files]
-        first = torch.load(paths[0], map_location="cpu", weights_only=True)
+        first = torch.load(paths[0], map_location="cpu", weights_only=True, mmap=True)
         if "cpu_pieces" not in first:
             raise ValueError(
                 f"Checkpoint {checkpoint} holds CPU optimizer state for another data-parallel layout ({files[0]}) "
@@ -652,19 +652,25 @@ class _StrongholdTrainerMixin:
                 f"that wrote it, not {layout}, or start the optimizer afresh from its weights "
                 "(--model_name_or_path <checkpoint>)."
             )
+        # Resident parameters, the loss scale and the public groups are the same on every rank.
+        shared = {key: first[key] for key in ("device", "scaler", "param_groups")}
         mine = self.optimizer.state_dict()  # this layout's groups and pieces, with no state yet
         if mine["cpu"] is not None:
             def saved():
-                yield first["cpu_pieces"], first["cpu"]["state"]
-                for path in paths[1:]:
-                    other = torch.load(path, map_location="cpu", weights_only=True)
-                    yield other["cpu_pieces"], other["cpu"]["state"]
+                # One file's CPU state at a time (memory-mapped): a rank never holds them all.
+                nonlocal first
+                for path in paths:
+                    written = first if first is not None else torch.load(path, map_location="cpu",
+                                                                         weights_only=True, mmap=True)
+                    first = None
+                    if written["cpu"] is not None:  # a writer rank that kept no piece of any block
+                        yield written["cpu_pieces"], written["cpu"]["state"]
+                    del written
 
             inner = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps it
             shapes = [p.shape for g in inner.cpu_optimizer.param_groups for p in g["params"]]
             mine["cpu"]["state"] = remap_cpu_state(mine["cpu_pieces"], shapes, saved())
-        # Resident parameters, the loss scale and the public groups are the same on every rank.
-        mine.update(device=first["device"], scaler=first["scaler"], param_groups=first["param_groups"])
+        mine.update(shared)
         _hf_logger.info(f"STRONGHOLD: optimizer state of {checkpoint} ({len(files)} file(s)) re-cut for {layout}")
         return mine
 

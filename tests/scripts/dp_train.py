@@ -1,6 +1,6 @@
 """Trains a tiny GPT-2 with the HF Trainer under torchrun (gloo) or alone; writes what it saw.
 
-    dp_train.py OUT_DIR PER_DEVICE_BATCH MODE [--max_steps N] [--save_steps N] [--resume DIR]
+    dp_train.py OUT_DIR PER_DEVICE_BATCH MODE [--max_steps N] [--save_steps N] [--resume DIR] [--family F]
 
 MODE: ``plain`` (Trainer, DDP when launched with several processes), ``sharded`` (STRONGHOLD,
 sharded CPU state) or ``replicated`` (STRONGHOLD, full CPU replicas). Writes
@@ -50,6 +50,7 @@ def main() -> None:
     ap.add_argument("--max_steps", type=int, default=3)
     ap.add_argument("--save_steps", type=int, default=0)
     ap.add_argument("--resume", default=None)
+    ap.add_argument("--family", default="gpt2", help="llama: norms end each block, so ranks' shards mix decay groups")
     opts = ap.parse_args()
     rank = int(os.environ.get("RANK", "0"))
     common = dict(
@@ -59,8 +60,8 @@ def main() -> None:
         save_strategy="steps" if opts.save_steps else "no", save_steps=opts.save_steps or 500,
         ddp_backend="gloo" if "RANK" in os.environ else None,
     )
-    model = tiny_model("gpt2", seed=rank)  # ranks start different: rank 0's weights must win
-    data = TinyDataset("gpt2", n=48, padded=False)
+    model = tiny_model(opts.family, seed=rank)  # ranks start different: rank 0's weights must win
+    data = TinyDataset(opts.family, n=48, padded=False)
     if opts.mode == "plain":
         trainer = Trainer(model=model, args=TrainingArguments(**common), train_dataset=data)
     else:
