@@ -292,6 +292,16 @@ def test_trl_preference_and_rl_scripts_unchanged_train_with_stronghold(tmp_path,
         assert ledger["device_peak_bytes"] <= (ledger["window_size"] + 1) * ledger["slot_bytes"]
 
 
+def _sft_build():
+    """``build`` of tests/scripts/sft_script.py (the model, tokenizer and data it trains)."""
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        from sft_script import build
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    return build
+
+
 def test_trl_subclass_route(tmp_path, monkeypatch):
     """``class MySFTTrainer(StrongholdTrainer, SFTTrainer)``: TRL configs take the environment,
     or the stronghold flags when the config is declared with `StrongholdArgumentsMixin`."""
@@ -300,11 +310,7 @@ def test_trl_subclass_route(tmp_path, monkeypatch):
 
     from stronghold_hf import StrongholdArgumentsMixin
 
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        from sft_script import build
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    build = _sft_build()
 
     class MySFTTrainer(StrongholdTrainer, SFTTrainer):
         pass
@@ -364,11 +370,7 @@ def test_trl_sft_with_peft_config_trains_lora_on_an_offloaded_base(tmp_path, mon
     peft = pytest.importorskip("peft")
     from trl import SFTConfig, SFTTrainer
 
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        from sft_script import build
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    build = _sft_build()
 
     class MySFTTrainer(StrongholdTrainer, SFTTrainer):
         pass

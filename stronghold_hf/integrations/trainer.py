@@ -644,7 +644,7 @@ class _StrongholdTrainerMixin:
             raise ValueError(f"Checkpoint {checkpoint} holds an incomplete or mixed set of optimizer shards "
                              f"({files}); it cannot be resumed with {layout}.")
         paths = [os.path.join(checkpoint, f) for f in files]
-        first = torch.load(paths[0], map_location="cpu", weights_only=True, mmap=True)
+        first = torch.load(paths[0], map_location="cpu", weights_only=True, mmap=True)  # memory-mapped: cheap
         if "cpu_pieces" not in first:
             raise ValueError(
                 f"Checkpoint {checkpoint} holds CPU optimizer state for another data-parallel layout ({files[0]}) "
@@ -654,15 +654,13 @@ class _StrongholdTrainerMixin:
             )
         # Resident parameters, the loss scale and the public groups are the same on every rank.
         shared = {key: first[key] for key in ("device", "scaler", "param_groups")}
+        del first
         mine = self.optimizer.state_dict()  # this layout's groups and pieces, with no state yet
         if mine["cpu"] is not None:
             def saved():
                 # One file's CPU state at a time (memory-mapped): a rank never holds them all.
-                nonlocal first
                 for path in paths:
-                    written = first if first is not None else torch.load(path, map_location="cpu",
-                                                                         weights_only=True, mmap=True)
-                    first = None
+                    written = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
                     if written["cpu"] is not None:  # a writer rank that kept no piece of any block
                         yield written["cpu_pieces"], written["cpu"]["state"]
                     del written
