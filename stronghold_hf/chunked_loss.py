@@ -1,0 +1,764 @@
+"""Chunked LM head and cross-entropy for Hugging Face causal LMs: the logits are never whole.
+
+A causal LM's forward computes ``logits = self.lm_head(hidden_states)`` as one
+``[batch, tokens, vocab]`` tensor, then ``self.loss_function(logits=logits, labels=labels, ...)``
+(transformers' ``ForCausalLMLoss``) upcasts it to fp32. For Llama-3-8B at 8k tokens that is
+2.1 GB of bf16 logits, 4.2 GB of fp32 logits, and as much again for their gradients: more
+than a whole decoder block, and it does not shrink with any offloading of the blocks.
+
+This module computes the LM head and the cross-entropy in chunks of token rows instead, and
+recomputes each chunk in backward, so what the loss region holds is ``O(chunk x vocab)``.
+That is what Liger's fused linear cross-entropy, Apple's Cut Cross-Entropy (Wijmans et al.,
+"Cut Your Losses in Large-Vocabulary Language Models", arXiv:2411.09009) and NeMo's
+ChunkedCrossEntropy do with GPU kernels; here it is plain torch, so it runs on CPU too. TRL's
+``add_fused_lm_head`` (``trl/trainer/utils.py``) follows the same design for log-probs.
+
+The pieces, bottom up:
+
+* `chunked_linear_cross_entropy` (and its `ChunkedLinearCrossEntropy` autograd function): the
+  loss of HF's ``ForCausalLMLoss`` with the same semantics (label shift, ``shift_labels``,
+  ``ignore_index``, mean or ``sum / num_items_in_batch``), from hidden states and the head's
+  weight and bias.
+* `HeadTransform`: the elementwise steps a model applies to its logits before the loss
+  (Gemma2/Gemma3 soft-capping, Cohere's ``logit_scale``, Granite's ``logits_scaling``,
+  Falcon-H1's ``lm_head_multiplier``), replayed per chunk in the model's own order and dtype.
+* `analyse_causal_lm`: reads the class's ``forward`` source (its AST) and says whether the
+  step from the head to the loss is one this module reproduces exactly.
+* `ChunkedLoss`: installs the chunked path with native hooks and the ``loss_function``
+  setter only. The head's input is captured and replaced by a zero-length slice, so the
+  model's own code builds an empty ``[B, 0, V]`` logits tensor; the overridden
+  ``loss_function`` then computes the loss from the captured hidden states.
+"""
+
+from __future__ import annotations
+
+import ast
+import enum
+import functools
+import inspect
+import logging
+import textwrap
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+logger = logging.getLogger("stronghold_hf")
+
+ChunkTokens = int | Literal["auto"]
+
+#: What ``chunk_tokens="auto"`` aims one chunk's loss-region memory at.
+AUTO_CHUNK_BYTES = 512 * 2**20
+#: Bytes one logit costs in a chunk at its peak: the bf16 logits (2), their fp32 copy (4),
+#: the fp32 log-softmax autograd saves (4), its fp32 gradient (4), the bf16 gradient (2).
+BYTES_PER_LOGIT = 16
+AUTO_CHUNK_MIN, AUTO_CHUNK_MAX = 128, 8192
+
+
+def resolve_chunk_tokens(chunk_tokens: ChunkTokens, vocab_size: int) -> int:
+    """Token rows per chunk: ``chunk_tokens`` itself, or for ``"auto"`` the rows whose logits
+    cost about `AUTO_CHUNK_BYTES`, clamped to ``[128, 8192]`` (261 rows for a 128k vocab)."""
+    if chunk_tokens == "auto":
+        rows = AUTO_CHUNK_BYTES // (BYTES_PER_LOGIT * max(int(vocab_size), 1))
+        return max(AUTO_CHUNK_MIN, min(AUTO_CHUNK_MAX, rows))
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int):
+        raise TypeError(f"chunk_tokens={chunk_tokens!r}: pass an int >= 1 or 'auto'.")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens={chunk_tokens}: pass an int >= 1 or 'auto'.")
+    return chunk_tokens
+
+
+# --------------------------------------------------------------------------------------------
+# The transform between the head and the loss
+# --------------------------------------------------------------------------------------------
+
+HeadOp = Literal["mul", "div", "tanh", "float"]
+
+
+@dataclass(frozen=True, slots=True)
+class HeadTransform:
+    """The elementwise steps a model's forward applies to ``lm_head``'s output before its loss.
+
+    ``ops`` are applied in order, each in the dtype the logits have at that point (bf16 under
+    autocast), exactly as the modeling code writes them: ``("mul", s)`` is ``x * s``,
+    ``("div", s)`` is ``x / s``, ``("tanh", None)`` is ``torch.tanh(x)`` and ``("float", None)``
+    is ``x.float()``. Soft-capping is three ops, not one fused ``cap * tanh(x / cap)``, because
+    in bf16 each op rounds and HF rounds after each.
+    """
+
+    ops: tuple[tuple[HeadOp, float | None], ...] = ()
+
+    def __post_init__(self):
+        for op, value in self.ops:
+            if op in ("mul", "div"):
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise TypeError(f"HeadTransform: ({op!r}, {value!r}) needs a number, e.g. ({op!r}, 0.0625).")
+            elif op not in ("tanh", "float"):
+                raise ValueError(f"HeadTransform: unknown op {op!r}; use 'mul', 'div', 'tanh' or 'float'.")
+
+    @classmethod
+    def softcap(cls, cap: float) -> HeadTransform:
+        """Gemma2/Gemma3's ``final_logit_softcapping``: ``cap * tanh(logits / cap)``."""
+        return cls((("div", cap), ("tanh", None), ("mul", cap)))
+
+    @classmethod
+    def scale(cls, multiplier: float) -> HeadTransform:
+        """Cohere's ``logit_scale``, Falcon-H1's ``lm_head_multiplier``: ``logits * multiplier``."""
+        return cls((("mul", multiplier),))
+
+    @classmethod
+    def divide(cls, divisor: float) -> HeadTransform:
+        """Granite's ``logits_scaling``: ``logits / divisor``."""
+        return cls((("div", divisor),))
+
+    def __call__(self, logits: Tensor) -> Tensor:
+        for op, value in self.ops:
+            if op == "mul":
+                logits = logits * value
+            elif op == "div":
+                logits = logits / value
+            elif op == "tanh":
+                logits = torch.tanh(logits)
+            elif op == "float":
+                logits = logits.float()
+        return logits
+
+    def describe(self) -> str:
+        words = {"mul": "* {}", "div": "/ {}", "tanh": "tanh", "float": "float()"}
+        return ", ".join(words[op].format(v) for op, v in self.ops) or "no transform"
+
+
+# --------------------------------------------------------------------------------------------
+# The loss
+# --------------------------------------------------------------------------------------------
+
+
+def _rows(hidden: Tensor, index: Tensor) -> tuple[Tensor, ...]:
+    # Flat row numbers -> one index tensor per leading dim, so a non-contiguous hidden (a
+    # slice) is gathered row by row instead of being copied whole by ``reshape``.
+    return torch.unravel_index(index, hidden.shape[:-1])
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """``sum_i CE(transform(hidden[i] @ weight.T + bias).float(), target_i)`` over the rows
+    ``index`` (flat positions in ``hidden.shape[:-1]``), chunk by chunk.
+
+    Forward keeps nothing but the fp32 scalar; backward recomputes each chunk under the
+    autocast state of the forward and differentiates it with an inner autograd pass.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, index: Tensor, targets: Tensor,
+                transform: HeadTransform, chunk_tokens: int, ignore_index: int) -> Tensor:
+        device_type = hidden.device.type
+        # [Note: autocast in backward] Like torch.utils.checkpoint: the recompute must see the
+        # autocast of the forward (the dtype of the logits decides the gradients), not whatever
+        # is active where ``backward()`` is called.
+        ctx.autocast = dict(device_type=device_type, enabled=torch.is_autocast_enabled(device_type),
+                            dtype=torch.get_autocast_dtype(device_type),
+                            cache_enabled=torch.is_autocast_cache_enabled())
+        ctx.transform, ctx.chunk_tokens, ctx.ignore_index = transform, chunk_tokens, ignore_index
+        # [Note: saved tensors] Only the inputs: autograd checks their versions, so a weight
+        # updated in place before backward fails loudly instead of giving stale gradients.
+        ctx.save_for_backward(hidden, weight, bias, index, targets)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, index.numel(), chunk_tokens):
+            rows = index[start:start + chunk_tokens]
+            # [c, V] in the autocast dtype, like HF's ``self.lm_head(...)``; freed each iteration.
+            logits = transform(F.linear(hidden[_rows(hidden, rows)], weight, bias))
+            total += F.cross_entropy(logits.float(), targets[start:start + chunk_tokens],
+                                     ignore_index=ignore_index, reduction="sum")
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total: Tensor):
+        hidden, weight, bias, index, targets = ctx.saved_tensors
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        need_bias = need_bias and bias is not None
+        if not (need_hidden or need_weight or need_bias):
+            return (None,) * 8
+        grad_hidden = hidden.new_zeros(hidden.shape) if need_hidden else None
+        # [Note: fp32 head gradient] The chunks' [V, H] gradients are summed in fp32 even for a
+        # bf16/fp16 head (one extra V x H x 4 bytes for the backward): HF's single matmul over
+        # all tokens rounds once, and a 16-bit running sum would round once per chunk.
+        acc = torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype
+        grad_weight = torch.zeros_like(weight, dtype=acc) if need_weight else None
+        grad_bias = torch.zeros_like(bias, dtype=acc) if need_bias else None
+        with torch.enable_grad(), torch.autocast(**ctx.autocast):
+            # One leaf per parameter for the whole backward: autocast caches its cast of a leaf
+            # that requires grad, so under bf16 the weight is cast once, not once per chunk.
+            w = weight.detach().requires_grad_(need_weight)
+            b = None if bias is None else bias.detach().requires_grad_(need_bias)
+            for start in range(0, index.numel(), ctx.chunk_tokens):
+                rows = _rows(hidden, index[start:start + ctx.chunk_tokens])
+                x = hidden[rows].detach().requires_grad_(need_hidden)
+                logits = ctx.transform(F.linear(x, w, b))
+                loss = F.cross_entropy(logits.float(), targets[start:start + ctx.chunk_tokens],
+                                       ignore_index=ctx.ignore_index, reduction="sum")
+                wanted = [t for t, need in ((x, need_hidden), (w, need_weight), (b, need_bias)) if need]
+                # [Note: chunk lifetime] The chunk's graph (its [c, V] logits, their fp32 copy and
+                # softmax) is freed when ``grads`` returns; only [c, H] and the [V, H] sums survive.
+                grads = list(torch.autograd.grad(loss, wanted, grad_total))
+                if need_hidden:
+                    grad_hidden[rows] = grads.pop(0)
+                if need_weight:
+                    grad_weight += grads.pop(0)
+                if need_bias:
+                    grad_bias += grads.pop(0)
+        if need_weight:
+            grad_weight = grad_weight.to(weight.dtype)
+        if need_bias:
+            grad_bias = grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+
+
+def chunked_linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    labels: Tensor | None,
+    *,
+    shift_labels: Tensor | None = None,
+    ignore_index: int = -100,
+    num_items_in_batch: int | Tensor | None = None,
+    transform: HeadTransform = HeadTransform(),
+    chunk_tokens: ChunkTokens = "auto",
+) -> Tensor:
+    """The loss transformers' ``ForCausalLMLoss`` gives for
+    ``logits = transform(F.linear(hidden, weight, bias))``, without building those logits.
+
+    ``hidden`` is ``[..., tokens, hidden_size]`` (any strides) and ``labels`` has its leading
+    shape. As in HF: labels are shifted left and padded with ``ignore_index`` unless
+    ``shift_labels`` (already aligned, any shape with as many elements) is given; the result
+    is the mean over non-ignored tokens (``nan`` when there are none), or their sum divided
+    by ``num_items_in_batch`` when that is given (gradient accumulation).
+    """
+    lead = hidden.shape[:-1]
+    if shift_labels is None:
+        if labels is None:
+            raise ValueError("chunked_linear_cross_entropy: pass labels or shift_labels.")
+        if labels.shape != lead:
+            raise ValueError(f"chunked_linear_cross_entropy: labels have shape {tuple(labels.shape)} but the hidden "
+                             f"states lead with {tuple(lead)}; pass labels aligned with the tokens.")
+        # HF: pad one ignore_index at the end, drop the first label, so row t predicts label t+1.
+        targets = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    else:
+        targets = shift_labels
+        if targets.numel() != lead.numel():
+            raise ValueError(f"chunked_linear_cross_entropy: shift_labels has {targets.numel()} elements but there are "
+                             f"{lead.numel()} token rows; pass one label per row.")
+    targets = targets.reshape(-1).to(hidden.device)
+    index = (targets != ignore_index).nonzero().squeeze(1)
+    chunk = resolve_chunk_tokens(chunk_tokens, weight.shape[0])
+    total = ChunkedLinearCrossEntropy.apply(hidden, weight, bias, index, targets[index], transform, chunk, ignore_index)
+    if num_items_in_batch is None:
+        # HF's reduction="mean" over the non-ignored rows: 0 / 0 = nan when all are ignored.
+        return total / index.numel()
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
+# --------------------------------------------------------------------------------------------
+# Analysis: is the step from the head to the loss one we reproduce?
+# --------------------------------------------------------------------------------------------
+
+#: Config attributes a forward may scale its logits by, checked against the modeling code of
+#: the installed transformers (5.24): Gemma2/Gemma3 divide by ``final_logit_softcapping``,
+#: tanh, multiply by it; Cohere/Cohere2 multiply by ``logit_scale`` (copied to
+#: ``self.logit_scale``); Granite/GraniteMoe divide by ``logits_scaling``; Falcon-H1
+#: multiplies by ``lm_head_multiplier`` (copied to ``self.model.lm_head_multiplier``).
+CONFIG_SCALARS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
+_SOFTCAP = "final_logit_softcapping"
+_BENIGN_METHODS = ("contiguous", "to")
+
+
+@dataclass(frozen=True, slots=True)
+class LossPlan:
+    """What `analyse_causal_lm` found: the head module's path in the model and the transform."""
+
+    head_path: str
+    transform: HeadTransform
+
+
+class _NotUnderstood(Exception):
+    pass
+
+
+@functools.lru_cache(maxsize=1)
+def _causal_lm_names() -> frozenset[str]:
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as names
+    except ImportError:  # pragma: no cover - a transformers without the auto mapping
+        return frozenset()
+    out = set()
+    for value in names.values():
+        out.update((value,) if isinstance(value, str) else value)
+    return frozenset(out)
+
+
+def is_causal_lm_class(cls: type) -> bool:
+    """The class or a base is in transformers' causal-LM auto mapping or is named ``*ForCausalLM``."""
+    names = _causal_lm_names()
+    return any(c.__name__ in names or c.__name__.endswith("ForCausalLM") for c in cls.__mro__)
+
+
+def _class_forward(model: nn.Module) -> Callable:
+    """The unwrapped function the class's ``forward`` runs; raises if someone replaced it."""
+    cls = type(model)
+    own = model.__dict__.get("forward")
+    if own is not None:
+        # TRL's add_fused_lm_head installs a functools.wraps wrapper whose ``__wrapped__`` is the
+        # class forward; without ``fused_lm_head=True`` it calls the original. Liger binds its
+        # own forward, which wraps nothing.
+        f, seen = own, 0
+        while f is not None and f is not cls.forward and getattr(f, "__func__", None) is not cls.forward:
+            f, seen = getattr(f, "__wrapped__", None), seen + 1
+            if seen > 16:
+                f = None
+        if f is None:
+            fn = getattr(own, "__func__", own)
+            raise _NotUnderstood(f"forward was replaced on the instance by "
+                                 f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}")
+    owner = next(c for c in cls.__mro__ if "forward" in c.__dict__)
+    fn = inspect.unwrap(owner.__dict__["forward"])
+    module = getattr(fn, "__module__", "") or ""
+    if module != owner.__module__ and not module.startswith("transformers."):
+        # Liger's apply_liger_kernel_to_* assigns its own forward to the transformers class.
+        raise _NotUnderstood(f"{owner.__name__}.forward was replaced by {module}.{fn.__qualname__}")
+    return fn
+
+
+def _dotted(node: ast.AST) -> str | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        return ".".join([node.id, *reversed(parts)])
+    return None
+
+
+class _ForwardReader:
+    """Walks a forward's statements from the head call to the ``self.loss_function`` call."""
+
+    def __init__(self, model: nn.Module, fdef: ast.FunctionDef, head_path: str):
+        self.model = model
+        self.self_name = fdef.args.args[0].arg if fdef.args.args else "self"
+        self.head = f"{self.self_name}.{head_path}"
+        self.head_path = head_path
+        self.fdef = fdef
+        self.ops: list[tuple[HeadOp, float | None, str | None]] = []
+
+    # -- expressions -------------------------------------------------------------------------
+
+    def _is(self, node: ast.AST, base: ast.AST | str) -> bool:
+        if isinstance(base, str):
+            return isinstance(node, ast.Name) and node.id == base
+        return node is base
+
+    def _contains(self, node: ast.AST, base: ast.AST | str) -> bool:
+        return any(self._is(n, base) for n in ast.walk(node))
+
+    def _config_scalar(self, node: ast.AST) -> tuple[float, str]:
+        """``self.config.logit_scale`` or ``self.logit_scale``: a number a known attribute names."""
+        chain = _dotted(node)
+        if chain is None or not chain.startswith(self.self_name + ".") or chain.rsplit(".", 1)[-1] not in CONFIG_SCALARS:
+            raise _NotUnderstood(f"scales the logits by `{ast.unparse(node)}`, which no config attribute explains")
+        value: Any = self.model
+        for attr in chain.split(".")[1:]:
+            value = getattr(value, attr, None)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _NotUnderstood(f"scales the logits by `{ast.unparse(node)}` = {value!r}, not a number")
+        return value, chain.rsplit(".", 1)[-1]
+
+    def peel(self, expr: ast.AST, base: ast.AST | str) -> None:
+        """Appends to ``ops`` what ``expr`` does to ``base`` (the head call or the logits name)."""
+        if self._is(expr, base):
+            return
+        if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and self._contains(expr.func.value, base):
+            method = expr.func.attr
+            self.peel(expr.func.value, base)
+            if method == "float" and not expr.args and not expr.keywords:
+                self.ops.append(("float", None, None))
+                return
+            if method == "tanh" and not expr.args and not expr.keywords:
+                self.ops.append(("tanh", None, None))
+                return
+            if method in _BENIGN_METHODS and self._benign_call(expr):
+                return
+            raise _NotUnderstood(f"applies `{ast.unparse(expr)}` to the logits")
+        if (isinstance(expr, ast.Call) and _dotted(expr.func) == "torch.tanh" and len(expr.args) == 1
+                and not expr.keywords):
+            self.peel(expr.args[0], base)
+            self.ops.append(("tanh", None, None))
+            return
+        if isinstance(expr, ast.BinOp) and isinstance(expr.op, (ast.Mult, ast.Div)):
+            if self._contains(expr.left, base) and not self._contains(expr.right, base):
+                self.peel(expr.left, base)
+                value, attr = self._config_scalar(expr.right)
+                self.ops.append(("mul" if isinstance(expr.op, ast.Mult) else "div", value, attr))
+                return
+            if isinstance(expr.op, ast.Mult) and self._contains(expr.right, base) and not self._contains(expr.left, base):
+                self.peel(expr.right, base)
+                value, attr = self._config_scalar(expr.left)
+                self.ops.append(("mul", value, attr))
+                return
+        raise _NotUnderstood(f"computes `{ast.unparse(expr)}` from the logits")
+
+    def _benign_call(self, call: ast.Call) -> bool:
+        # ``.contiguous()`` changes no value, nor does ``.to(<...device>)``. A ``.to`` that may
+        # name a dtype could round the logits, so it is not understood.
+        if call.func.attr == "contiguous":
+            return not call.args and not call.keywords
+        args = [*call.args, *(k.value for k in call.keywords if k.arg in (None, "device"))]
+        return (len(args) == 1 and len(call.args) + len(call.keywords) == 1
+                and (_dotted(args[0]) or "").rsplit(".", 1)[-1] == "device")
+
+    # -- statements --------------------------------------------------------------------------
+
+    def _config_test(self, test: ast.AST) -> bool | None:
+        """Evaluates ``if self.config.x is not None:`` style tests; ``None`` for runtime tests."""
+        negate = False
+        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            test, negate = test.operand, True
+        compare = None
+        if (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Is, ast.IsNot))
+                and isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value is None):
+            compare, test = test.ops[0], test.left
+        chain = _dotted(test)
+        if chain is None or not chain.startswith(f"{self.self_name}.config."):
+            return None
+        value: Any = self.model
+        for attr in chain.split(".")[1:]:
+            if not hasattr(value, attr):
+                return None
+            value = getattr(value, attr)
+        result = bool(value) if compare is None else ((value is None) == isinstance(compare, ast.Is))
+        return result != negate
+
+    def _loss_call(self, node: ast.AST) -> ast.Call | None:
+        for n in ast.walk(node):
+            if isinstance(n, ast.Call) and _dotted(n.func) == f"{self.self_name}.loss_function":
+                return n
+        return None
+
+    def _stores(self, node: ast.AST, name: str) -> bool:
+        return any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store) for n in ast.walk(node))
+
+    def follow(self, stmts: list[ast.stmt], name: str) -> bool:
+        """True when the statements reach a ``self.loss_function(name, ...)`` call with ``name``
+        rebound only by understood steps; raises `_NotUnderstood` for anything else."""
+        for stmt in stmts:
+            line = f"line {stmt.lineno - 1 + self.fdef.lineno}" if hasattr(stmt, "lineno") else "a statement"
+            call = self._loss_call(stmt)
+            if isinstance(stmt, ast.If):
+                known = self._config_test(stmt.test)
+                if known is not None:
+                    if self.follow(stmt.body if known else stmt.orelse, name):
+                        return True
+                    continue
+                if call is not None:
+                    # A runtime test (``if labels is not None``) guards the loss: follow the
+                    # branch that calls it; the other one does not reach the loss.
+                    branch = stmt.body if any(self._loss_call(s) is call for s in stmt.body) else stmt.orelse
+                    if self._contains(stmt.test, name):
+                        raise _NotUnderstood(f"tests the logits in {line}")
+                    return self.follow(branch, name)
+                if self._contains(stmt, name):
+                    raise _NotUnderstood(f"uses `{name}` under a runtime condition in {line}")
+                continue
+            if call is not None:
+                if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.Expr)):
+                    raise _NotUnderstood(f"calls loss_function inside a {type(stmt).__name__} in {line}")
+                given = call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "logits"), None)
+                if given is None or not self._is(given, name):
+                    raise _NotUnderstood(f"passes `{ast.unparse(given) if given else 'nothing'}` as logits "
+                                         f"to loss_function, not `{name}`")
+                return True
+            if self._stores(stmt, name):
+                target = stmt.targets[0] if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 else None
+                if not (isinstance(target, ast.Name) and target.id == name):
+                    raise _NotUnderstood(f"rebinds `{name}` in {line}: `{ast.unparse(stmt)}`")
+                self.peel(stmt.value, name)
+                continue
+            if self._contains(stmt, name):
+                raise _NotUnderstood(f"uses `{name}` before its loss in {line}: `{ast.unparse(stmt)[:80]}`")
+        return False
+
+    def read(self) -> HeadTransform:
+        heads = [n for n in ast.walk(self.fdef) if isinstance(n, ast.Call) and _dotted(n.func) == self.head]
+        if len(heads) != 1:
+            raise _NotUnderstood(f"its forward calls `{self.head}(...)` {len(heads)} times, not once")
+        losses = [n for n in ast.walk(self.fdef) if isinstance(n, ast.Call)
+                  and _dotted(n.func) == f"{self.self_name}.loss_function"]
+        if len(losses) != 1:
+            raise _NotUnderstood(f"its forward calls `{self.self_name}.loss_function(...)` {len(losses)} times, not once")
+        body = self.fdef.body
+        at = next((i for i, s in enumerate(body) if any(n is heads[0] for n in ast.walk(s))), None)
+        stmt = body[at] if at is not None else None
+        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+            raise _NotUnderstood(f"`{self.head}(...)` is not assigned to a name at the top level of forward")
+        name = stmt.targets[0].id
+        self.peel(stmt.value, heads[0])
+        if not self.follow(body[at + 1:], name):
+            raise _NotUnderstood(f"`{name}` from `{self.head}` never reaches `self.loss_function` as its logits")
+        return self._checked_transform()
+
+    def _checked_transform(self) -> HeadTransform:
+        ops = self.ops
+        for k, (op, value, attr) in enumerate(ops):
+            in_softcap = (0 < k < len(ops) - 1 and ops[k - 1][0] == "div" and ops[k + 1][0] == "mul"
+                          and ops[k - 1][2] == ops[k + 1][2] == _SOFTCAP)
+            if op == "tanh" and not in_softcap:
+                raise _NotUnderstood("applies tanh to the logits outside a final_logit_softcapping soft-cap")
+            if attr == _SOFTCAP and not any(ops[j][0] == "tanh" and j in (k - 1, k + 1) for j in range(len(ops))):
+                raise _NotUnderstood("scales the logits by final_logit_softcapping outside a soft-cap")
+        return HeadTransform(tuple((op, value) for op, value, _ in ops))
+
+
+def analyse_causal_lm(model: nn.Module) -> tuple[LossPlan | None, str]:
+    """Whether ``model`` can take the chunked loss: ``(plan, reason)``, or ``(None, reason)``
+    with one line naming the model class and what was not understood."""
+    name = type(model).__name__
+    try:
+        from transformers import PreTrainedModel
+        from transformers.loss.loss_utils import ForCausalLMLoss
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return None, f"{name}: transformers is not importable"
+    if not isinstance(model, PreTrainedModel):
+        return None, f"{name} is not a transformers PreTrainedModel"
+    if not is_causal_lm_class(type(model)):
+        return None, f"{name} is not a causal LM (not in the causal-LM auto mapping, not *ForCausalLM)"
+    try:
+        head = model.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        head = None
+    if type(head) is not nn.Linear or "forward" in head.__dict__:
+        # A subclass (bitsandbytes' Linear4bit, a LoRA wrapper) computes something other
+        # than F.linear(x, weight, bias) with the weight it exposes.
+        return None, f"{name}: its output embedding is {type(head).__name__}, not a plain nn.Linear"
+    head_path = next((p for p, m in model.named_modules() if m is head), None)
+    if not head_path:
+        return None, f"{name}: its output embedding is not a submodule of the model"
+    if model.loss_function is not ForCausalLMLoss:
+        fn = model.loss_function
+        return None, (f"{name}: its loss_function is {getattr(fn, '__qualname__', type(fn).__name__)}, "
+                      f"not transformers' ForCausalLMLoss")
+    try:
+        fn = _class_forward(model)
+        source = textwrap.dedent(inspect.getsource(fn))
+        tree = ast.parse(source)
+        fdef = tree.body[0]
+        if not isinstance(fdef, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            raise _NotUnderstood("its forward is not a plain function")
+        fdef.lineno = inspect.getsourcelines(fn)[1]
+        transform = _ForwardReader(model, fdef, head_path).read()
+    except _NotUnderstood as e:
+        return None, f"{name}: {e}"
+    except (OSError, TypeError, SyntaxError) as e:
+        return None, f"{name}: its forward source cannot be read ({e})"
+    return LossPlan(head_path, transform), f"{name}: {head_path} -> loss_function, {transform.describe()}"
+
+
+# --------------------------------------------------------------------------------------------
+# Installation: hooks and the loss_function override
+# --------------------------------------------------------------------------------------------
+
+
+class _Phase(enum.Enum):
+    IDLE = "idle"          # not a training forward with labels, or between forwards
+    ARMED = "armed"        # a training forward with labels is running: the head input may be captured
+    CAPTURED = "captured"  # the head input is held and the head got a zero-length slice of it
+    CONSUMED = "consumed"  # loss_function computed the chunked loss from the captured input
+
+
+def _loss_arguments(logits=None, labels=None, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
+                    shift_labels=None, **kwargs):
+    """ForCausalLMLoss's signature, to read a call the way it would."""
+    return logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels
+
+
+class _ChunkedHead:
+    """The chunked path of one causal LM: its state for the forward in flight, and its hooks."""
+
+    def __init__(self, model: nn.Module, plan: LossPlan, chunk_tokens: ChunkTokens):
+        self.model, self.plan, self.chunk_tokens = model, plan, chunk_tokens
+        self.head: nn.Module = model.get_submodule(plan.head_path)
+        self._reset()
+        # [Note: the previous loss_function] ``PreTrainedModel.loss_function`` is a property
+        # with a setter that stores ``self._loss_function``; remember whether the instance had
+        # its own so that `remove` restores exactly the state it found.
+        self.had_own_loss = "_loss_function" in model.__dict__
+        self.previous_loss = model.loss_function
+        self.loss = functools.partial(_ChunkedHead._loss, self)  # one object, for identity checks
+        model.loss_function = self.loss
+        self.handles = [
+            model.register_forward_pre_hook(self._arm, with_kwargs=True),
+            self.head.register_forward_pre_hook(self._capture, with_kwargs=True),
+            model.register_forward_hook(self._finish, with_kwargs=True, always_call=True),
+        ]
+
+    def _reset(self) -> None:
+        self.phase = _Phase.IDLE
+        self.labels: Tensor | None = None
+        self.shift_labels: Tensor | None = None
+        # [Note: captured hidden lifetime] Held from the head's pre-hook to the loss call only;
+        # after that the autograd function's saved tensors keep it, as HF's graph would.
+        self.hidden: Tensor | None = None
+        self.hidden_version = -1
+        self.logits: Tensor | None = None
+
+    def _arm(self, model, args, kwargs):
+        # A phase other than IDLE here is left by a forward whose always-called hook did not
+        # run (torch.compile skips them on an exception): it belongs to no live call.
+        self._reset()
+        if (model.training and torch.is_grad_enabled() and torch.is_tensor(kwargs.get("labels"))
+                and not kwargs.get("fused_lm_head") and model.__dict__.get("_loss_function") is self.loss):
+            self.phase = _Phase.ARMED
+            self.labels, self.shift_labels = kwargs["labels"], kwargs.get("shift_labels")
+        return None
+
+    def _capture(self, head, args, kwargs):
+        if self.phase is not _Phase.ARMED or len(args) != 1 or kwargs or not torch.is_tensor(args[0]):
+            return None
+        hidden = args[0]
+        lead = hidden.shape[:-1]
+        if hidden.dim() < 2 or not (lead == self.labels.shape or (
+                self.shift_labels is not None and self.shift_labels.numel() == lead.numel())):
+            # logits_to_keep, a packed boolean mask, prompt-learning PEFT: not the rows the
+            # labels describe, so the plain path computes this loss.
+            return None
+        self.hidden, self.hidden_version, self.phase = hidden, hidden._version, _Phase.CAPTURED
+        # The model's own ``self.lm_head(...)`` now builds [B, 0, V] logits, and every
+        # transform between the head and the loss runs on that empty tensor.
+        return (hidden[..., :0, :],), {}
+
+    def _loss(self, *args, **kwargs):
+        if self.phase is not _Phase.CAPTURED:
+            return self.previous_loss(*args, **kwargs)
+        logits, labels, vocab_size, num_items, ignore_index, shift_labels = _loss_arguments(*args, **kwargs)
+        if not torch.is_tensor(logits) or logits.shape[-2:-1] != (0,):
+            # Not the logits of the shrunk head: the forward hook raises for this call.
+            return self.previous_loss(*args, **kwargs)
+        # CONSUMED before computing: an error in this loss (a label out of range) is the
+        # caller's, not a sign that the model took another path.
+        hidden, self.phase, self.hidden, self.logits = self.hidden, _Phase.CONSUMED, None, logits
+        weight, bias = self.head.weight, self.head.bias  # read now: offload and PEFT swap them
+        if hidden._version != self.hidden_version:
+            # HF's logits were computed before the change; the chunks would see it.
+            raise RuntimeError(f"{type(self.model).__name__}: the LM head's input was modified in place between the "
+                               f"head and the loss; use StrongholdConfig(chunked_loss=False) for this model.")
+        if vocab_size != weight.shape[0]:
+            raise ValueError(f"{type(self.model).__name__}: loss_function got vocab_size={vocab_size}, but "
+                             f"{self.plan.head_path} has {weight.shape[0]} outputs; make config.vocab_size match the "
+                             f"head, or use StrongholdConfig(chunked_loss=False).")
+        return chunked_linear_cross_entropy(hidden, weight, bias, labels, shift_labels=shift_labels,
+                                            ignore_index=ignore_index, num_items_in_batch=num_items,
+                                            transform=self.plan.transform, chunk_tokens=self.chunk_tokens)
+
+    def _finish(self, model, args, kwargs, output):
+        phase, logits = self.phase, self.logits
+        self._reset()
+        if phase is _Phase.CAPTURED:
+            message = (f"{type(model).__name__}: the LM head's input was shrunk for the chunked loss, but forward "
+                       f"never passed the resulting logits to self.loss_function: the model computed its loss some "
+                       f"other way. Use StrongholdConfig(chunked_loss=False) to turn chunking off for this model.")
+            if output is None:
+                # Forward raised (torch calls always_call hooks with no output then, and would
+                # only turn an error raised here into a warning): the empty logits may be why.
+                logger.warning("%s (forward raised after the head input was shrunk)", message)
+                return None
+            raise RuntimeError(message)
+        if phase is _Phase.CONSUMED:
+            return _without_logits(output, logits)
+        return None
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        self._reset()
+        if self.model.__dict__.get("_loss_function") is self.loss:
+            if self.had_own_loss:
+                self.model.loss_function = self.previous_loss
+            else:
+                del self.model._loss_function
+
+
+def _without_logits(output: Any, logits: Tensor | None) -> Any:
+    """The output with ``logits=None``, like Liger in training: the [B, 0, V] placeholder
+    would only mislead a caller that reads it."""
+    try:
+        from transformers.utils import ModelOutput
+    except ImportError:  # pragma: no cover
+        ModelOutput = ()
+    if isinstance(output, ModelOutput) and "logits" in output.keys():
+        # Setting the attribute to None leaves the key in the dict (ModelOutput.__setattr__
+        # skips None), so rebuild: a field left None is absent, as HF's own outputs have it.
+        return type(output)(**{k: v for k, v in output.items() if k != "logits"})
+    if isinstance(output, tuple) and logits is not None:
+        return type(output)(None if x is logits else x for x in output)
+    return output
+
+
+class ChunkedLoss:
+    """The chunked LM-head loss installed on every supported causal LM inside ``root``.
+
+    Use ``ChunkedLoss.install(model_or_peft_model, chunk_tokens="auto")``; ``remove()`` puts
+    back the plain path. Training forwards with ``labels=`` then return ``logits=None``; eval,
+    ``torch.no_grad()`` and ``generate()`` are untouched.
+    """
+
+    def __init__(self, heads: list[_ChunkedHead]):
+        self._heads = heads
+
+    @classmethod
+    def install(cls, root: nn.Module, chunk_tokens: ChunkTokens = "auto") -> ChunkedLoss:
+        resolve_chunk_tokens(chunk_tokens, 1)  # validate now, not at the first step
+        if not isinstance(root, nn.Module):
+            raise TypeError(f"ChunkedLoss.install: root is a {type(root).__name__}; pass the model (an nn.Module).")
+        from transformers import PreTrainedModel
+
+        found = [m for m in root.modules() if isinstance(m, PreTrainedModel) and is_causal_lm_class(type(m))]
+        if not found:
+            logger.info("chunked loss: no causal LM found in %s; the plain loss path is used", type(root).__name__)
+        heads = []
+        for model in found:
+            if isinstance(model.__dict__.get("_loss_function"), functools.partial) and \
+                    model.__dict__["_loss_function"].func is _ChunkedHead._loss:
+                raise ValueError(f"ChunkedLoss.install: {type(model).__name__} already has a chunked loss; "
+                                 f"call remove() on the first ChunkedLoss before installing again.")
+            plan, reason = analyse_causal_lm(model)
+            if plan is None:
+                logger.info("chunked loss: the plain loss path is used for %s", reason)
+                continue
+            logger.debug("chunked loss: %s", reason)
+            heads.append(_ChunkedHead(model, plan, chunk_tokens))
+        return cls(heads)
+
+    @property
+    def models(self) -> list[nn.Module]:
+        """The causal LMs that take the chunked path."""
+        return [h.model for h in self._heads]
+
+    def remove(self) -> None:
+        """Removes every hook and restores each model's previous ``loss_function``; idempotent."""
+        for head in self._heads:
+            head.remove()
+        self._heads = []
+
+
+__all__ = [
+    "AUTO_CHUNK_BYTES",
+    "ChunkedLinearCrossEntropy",
+    "ChunkedLoss",
+    "HeadTransform",
+    "LossPlan",
+    "analyse_causal_lm",
+    "chunked_linear_cross_entropy",
+    "is_causal_lm_class",
+    "resolve_chunk_tokens",
+]
