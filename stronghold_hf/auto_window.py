@@ -48,17 +48,18 @@ class _Clock:
 class AutoWindowProbe:
     """Records one training step's per-block times; `finish` returns the planner's choice."""
 
-    def __init__(self, engine) -> None:
-        self.engine = engine
-        self.clock = _Clock(engine.device)
-        n = engine.num_blocks
+    def __init__(self, blocks: list, device: torch.device) -> None:
+        self.blocks = blocks  # the block units, indices 0..N-1
+        self.device = device
+        self.clock = _Clock(device)
+        n = len(blocks)
         self.fwd_start: list = [None] * n
         self.fwd_end: list = [None] * n
         self.bwd_start: list = [None] * n
         self.bwd_end: list = [None] * n
         self.active = False
-        if engine.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(engine.device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
 
     def pre_forward(self, index: int) -> None:
         if torch.is_grad_enabled():
@@ -81,8 +82,7 @@ class AutoWindowProbe:
         return self.active and all(x is not None for x in self.fwd_end) and all(x is not None for x in self.bwd_end)
 
     def finish(self) -> WindowChoice:
-        engine = self.engine
-        device = engine.device
+        device = self.device
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # start-up only: event times need it
         profiles = [
@@ -92,10 +92,10 @@ class AutoWindowProbe:
                 self.clock.seconds(self.bwd_start[b.index], self.bwd_end[b.index]),
                 b.slot_bytes,
             )
-            for b in engine.blocks
+            for b in self.blocks
         ]
         if device.type != "cuda":
-            return choose_window_for_cpu(engine.num_blocks)
+            return choose_window_for_cpu(len(self.blocks))
         link = measure_link(device)
         free, _total = torch.cuda.mem_get_info(device)
         cached_free = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
@@ -104,5 +104,5 @@ class AutoWindowProbe:
         # The gradient lanes are already counted in the first step's peak (they are K buffers
         # whatever W is); what grows with W is one slot per extra block.
         budget = max(0, free + cached_free - step_extra - HEADROOM_BYTES)
-        slot_bytes = max(b.slot_bytes for b in engine.blocks)
+        slot_bytes = max(b.slot_bytes for b in self.blocks)
         return choose_window(profiles, link, device_bytes_free=budget, slot_bytes=slot_bytes)

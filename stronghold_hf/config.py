@@ -58,14 +58,31 @@ class StrongholdConfig:
     prefetch)."""
 
     offload_optimizer: bool = True
-    """Step offloaded blocks with `CPUAdam` on the fp32 CPU masters, in worker threads that
+    """Step offloaded units with `CPUAdam` on the fp32 CPU masters, in worker threads that
     overlap with device work. With ``False`` the optimizer returned by
     `engine.build_optimizer` steps the same masters synchronously with torch AdamW."""
+
+    offload_non_block: bool = True
+    """Offload every parameter outside the blocks too (embeddings, position embeddings, final
+    norms, LM and classifier heads, tied weights): each keeps its fp32 master, gradient and
+    Adam state on the host, stepped by CPU Adam like a block. Groups as large as half a block
+    (an embedding, an LM head) stream through the window as units of their own; the small rest
+    is one unit that visits the device for each forward and its backward. ``False`` keeps them
+    resident on the device with a device AdamW (the first version's behaviour: for Llama-3-8B
+    that is 1.05 B parameters at 16-18 B each on the GPU)."""
 
     cpu_threads: int | None = None
     """CPU threads inside each host-side kernel (CPU Adam, gradient folds), which run one block
     at a time in block order, so block 0 is ready first. ``None``: the intra-op thread count
     of the process (``torch.get_num_threads()``), i.e. every core it may use."""
+
+    host_worker: Literal["auto", "thread", "inline"] = "auto"
+    """Where the host work runs (gradient folds during backward, CPU Adam after the step).
+    ``"thread"``: on a worker thread, overlapped with device work (the next forward waits per
+    unit). ``"inline"``: on the training thread, when it is submitted. ``"auto"``: a thread
+    when the compute device is a GPU (or the simulated one of ``testing.simulated_device``),
+    inline when it is the CPU itself, where a worker would only compete with the training
+    thread for the same cores; ``speculative_step="auto"`` then does not speculate either."""
 
     pin_memory: bool = True
     """Pin the host arenas (page-locked) so host-to-device copies are asynchronous. Ignored,
@@ -109,17 +126,35 @@ class StrongholdConfig:
     guessing that the step will neither clip nor overflow; the step validates the guess and
     rolls back and redoes the blocks when it was wrong, so results are always exact.
     ``"auto"`` speculates only after a step that did not clip, and pauses while the recent miss
-    rate is high (early training clips on nearly every step at ``max_grad_norm=1.0``).
+    rate is high (early training clips on nearly every step at ``max_grad_norm=1.0``); it never
+    speculates when the host work runs inline (a CPU compute device, see ``host_worker``).
     ``"on"`` always speculates (a miss costs an undo and a redo per block); ``"off"`` never."""
+
+    chunked_loss: bool = True
+    """Causal LMs compute the LM head and the cross-entropy in chunks of tokens during training
+    and recompute each chunk in backward, so the ``[batch, tokens, vocab]`` logits are never
+    whole (``chunked_loss.py``). A training forward with ``labels`` then returns
+    ``logits=None``, as Liger's fused loss does; evaluation and ``generate`` are unchanged.
+    A model whose head does something this does not reproduce exactly keeps the plain path,
+    with one log line. ``False`` turns it off."""
+
+    loss_chunk_tokens: int | Literal["auto"] = "auto"
+    """Tokens per chunk of the chunked loss. ``"auto"``: one chunk's logits, their fp32 copies
+    and gradients stay near 512 MiB (at least 128 and at most 8192 tokens)."""
 
     check_fit: bool = True
     """At Trainer start-up, run the fits/does-not-fit estimate (`stronghold_hf.estimate`) with
     the sequence length actually trained, and refuse a run that cannot fit before anything
     is allocated. ``False`` skips it."""
 
-    offload_activations: bool = False
-    """Reserved for activation offloading. Only ``False`` is implemented; ``True`` is refused
-    rather than silently ignored."""
+    offload_activations: bool | Literal["auto"] = "auto"
+    """With gradient checkpointing, move each block's checkpointed input to pinned host memory
+    during forward and bring it back one block ahead of its backward (the last ``W`` stay on
+    the device, as at the turn), so they do not add up with depth (``activations.py``).
+    ``"auto"``: on when the fit check (the Trainer's, at start-up) says they do not fit, or,
+    for ``offload_model`` alone on a GPU, when all blocks' inputs would take more than a
+    quarter of the free device memory; never on a CPU device. Without gradient checkpointing
+    it does nothing."""
 
     nvme_path: str | None = None
     """Reserved for the NVMe tier of masters and optimizer state. Not implemented yet;
@@ -136,17 +171,26 @@ class StrongholdConfig:
                 f"StrongholdConfig.window_size={ws} is not allowed; use \"auto\" or an int >= 1 "
                 "(the number of blocks kept on the device)."
             )
+        chunk = self.loss_chunk_tokens
+        if chunk != "auto" and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(
+                f"StrongholdConfig.loss_chunk_tokens={chunk!r}; use \"auto\" or an int >= 1 (tokens per chunk)."
+            )
         if self.cpu_threads is not None and (
             isinstance(self.cpu_threads, bool) or not isinstance(self.cpu_threads, int) or self.cpu_threads < 1
         ):
             raise ValueError(f"StrongholdConfig.cpu_threads={self.cpu_threads!r}; use None (auto) or an int >= 1.")
+        if self.host_worker not in ("auto", "thread", "inline"):
+            raise ValueError(
+                f"StrongholdConfig.host_worker={self.host_worker!r}; use \"auto\", \"thread\" or \"inline\"."
+            )
         if self.speculative_step not in ("auto", "on", "off"):
             raise ValueError(
                 f"StrongholdConfig.speculative_step={self.speculative_step!r}; use \"auto\", \"on\" or \"off\"."
             )
         if self.shard_cpu_state is not None and not isinstance(self.shard_cpu_state, bool):
             raise TypeError(f"StrongholdConfig.shard_cpu_state={self.shard_cpu_state!r} must be None, True or False.")
-        for name in ("offload_optimizer", "pin_memory", "check_fit", "offload_activations"):
+        for name in ("offload_optimizer", "offload_non_block", "chunked_loss", "pin_memory", "check_fit"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"StrongholdConfig.{name}={getattr(self, name)!r} must be a bool.")
         if self.block_classes is not None:
@@ -171,10 +215,10 @@ class StrongholdConfig:
             except ValueError as err:
                 raise ValueError(f"StrongholdConfig.max_pinned_bytes: {err}") from None
             object.__setattr__(self, "max_pinned_bytes", limit)
-        if self.offload_activations:
+        if self.offload_activations not in (True, False, "auto") or (
+                isinstance(self.offload_activations, int) and not isinstance(self.offload_activations, bool)):
             raise ValueError(
-                "StrongholdConfig.offload_activations=True is not implemented yet; leave it False "
-                "(use gradient checkpointing to cut activation memory)."
+                f"StrongholdConfig.offload_activations={self.offload_activations!r}; use \"auto\", True or False."
             )
         if self.nvme_path is not None:
             raise ValueError(

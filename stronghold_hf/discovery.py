@@ -24,7 +24,9 @@ resident, so tying keeps working.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
+import torch
 from torch import nn
 
 try:  # transformers >= 4.48
@@ -68,14 +70,32 @@ def _is_plain_container(module: nn.Module) -> bool:
     return isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward
 
 
+UnitKind = Literal["block", "streamed", "resident"]
+
+
 @dataclass(frozen=True, slots=True)
-class BlockSpec:
-    """One block in the global execution sequence and the parameters it owns."""
+class UnitSpec:
+    """One unit: a group of parameters that moves between host and device together.
+
+    ``kind`` says how it is used. A ``"block"`` is a repeated layer, used by its module's
+    forward. A ``"streamed"`` unit is a large group of parameters outside the blocks (an
+    embedding, an LM head; a tied embedding is one unit used at both ends), used by the
+    forwards of the modules that register it. The ``"resident"`` unit gathers every other
+    parameter outside the blocks (norms, position embeddings, poolers, classifier heads):
+    small, so it stays on the device from the model's forward to the end of its backward.
+    """
 
     index: int
     fqn: str
-    module: nn.Module
-    params: tuple[tuple[str, nn.Parameter], ...]  # (local name, parameter), owned by this block only
+    params: tuple[tuple[str, nn.Parameter], ...]  # (name, parameter): relative to ``module`` for a block, else the FQN
+    module: nn.Module | None = None  # a block's module
+    kind: UnitKind = "block"
+    # The modules that register the unit's parameters, with each one's local names: where the
+    # state_dict hooks go, and (outside blocks) the forwards that use the unit.
+    owners: tuple[tuple[nn.Module, tuple[tuple[str, int], ...]], ...] = ()
+
+
+BlockSpec = UnitSpec  # the name of a block's spec before non-block units existed
 
 
 def _no_split_class_names(model: nn.Module) -> set[str]:
@@ -192,9 +212,209 @@ def build_block_specs(model: nn.Module, stacks: list[BlockStack]) -> list[BlockS
                 if registrars[id(p)] <= inside and p.is_floating_point():
                     owned.append((name, p))
             if owned:  # a block whose weights all live elsewhere has nothing to stream
-                specs.append(BlockSpec(len(specs), f"{stack.fqn}.{local_name}" if stack.fqn else local_name, block,
-                                       tuple(owned)))
+                specs.append(UnitSpec(len(specs), f"{stack.fqn}.{local_name}" if stack.fqn else local_name,
+                                      tuple(owned), block, "block",
+                                      ((block, tuple((name, k) for k, (name, _) in enumerate(owned))),)))
     return specs
+
+
+@dataclass(frozen=True, slots=True)
+class HeadRegion:
+    """An output embedding in use from the end of the last block before it to the end of its model.
+
+    Code may read an LM head's weight without calling the head module: Liger's fused
+    linear cross-entropy, TRL's fused LM head and our chunked loss all take
+    ``lm_head.weight`` inside the model's forward. So a streamed head unit is made resident
+    when the block before it in the sequence returns (or, without one, the model's
+    ``base_model``; OPT's forward calls its decoder past its base model, so the block is the
+    surer mark), and held until the model's forward returns."""
+
+    model: nn.Module
+    start: nn.Module  # whose forward's end starts the use
+    unit: int
+    position: int
+
+
+@dataclass(frozen=True, slots=True)
+class UnitPlan:
+    """Every unit of a model, and the order in which a forward uses them.
+
+    ``units``: the blocks (indices ``0..N-1``, execution order), then the streamed non-block
+    units, then the resident unit. ``sequence``: the unit at each forward position (blocks and
+    streamed units; a tied embedding appears at both ends), which is what the window slides
+    over. ``entry_positions``: for each module whose forward opens a use of a block or a
+    streamed unit, the positions those uses have."""
+
+    units: tuple[UnitSpec, ...]
+    sequence: tuple[int, ...]
+    entry_positions: dict[int, tuple[int, ...]]
+    head_regions: tuple[HeadRegion, ...]
+
+    @property
+    def blocks(self) -> tuple[UnitSpec, ...]:
+        return tuple(u for u in self.units if u.kind == "block")
+
+
+def _registrars(model: nn.Module) -> tuple[dict[int, list[tuple[nn.Module, str]]], list[tuple[str, nn.Module]]]:
+    """``id(param) -> [(module, local name), ...]`` over every registration, and every module path."""
+    paths = list(model.named_modules(remove_duplicate=False))
+    regs: dict[int, list[tuple[nn.Module, str]]] = {}
+    seen: set[tuple[int, str, int]] = set()
+    for _, module in paths:
+        for name, p in module._parameters.items():
+            if p is None or (id(module), name, id(p)) in seen:
+                continue
+            seen.add((id(module), name, id(p)))
+            regs.setdefault(id(p), []).append((module, name))
+    return regs, paths
+
+
+def plan_units(model: nn.Module, stacks: list[BlockStack], *, offload_non_block: bool = True,
+               stream_min_params: int | None = None) -> UnitPlan:
+    """The units of ``model``: its blocks and, with ``offload_non_block``, everything else.
+
+    Parameters outside the blocks are grouped by the modules that register them (a weight
+    registered by two modules, as a tied embedding and LM head, joins their groups). A group
+    registered only by modules outside the blocks, and holding at least ``stream_min_params``
+    elements (default: half the largest block), streams through the window as its own unit;
+    every other non-block parameter joins the one resident unit."""
+    blocks = build_block_specs(model, stacks)
+    if not offload_non_block:
+        sequence = tuple(range(len(blocks)))
+        entry = {id(s.module): (s.index,) for s in blocks}
+        return UnitPlan(tuple(blocks), sequence, entry, ())
+    regs, paths = _registrars(model)
+    in_block = {id(p) for s in blocks for _, p in s.params}
+    inside_blocks = {id(m) for s in blocks for m in s.module.modules()}
+    holds_blocks = {id(m) for m in model.modules() if any(id(c) in inside_blocks for c in m.children())}
+    holds_blocks |= {id(m) for m in model.modules() if any(id(d) in holds_blocks for d in m.children())}
+    free = [(n, p) for n, p in model.named_parameters() if id(p) not in in_block and p.is_floating_point()]
+    if not free:
+        sequence = tuple(range(len(blocks)))
+        return UnitPlan(tuple(blocks), sequence, {id(s.module): (s.index,) for s in blocks}, ())
+
+    # Group by registering module: a parameter's registrars all join one group (union-find).
+    parent: dict[int, int] = {}
+
+    def find(x: int) -> int:
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for _, p in free:
+        mods = [id(m) for m, _ in regs[id(p)]]
+        for m in mods[1:]:
+            parent[find(m)] = find(mods[0])
+        find(mods[0])
+    groups: dict[int, list[tuple[str, nn.Parameter]]] = {}
+    for name, p in free:
+        groups.setdefault(find(id(regs[id(p)][0][0])), []).append((name, p))
+    largest_block = max((sum(p.numel() for _, p in s.params) for s in blocks), default=0)
+    threshold = max(1, largest_block // 2) if stream_min_params is None else stream_min_params
+
+    def streamable(members: list[tuple[str, nn.Parameter]]) -> bool:
+        owners = {id(m) for _, p in members for m, _ in regs[id(p)]}
+        if owners & (inside_blocks | holds_blocks) or id(model) in owners:
+            return False  # used inside a block, or by a module around them: the whole pass needs it
+        return sum(p.numel() for _, p in members) >= threshold
+
+    units: list[UnitSpec] = list(blocks)
+    resident: list[tuple[str, nn.Parameter]] = []
+    for members in groups.values():  # in the order of their first parameter
+        if streamable(members):
+            units.append(_non_block_spec(len(units), members, regs, "streamed"))
+        else:
+            resident.extend(members)
+    # The resident rest: one unit per dtype of its trainable parameters (a unit's gradients
+    # share one dtype; a bf16 embedding next to fp32 norms, as PEFT's k-bit preparation leaves
+    # them, makes two). Frozen parameters join the first.
+    order = {id(p): k for k, (_, p) in enumerate(free)}
+    resident.sort(key=lambda item: order[id(item[1])])
+    by_dtype: dict[torch.dtype | None, list[tuple[str, nn.Parameter]]] = {}
+    for name, p in resident:
+        by_dtype.setdefault(p.dtype if p.requires_grad else None, []).append((name, p))
+    frozen = by_dtype.pop(None, [])
+    parts = list(by_dtype.values()) or ([frozen] if frozen else [])
+    if by_dtype and frozen:
+        parts[0] = sorted(parts[0] + frozen, key=lambda item: order[id(item[1])])
+    for members in parts:
+        units.append(_non_block_spec(len(units), members, regs, "resident"))
+
+    # Forward positions, in module-registration order: the order HF models run their parts.
+    unit_of_module: dict[int, int] = {id(s.module): s.index for s in blocks}
+    for u in units:
+        if u.kind == "streamed":
+            for m, _ in u.owners:
+                unit_of_module[id(m)] = u.index
+    sequence: list[int] = []
+    entry: dict[int, list[int]] = {}
+    for _, m in paths:
+        u = unit_of_module.get(id(m))
+        if u is None:
+            continue
+        if not sequence or sequence[-1] != u:
+            sequence.append(u)
+        entry.setdefault(id(m), [])
+        if not entry[id(m)] or entry[id(m)][-1] != len(sequence) - 1:
+            entry[id(m)].append(len(sequence) - 1)
+    heads = _head_regions(model, units, entry, sequence)
+    return UnitPlan(tuple(units), tuple(sequence), {k: tuple(v) for k, v in entry.items()}, heads)
+
+
+def _non_block_spec(index: int, members: list[tuple[str, nn.Parameter]],
+                    regs: dict[int, list[tuple[nn.Module, str]]], kind: UnitKind) -> UnitSpec:
+    position = {id(p): k for k, (_, p) in enumerate(members)}
+    owners: dict[int, tuple[nn.Module, list[tuple[str, int]]]] = {}
+    for _, p in members:
+        for m, local in regs[id(p)]:
+            owners.setdefault(id(m), (m, []))[1].append((local, position[id(p)]))
+    fqn = members[0][0].rsplit(".", 1)[0] if kind == "streamed" else "<non-block parameters>"
+    if kind == "resident" and len({p.dtype for _, p in members if p.requires_grad}) == 1:
+        dtypes = {p.dtype for _, p in members if p.requires_grad}
+        fqn = f"<non-block parameters, {str(next(iter(dtypes))).replace('torch.', '')}>"
+    return UnitSpec(index, fqn, tuple(members), None, kind, tuple((m, tuple(names)) for m, names in owners.values()))
+
+
+def _head_regions(model: nn.Module, units: list[UnitSpec], entry: dict[int, list[int]],
+                  sequence: list[int]) -> tuple[HeadRegion, ...]:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return ()
+    streamed = {id(p): u.index for u in units if u.kind == "streamed" for _, p in u.params}
+    out = []
+    for m in model.modules():
+        if not isinstance(m, PreTrainedModel):
+            continue
+        try:
+            head = m.get_output_embeddings()
+        except (NotImplementedError, AttributeError):
+            continue
+        weight = getattr(head, "weight", None) if isinstance(head, nn.Module) else None
+        backbone = getattr(m, "base_model", None)
+        if weight is None or id(weight) not in streamed or not isinstance(backbone, nn.Module) or backbone is m:
+            continue
+        if not any(c is backbone for c in m.modules()) or any(c is head for c in backbone.modules()):
+            continue
+        positions = entry.get(id(head))
+        if not positions:
+            continue
+        before = units[sequence[positions[-1] - 1]] if positions[-1] > 0 else None
+        start = before.module if before is not None and before.kind == "block" else backbone
+        out.append(HeadRegion(m, start, streamed[id(weight)], positions[-1]))
+    return tuple(out)
+
+
+def unit_device_dtype(spec: UnitSpec, param_dtype: torch.dtype | None) -> torch.dtype | None:
+    """The dtype of a unit's device copy (``None``: the parameters' own). A block takes
+    ``param_dtype``; so does a unit outside the blocks that only linear layers use (an untied
+    LM head, a classifier), where autocast would round the weight to that dtype for the matmul
+    anyway. Embeddings and norms keep their stored dtype: a bf16 embedding would make the
+    residual stream bf16, which plain HF under autocast keeps in fp32."""
+    if spec.kind == "block" or all(isinstance(m, nn.Linear) for m, _ in spec.owners):
+        return param_dtype
+    return None
 
 
 def count_block_parameters(specs: list[BlockSpec]) -> int:
@@ -208,5 +428,5 @@ def describe(specs: list[BlockSpec]) -> str:
     return ", ".join(f"{k} x{v}" for k, v in stacks.items())
 
 
-__all__ = ["BlockStack", "BlockSpec", "find_block_stacks", "build_block_specs", "count_block_parameters", "describe"]
+__all__ = ["BlockStack", "BlockSpec", "UnitSpec", "UnitPlan", "HeadRegion", "plan_units", "unit_device_dtype", "find_block_stacks", "build_block_specs", "count_block_parameters", "describe"]
 

@@ -1,32 +1,41 @@
 """Will it fit? Host and device bytes for STRONGHOLD training, next to plain training.
 
 Before a run that takes hours to set up, a user wants to know whether a model trains on a
-given GPU and host: STRONGHOLD moves the blocks' parameters, gradients and Adam state to CPU
-RAM, so the question has two halves (CPU RAM for the offloaded state, GPU memory for the
-resident part, the window and the activations). This module answers both from a config, by
-building the model on the meta device (exact parameter counts, nothing allocated), or from a
-live model at start-up (`estimate_for_model`, what the Trainer integration calls).
+given GPU and host: STRONGHOLD moves every parameter's master, gradient and Adam state to CPU
+RAM and keeps only a window of units on the device, so the question has two halves (CPU RAM
+for the offloaded state, GPU memory for the window, the activations and the loss). This module
+answers both from a config, by building the model on the meta device (exact parameter counts,
+nothing allocated), or from a live model at start-up (`estimate_for_model`, what the Trainer
+integration calls). It models what the engine does, unit by unit (``discovery.plan_units``):
+the blocks, the large groups outside them that stream (embeddings, LM heads), and the
+resident rest.
 
 What is counted (per parameter ``p``; ``c`` = compute-dtype bytes, 4 for fp32, 2 for
-bf16/fp16):
+bf16/fp16; a unit's device copy is in ``c`` for blocks and linear-only units such as an
+untied head, in the stored dtype for embeddings and norms):
 
-* CPU, trainable block parameters: fp32 masters 4 B, Adam ``exp_avg`` + ``exp_avg_sq`` 8 B,
-  fp32 gradients 4 B (gradient accumulation adds into them), the pinned compute-dtype image
-  that is sent to the device ``c`` B, except in fp32 where the image *is* the master (0
-  extra). Frozen block parameters: their stored bytes only. ``K`` (``grad_buffers``) pinned
-  gradient staging buffers of the largest block. Plus a fixed process allowance
-  (`CPU_PROCESS_BYTES`: Python, torch, CUDA host-side runtime). This is what the engine's
+* CPU, trainable parameters (every unit): fp32 masters 4 B, Adam ``exp_avg`` + ``exp_avg_sq``
+  8 B, fp32 gradients 4 B, and the pinned image sent to the device when the device copy is
+  not fp32 (``c`` B; with fp32 the image *is* the master). Frozen parameters: their stored
+  bytes only. ``K`` (``grad_buffers``) pinned gradient staging buffers of the largest streamed
+  unit, one of each resident unit. With activation offload, host buffers for the checkpointed
+  inputs. Plus a fixed process allowance (`CPU_PROCESS_BYTES`). This is what the engine's
   memory ledger books (a test holds the two within 5%).
-* GPU: resident parameters (embeddings, final norm, heads; tied weights once) with their
-  gradients and GPU AdamW state, 16 B/param (fp32 parameter, gradient, two moments); under
-  bf16/fp16 mixed precision the resident parameters stay fp32 (HF autocast) and autocast
-  keeps a compute-dtype copy of each weight, 18 B/param. The window: ``W + 1`` slots of the
-  largest block's parameters, and ``K`` gradient buffers of its gradients, in the compute
-  dtype (the gradient queue bounds them whatever the depth). Activations (below). A
-  workspace allowance: `GPU_WORKSPACE_FIXED_BYTES` (CUDA context, cuBLAS workspaces) plus
-  `GPU_WORKSPACE_PERCENT` of everything else (caching-allocator fragmentation).
+* GPU, what the engine owns (the ledger's ``device_peak_bytes``, within 5%): the window, the
+  most any ``W + 1`` consecutive positions of the sequence hold (a tied embedding counts at
+  both ends); ``K`` gradient lanes of the largest trainable streamed unit; the resident units
+  and their gradient buffers. With ``offload_non_block=False`` the parameters outside the
+  blocks stay on the GPU instead, with a device AdamW at 16 B/param (18 under mixed precision:
+  HF keeps them fp32 and autocast adds a compute copy).
+* GPU, what autograd holds: the block activations (below) and the loss. A causal LM whose head
+  the chunked loss reproduces (``chunked_loss.py``) holds one chunk of logits at 16 B per logit
+  and, in backward, the head's gradient summed in fp32 (``V x H x 4``, and its cast back when
+  the head computes in 16 bits); otherwise the whole logits at 12 B per logit (compute-dtype
+  logits, the fp32 log-softmax saved for backward, the fp32 gradient, its cast back). Plus
+  the final norm's input and output. A workspace allowance: `GPU_WORKSPACE_FIXED_BYTES` (CUDA
+  context, cuBLAS workspaces) plus `GPU_WORKSPACE_PERCENT` of everything else.
 * Plain training (everything on the GPU), for contrast: 16 B/param fp32, 18 B/param mixed
-  precision (same assumption as above), the same activations and workspace.
+  precision, the same activations, the whole logits, and the workspace.
 
 Activations follow Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
 Transformer Models" (arXiv:2205.05198), section 4.1: a transformer layer stores
@@ -42,9 +51,9 @@ flash attention the ``s*s`` terms are not stored, so the estimate is an upper bo
 Decoder layers of encoder-decoder models add a cross-attention block (its Q path and
 output on the target length, K/V on the source length, scores ``a*s_tgt*s_src*b``) and a
 layer norm. With gradient checkpointing each layer stores only its input (``s*b*h*c``)
-plus, during the recompute, one layer's full activations. The head stores the final norm's
-input and output and the logits at 12 B per logit (compute-dtype logits, the fp32
-log-softmax saved for backward, the fp32 gradient, and its cast back under 16-bit).
+plus, during the recompute, one layer's full activations; with activation offload only the
+inputs of the last ``W`` blocks and two in flight stay on the device, the rest wait in host
+memory.
 
 Sizes are binary throughout: ``GB``/``GiB`` both mean 2**30 (as nvidia-smi and a "32 GB"
 V100 use it), ``MB``/``MiB`` 2**20. See docs/estimate.md for a hand-checked example.
@@ -138,19 +147,44 @@ class _Layer:
 
 
 @dataclass(frozen=True, slots=True)
+class _Unit:
+    """One unit as the engine lays it out (``discovery.plan_units``), at a given compute dtype."""
+
+    kind: str
+    params: int
+    trainable: int
+    device_bytes: int  # its device slot: trainable in the device-copy dtype, frozen in their own
+    grad_bytes: int  # its gradient buffer on the device: trainable in the device-copy dtype
+    host_bytes: int  # masters, gradients, Adam state, the pinned image; frozen: stored bytes
+    image_bytes: int  # of host_bytes, the pinned image (frozen parameters: their stored bytes)
+
+
+@dataclass(frozen=True, slots=True)
 class _Counts:
     layers: tuple[_Layer, ...]
+    units: tuple[_Unit, ...]
+    sequence: tuple[int, ...]
     block_params: int
-    resident_params: int
+    resident_params: int  # parameters outside the blocks
     buffer_bytes: int
     logits_width: int
-    trainable_block_params: int  # the rest of block_params is frozen: stored bytes only
+    hidden: int  # width of the head's input
+    chunked: bool  # the chunked loss reproduces this model's head
+    head_device_bytes: int  # bytes per element of the head's device copy (its fp32 gradient sum's cast)
+    trainable_block_params: int
     frozen_block_bytes: int
     largest_trainable_params: int
 
 
-def _count(model: nn.Module, block_classes: tuple[str, ...] | None, encoder_decoder: bool) -> _Counts:
-    specs = build_block_specs(model, find_block_stacks(model, block_classes))
+def _count(model: nn.Module, block_classes: tuple[str, ...] | None, encoder_decoder: bool, c: int,
+           offload_non_block: bool = True) -> _Counts:
+    """Units and shapes of ``model`` for a compute dtype of ``c`` bytes (its stored dtypes
+    decide the rest, as they do in the engine)."""
+    from .chunked_loss import analyse_causal_lm, is_causal_lm_class
+    from .discovery import plan_units, unit_device_dtype
+
+    plan = plan_units(model, find_block_stacks(model, block_classes), offload_non_block=offload_non_block)
+    specs = [u for u in plan.units if u.kind == "block"]
     layers = []
     for spec in specs:
         names = [n for n, _ in spec.params]
@@ -163,15 +197,40 @@ def _count(model: nn.Module, block_classes: tuple[str, ...] | None, encoder_deco
                 ffn=max(widths) if widths else None,
             )
         )
+    compute = {4: torch.float32, 2: torch.bfloat16}[c]
+    units = []
+    for spec in plan.units:
+        dtype = unit_device_dtype(spec, None if c == 4 else compute)
+        trainable = [p for _, p in spec.params if p.requires_grad]
+        frozen = [p for _, p in spec.params if not p.requires_grad]
+        dev = {id(p): (dtype or p.dtype).itemsize for p in trainable}
+        image = sum(p.numel() * dev[id(p)] for p in trainable if dev[id(p)] != 4)
+        masters = sum(4 * p.numel() for p in trainable)
+        frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)
+        units.append(_Unit(
+            kind=spec.kind, params=sum(p.numel() for _, p in spec.params), trainable=sum(p.numel() for p in trainable),
+            device_bytes=sum(p.numel() * dev[id(p)] for p in trainable) + frozen_bytes,
+            grad_bytes=sum(p.numel() * dev[id(p)] for p in trainable),
+            host_bytes=masters + (4 + ADAM_STATE_BYTES) * sum(p.numel() for p in trainable) + image + frozen_bytes,
+            image_bytes=image + frozen_bytes,
+        ))
     block_params = sum(layer.params for layer in layers)
     total = sum(p.numel() for p in model.parameters())  # unique tensors: tied weights once
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    width = out.weight.shape[0] if out is not None and getattr(out, "weight", None) is not None else 0
+    weight = getattr(out, "weight", None) if out is not None else None
+    width = weight.shape[0] if weight is not None else 0
+    hidden = weight.shape[1] if weight is not None and weight.dim() == 2 else 0
+    head_bytes = 4
+    for spec in plan.units:
+        if weight is not None and any(p is weight for _, p in spec.params):
+            head_bytes = (unit_device_dtype(spec, None if c == 4 else compute) or weight.dtype).itemsize
+    chunked = any(is_causal_lm_class(type(m)) and analyse_causal_lm(m)[0] is not None
+                  for m in model.modules() if hasattr(m, "get_output_embeddings"))
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     trainable = [sum(p.numel() for _, p in spec.params if p.requires_grad) for spec in specs]
     frozen_bytes = sum(p.numel() * p.element_size() for spec in specs for _, p in spec.params if not p.requires_grad)
-    return _Counts(tuple(layers), block_params, total - block_params, buffers, width, sum(trainable), frozen_bytes,
-                   max(trainable, default=0))
+    return _Counts(tuple(layers), tuple(units), plan.sequence, block_params, total - block_params, buffers, width,
+                   hidden, chunked, head_bytes, sum(trainable), frozen_bytes, max(trainable, default=0))
 
 
 def _cfg(config: Any, *names: str) -> Any:
@@ -223,25 +282,30 @@ class Estimate:
     window_size_requested: int | str
     num_blocks: int
     block_params: int
-    resident_params: int
+    resident_params: int  # parameters outside the blocks (embeddings, norms, heads)
     total_params: int
     largest_block_params: int
+    offload_non_block: bool
+    chunked_loss: bool  # the chunked loss computes this model's training loss
+    offload_activations: bool
     # CPU side (STRONGHOLD)
     cpu_master_bytes: int
     cpu_adam_bytes: int
     cpu_grad_bytes: int
     cpu_pinned_copy_bytes: int
     cpu_grad_staging_bytes: int
+    cpu_activation_bytes: int
     cpu_process_bytes: int
     cpu_bytes_needed: int
     cpu_memory_bytes: int | None
     # GPU side (STRONGHOLD)
-    gpu_resident_bytes: int
+    gpu_resident_bytes: int  # outside the window: resident units and their gradients, or (offload_non_block=False) params + grads + AdamW
     gpu_window_bytes: int
-    gpu_slot_bytes: int
+    gpu_slot_bytes: int  # the largest streamed unit's device copy
     gpu_grad_buffer_bytes: int
+    gpu_engine_bytes: int  # what the ledger's device_peak_bytes counts: window + lanes + resident units
     gpu_block_activation_bytes: int
-    gpu_head_activation_bytes: int
+    gpu_head_activation_bytes: int  # the final norm, the logits (whole or one chunk) and the head's gradient sum
     gpu_workspace_bytes: int
     gpu_bytes_needed: int
     gpu_memory_bytes: int | None
@@ -274,10 +338,10 @@ class Estimate:
             problems.append(
                 f"CPU RAM: needs {_gib(self.cpu_bytes_needed)} (fp32 masters {_gib(self.cpu_master_bytes)} + Adam "
                 f"{_gib(self.cpu_adam_bytes)} + gradients {_gib(self.cpu_grad_bytes)} + pinned buffers "
-                f"{_gib(self.cpu_pinned_copy_bytes + self.cpu_grad_staging_bytes)} + process "
-                f"{_gib(self.cpu_process_bytes)}) for {self.block_params / 1e9:.2f} B offloaded parameters, has "
-                f"{_gib(self.cpu_memory_bytes)}. Add CPU RAM, or train fewer or narrower layers "
-                f"(each offloaded parameter costs {self.cpu_bytes_per_param} B of RAM; bf16 does not lower it)."
+                f"{_gib(self.cpu_pinned_copy_bytes + self.cpu_grad_staging_bytes + self.cpu_activation_bytes)} + "
+                f"process {_gib(self.cpu_process_bytes)}) for {self.total_params / 1e9:.2f} B offloaded parameters, "
+                f"has {_gib(self.cpu_memory_bytes)}. Add CPU RAM, or train fewer or narrower layers "
+                f"(each trainable parameter costs {self.cpu_bytes_per_param} B of RAM; bf16 does not lower it)."
             )
         if self.gpu_fits is False:
             fixes = []
@@ -286,14 +350,19 @@ class Estimate:
                     "enable gradient checkpointing (block activations "
                     f"{_gib(self.block_activation_bytes_full)} -> {_gib(self.block_activation_bytes_checkpointed)})"
                 )
+            elif not self.offload_activations:
+                fixes.append("offload the checkpointed activations (StrongholdConfig(offload_activations=True))")
+            if not self.offload_non_block:
+                fixes.append("offload the parameters outside the blocks (StrongholdConfig(offload_non_block=True))")
             fixes.append("use a smaller batch or sequence length")
             if self.dtype == "fp32":
                 fixes.append("train in bf16 (halves the window slots and activations)")
             if self.max_window_size and self.max_window_size < self.window_size:
                 fixes.append(f"use a smaller window_size (the largest that fits is {self.max_window_size})")
             problems.append(
-                f"GPU memory: needs {_gib(self.gpu_bytes_needed)} at window_size={self.window_size} (resident "
-                f"{_gib(self.gpu_resident_bytes)} + window {_gib(self.gpu_window_bytes)} + activations "
+                f"GPU memory: needs {_gib(self.gpu_bytes_needed)} at window_size={self.window_size} (window "
+                f"{_gib(self.gpu_window_bytes)} + gradient buffers {_gib(self.gpu_grad_buffer_bytes)} + outside the "
+                f"window {_gib(self.gpu_resident_bytes)} + activations "
                 f"{_gib(self.gpu_block_activation_bytes + self.gpu_head_activation_bytes)} + workspace "
                 f"{_gib(self.gpu_workspace_bytes)}), has {_gib(self.gpu_memory_bytes)}. Fix: " + "; ".join(fixes) + "."
             )
@@ -318,37 +387,55 @@ def _workspace(other: int) -> int:
     return GPU_WORKSPACE_FIXED_BYTES + -(-other * GPU_WORKSPACE_PERCENT // 100)
 
 
+def _window_bytes(counts: _Counts, window: int) -> int:
+    """The most device bytes ``window + 1`` consecutive positions of the sequence hold."""
+    seq = counts.sequence
+    best = 0
+    for start in range(max(1, len(seq) - window)):
+        units = set(seq[start:start + window + 1])
+        best = max(best, sum(counts.units[u].device_bytes for u in units))
+    return best
+
+
 def _assemble(
     counts: _Counts, config: Any, *, model_name: str, seq_len: int, batch_size: int, dtype: str,
     gradient_checkpointing: bool, window_size: int | str | None, gpu_memory_bytes: int | None,
     cpu_memory_bytes: int | None, decoder_seq_len: int | None, notes: list[str], grad_buffers: int = 2,
+    offload_non_block: bool = True, chunked_loss: bool = True, offload_activations: bool | str = "auto",
+    loss_chunk_tokens: int | str = "auto",
 ) -> Estimate:
     if seq_len < 1 or batch_size < 1:
         raise ValueError(f"seq_len and batch_size must be >= 1, got seq_len={seq_len}, batch_size={batch_size}.")
     c = _NBYTES[dtype]
     n = len(counts.layers)
+    positions = len(counts.sequence)
     largest = max(layer.params for layer in counts.layers)
     requested: int | str = "auto" if window_size in (None, "auto") else parse_window_size(window_size)
-    w = min(DEFAULT_WINDOW_SIZE if requested == "auto" else requested, n)
-    if requested != "auto" and requested > n:
-        notes.append(f"window_size={requested} exceeds the {n} blocks; evaluated at {n}")
+    w = min(DEFAULT_WINDOW_SIZE if requested == "auto" else requested, positions)
+    if requested != "auto" and requested > positions:
+        notes.append(f"window_size={requested} exceeds the {positions} streamed units; evaluated at {positions}")
+    units = counts.units
+    streamed = [u for u in units if u.kind != "resident"]
+    resident = [u for u in units if u.kind == "resident"]
 
-    # CPU: per trainable offloaded parameter an fp32 master, gradient and Adam state, plus its
-    # compute-dtype image when that is not fp32; frozen parameters keep their stored bytes;
-    # K pinned staging buffers of the largest block's gradient; the process itself.
-    trainable = counts.trainable_block_params
-    master, adam, grad = 4 * trainable, ADAM_STATE_BYTES * trainable, 4 * trainable
-    pinned = (0 if c == 4 else c * trainable) + counts.frozen_block_bytes
-    staging = grad_buffers * counts.largest_trainable_params * c
-    cpu_needed = master + adam + grad + pinned + staging + CPU_PROCESS_BYTES
+    # CPU: every unit's host bytes (masters, gradients, Adam state, pinned images; frozen:
+    # stored bytes), K pinned staging buffers of the largest streamed gradient, one for each
+    # resident unit, the activation buffers, the process itself.
+    trainable = sum(u.trainable for u in units)
+    master = sum(4 * u.trainable for u in units)
+    adam, grad = ADAM_STATE_BYTES * trainable, 4 * trainable
+    pinned = sum(u.image_bytes for u in units)
+    lane = max((u.grad_bytes for u in streamed), default=0)
+    staging = grad_buffers * lane + len([u for u in resident if u.trainable]) * max(
+        (u.grad_bytes for u in resident), default=0)
 
     # Activations, from the config's shape.
     h = _cfg(config, "hidden_size", "d_model", "n_embd", "dim")
     a = _cfg(config, "num_attention_heads", "n_head", "num_heads", "encoder_attention_heads")
-    full = ckpt = head = 0
+    full = ckpt = ckpt_offloaded = head = inputs_host = 0
     if h and a:
         s_dec = decoder_seq_len or seq_len
-        per_layer, inputs = [], 0
+        per_layer, inputs = [], []
         for layer in counts.layers:
             s = s_dec if layer.cross_attention else seq_len
             ffn = _cfg(config, "decoder_ffn_dim") if layer.cross_attention else None
@@ -358,39 +445,65 @@ def _assemble(
                 kv_heads=_cfg(config, "num_key_value_heads"), gated_mlp=layer.gated_mlp,
                 cross_attention=layer.cross_attention, s_kv=seq_len,
             ))
-            inputs += s * batch_size * h * c
+            inputs.append(s * batch_size * h * c)
         full = sum(per_layer)
-        # Checkpointing keeps each layer's input; the recompute holds one layer in full.
-        ckpt = inputs + max(per_layer)
+        # Checkpointing keeps each layer's input; the recompute holds one layer in full. With
+        # the inputs offloaded, the last W stay and two more are on their way.
+        ckpt = sum(inputs) + max(per_layer)
+        kept = sorted(inputs, reverse=True)[: min(n, w + 2)]
+        ckpt_offloaded = sum(kept) + max(per_layer)
+        inputs_host = sum(inputs) - sum(inputs[-w:]) if n > w else 0
         s_out = s_dec if any(layer.cross_attention for layer in counts.layers) else seq_len
-        head = 2 * s_out * batch_size * h * c + s_out * batch_size * counts.logits_width * LOGIT_BYTES
+        tokens = s_out * batch_size
+        head = 2 * tokens * (counts.hidden or h) * c  # the final norm's input and output
+        use_chunks = chunked_loss and counts.chunked and counts.logits_width
+        if use_chunks:
+            from .chunked_loss import BYTES_PER_LOGIT, resolve_chunk_tokens
+
+            chunk = min(tokens, resolve_chunk_tokens(loss_chunk_tokens, counts.logits_width))
+            head_grad = counts.logits_width * counts.hidden * (4 + (counts.head_device_bytes if
+                                                                    counts.head_device_bytes != 4 else 0))
+            head += chunk * counts.logits_width * BYTES_PER_LOGIT + head_grad
+        else:
+            head += tokens * counts.logits_width * LOGIT_BYTES
+        plain_head = 2 * tokens * (counts.hidden or h) * c + tokens * counts.logits_width * LOGIT_BYTES
     else:
+        use_chunks = False
+        plain_head = 0
         notes.append("model config has no hidden size / head count: activations not counted")
-    block_act = ckpt if gradient_checkpointing else full
 
-    # GPU: resident state, the slot pool, activations, workspace.
+    # GPU: the window, the gradient lanes, what stays outside the window, activations, loss.
     state_per_param = 16 if c == 4 else 18
-    resident = state_per_param * counts.resident_params + counts.buffer_bytes
-    slot = largest * c  # the largest block's parameters, compute dtype
-    lanes = grad_buffers * counts.largest_trainable_params * c  # the gradient queue, K buffers
-    fixed = resident + block_act + head + lanes
+    lanes = grad_buffers * lane
+    if offload_non_block:
+        outside = sum(u.device_bytes + u.grad_bytes for u in resident) + counts.buffer_bytes
+    else:
+        outside = state_per_param * counts.resident_params + counts.buffer_bytes
 
-    def gpu_needed(window: int) -> int:
-        other = fixed + (window + 1) * slot
+    def need(window: int, offload: bool) -> int:
+        block_act = (ckpt_offloaded if offload else ckpt) if gradient_checkpointing else full
+        other = _window_bytes(counts, window) + lanes + outside + block_act + head
         return other + _workspace(other)
 
-    gpu_need = gpu_needed(w)
+    offload = bool(gradient_checkpointing and offload_activations is True)
+    if offload_activations == "auto" and gradient_checkpointing and gpu_memory_bytes is not None:
+        offload = need(w, False) > gpu_memory_bytes and need(w, True) < need(w, False)
+    block_act = (ckpt_offloaded if offload else ckpt) if gradient_checkpointing else full
+    window_bytes = _window_bytes(counts, w)
+    gpu_need = need(w, offload)
     max_w: int | None = None
     if gpu_memory_bytes is not None:
         max_w = 0
-        for cand in range(1, n + 1):  # n is at most a few thousand: a scan is exact and cheap
-            if gpu_needed(cand) > gpu_memory_bytes:
+        for cand in range(1, positions + 1):  # a few thousand at most: a scan is exact and cheap
+            if need(cand, offload) > gpu_memory_bytes:
                 break
             max_w = cand
+    activation_host = inputs_host if offload else 0
+    cpu_needed = master + adam + grad + pinned + staging + activation_host + CPU_PROCESS_BYTES
 
     total = counts.block_params + counts.resident_params
     plain_state = state_per_param * total + counts.buffer_bytes
-    plain_other = plain_state + block_act + head
+    plain_other = plain_state + (ckpt if gradient_checkpointing else full) + plain_head
     plain_ws = _workspace(plain_other)
     plain_need = plain_other + plain_ws
 
@@ -400,17 +513,22 @@ def _assemble(
         notes.append("CPU RAM unknown: CPU check skipped")
     if gpu_fits is None:
         notes.append("GPU memory unknown: GPU check skipped")
+    fixed = window_bytes + lanes + outside + block_act + head
     return Estimate(
         model_name=model_name, seq_len=seq_len, batch_size=batch_size, dtype=dtype,
         gradient_checkpointing=gradient_checkpointing, window_size=w, window_size_requested=requested,
         num_blocks=n, block_params=counts.block_params, resident_params=counts.resident_params,
-        total_params=total, largest_block_params=largest,
+        total_params=total, largest_block_params=largest, offload_non_block=offload_non_block,
+        chunked_loss=bool(use_chunks), offload_activations=offload,
         cpu_master_bytes=master, cpu_adam_bytes=adam, cpu_grad_bytes=grad, cpu_pinned_copy_bytes=pinned,
-        cpu_grad_staging_bytes=staging, cpu_process_bytes=CPU_PROCESS_BYTES, cpu_bytes_needed=cpu_needed,
-        cpu_memory_bytes=cpu_memory_bytes,
-        gpu_resident_bytes=resident, gpu_window_bytes=(w + 1) * slot, gpu_slot_bytes=slot,
-        gpu_grad_buffer_bytes=lanes, gpu_block_activation_bytes=block_act, gpu_head_activation_bytes=head,
-        gpu_workspace_bytes=gpu_need - fixed - (w + 1) * slot, gpu_bytes_needed=gpu_need,
+        cpu_grad_staging_bytes=staging, cpu_activation_bytes=activation_host, cpu_process_bytes=CPU_PROCESS_BYTES,
+        cpu_bytes_needed=cpu_needed, cpu_memory_bytes=cpu_memory_bytes,
+        gpu_resident_bytes=outside, gpu_window_bytes=window_bytes,
+        gpu_slot_bytes=max((u.device_bytes for u in streamed), default=0),
+        gpu_grad_buffer_bytes=lanes, gpu_engine_bytes=window_bytes + lanes + (outside - counts.buffer_bytes
+                                                                               if offload_non_block else 0),
+        gpu_block_activation_bytes=block_act, gpu_head_activation_bytes=head,
+        gpu_workspace_bytes=gpu_need - fixed, gpu_bytes_needed=gpu_need,
         gpu_memory_bytes=gpu_memory_bytes, max_window_size=max_w,
         plain_state_bytes=plain_state, plain_workspace_bytes=plain_ws, plain_gpu_bytes_needed=plain_need,
         cpu_fits=cpu_fits, gpu_fits=gpu_fits, fits=cpu_fits is not False and gpu_fits is not False,
@@ -498,7 +616,8 @@ def estimate(
     model_config: Any, *, seq_len: int, batch_size: int, dtype: str = "fp32", gpu_memory_bytes: int,
     cpu_memory_bytes: int, gradient_checkpointing: bool = False, window_size: int | str | None = None,
     auto_class: Any = None, decoder_seq_len: int | None = None, block_classes: Sequence[str] | None = None,
-    grad_buffers: int = 2,
+    grad_buffers: int = 2, offload_non_block: bool = True, chunked_loss: bool = True,
+    offload_activations: bool | str = "auto", loss_chunk_tokens: int | str = "auto",
 ) -> Estimate:
     """Estimates STRONGHOLD and plain-training memory for a config (built on the meta device).
 
@@ -507,15 +626,24 @@ def estimate(
     fits. ``decoder_seq_len`` is the target length of encoder-decoder models (default
     ``seq_len``). ``auto_class``: ``"causal_lm"``, ``"masked_lm"``, ``"seq2seq_lm"``,
     ``"model"`` or a class with ``from_config``; ``None`` tries them in that order
-    (seq2seq first for encoder-decoder configs).
+    (seq2seq first for encoder-decoder configs). The model is taken as loaded in ``dtype``
+    (bf16 checkpoints are), so embeddings and norms are in it on the device too.
+    ``offload_non_block``, ``chunked_loss``, ``offload_activations`` and
+    ``loss_chunk_tokens`` are `StrongholdConfig`'s; ``offload_activations="auto"`` offloads when
+    the GPU would not fit otherwise.
     """
     model = build_meta_model(model_config, auto_class)
-    counts = _count(model, tuple(block_classes) if block_classes else None, bool(getattr(model_config, "is_encoder_decoder", False)))
+    label = _dtype_label(dtype)
+    if label != "fp32":
+        model.to(parse_dtype(label, field_name="dtype"))
+    counts = _count(model, tuple(block_classes) if block_classes else None,
+                    bool(getattr(model_config, "is_encoder_decoder", False)), _NBYTES[label], offload_non_block)
     return _assemble(
         counts, model_config, model_name=type(model).__name__, seq_len=seq_len, batch_size=batch_size,
-        dtype=_dtype_label(dtype), gradient_checkpointing=gradient_checkpointing, window_size=window_size,
+        dtype=label, gradient_checkpointing=gradient_checkpointing, window_size=window_size,
         gpu_memory_bytes=parse_memory(gpu_memory_bytes), cpu_memory_bytes=parse_memory(cpu_memory_bytes),
-        decoder_seq_len=decoder_seq_len, notes=[], grad_buffers=grad_buffers,
+        decoder_seq_len=decoder_seq_len, notes=[], grad_buffers=grad_buffers, offload_non_block=offload_non_block,
+        chunked_loss=chunked_loss, offload_activations=offload_activations, loss_chunk_tokens=loss_chunk_tokens,
     )
 
 
@@ -524,7 +652,8 @@ def estimate_for_model(
     gpu_memory_bytes: int | None = None, cpu_memory_bytes: int | None = None,
     gradient_checkpointing: bool | None = None, window_size: int | str | None = None,
     block_classes: Sequence[str] | None = None, decoder_seq_len: int | None = None, grad_buffers: int = 2,
-    device: torch.device | str | int | None = None,
+    device: torch.device | str | int | None = None, offload_non_block: bool = True, chunked_loss: bool = True,
+    offload_activations: bool | str = "auto", loss_chunk_tokens: int | str = "auto",
 ) -> Estimate:
     """The same estimate from a live, already built model (call before moving it to the GPU).
 
@@ -537,9 +666,11 @@ def estimate_for_model(
     """
     notes: list[str] = []
     config = getattr(model, "config", None)
-    counts = _count(model, tuple(block_classes) if block_classes else None, bool(getattr(config, "is_encoder_decoder", False)))
     if dtype is None:
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    label = _dtype_label(dtype)
+    counts = _count(model, tuple(block_classes) if block_classes else None,
+                    bool(getattr(config, "is_encoder_decoder", False)), _NBYTES[label], offload_non_block)
     if gradient_checkpointing is None:
         # transformers 5.x renamed the flag; read the new name first to avoid its deprecation warning.
         flag = getattr(type(model), "is_activation_checkpointing", None)
@@ -552,16 +683,15 @@ def estimate_for_model(
     if cpu_memory_bytes is None:
         avail = available_cpu_memory_bytes()
         if avail is not None:
-            specs = build_block_specs(model, find_block_stacks(model, tuple(block_classes) if block_classes else None))
-            moving = sum(p.numel() * p.element_size() for s in specs for _, p in s.params if p.device.type == "cpu")
+            moving = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu")
             cpu_memory_bytes = avail + moving
-            notes.append(f"CPU RAM: {_gib(avail)} available + {_gib(moving)} held by block parameters now")
+            notes.append(f"CPU RAM: {_gib(avail)} available + {_gib(moving)} held by the model's parameters now")
     return _assemble(
         counts, config, model_name=type(model).__name__, seq_len=seq_len, batch_size=batch_size,
-        dtype=_dtype_label(dtype), gradient_checkpointing=gradient_checkpointing, window_size=window_size,
+        dtype=label, gradient_checkpointing=gradient_checkpointing, window_size=window_size,
         gpu_memory_bytes=gpu_memory_bytes, cpu_memory_bytes=cpu_memory_bytes, decoder_seq_len=decoder_seq_len,
-        grad_buffers=grad_buffers,
-        notes=notes,
+        grad_buffers=grad_buffers, notes=notes, offload_non_block=offload_non_block, chunked_loss=chunked_loss,
+        offload_activations=offload_activations, loss_chunk_tokens=loss_chunk_tokens,
     )
 
 
@@ -584,10 +714,14 @@ def _table(e: Estimate) -> str:
 
     c = _NBYTES[e.dtype]
     ckpt = "on" if e.gradient_checkpointing else "off"
+    outside = ("resident units and their gradients" if e.offload_non_block else
+               f"outside the blocks: params+grads+Adam ({16 if c == 4 else 18} B)")
+    loss = "loss (final norm, a chunk of logits, head grad)" if e.chunked_loss else "loss (final norm, whole logits)"
     lines = [
         f"{e.model_name}: {e.total_params / 1e9:.3f} B params ({e.block_params / 1e9:.3f} B in {e.num_blocks} blocks, "
-        f"largest {e.largest_block_params / 1e6:.1f} M; {e.resident_params / 1e6:.1f} M resident), seq {e.seq_len} x "
-        f"batch {e.batch_size}, {e.dtype}, gradient checkpointing {ckpt}",
+        f"largest {e.largest_block_params / 1e6:.1f} M; {e.resident_params / 1e6:.1f} M outside them), seq "
+        f"{e.seq_len} x batch {e.batch_size}, {e.dtype}, gradient checkpointing {ckpt}"
+        + (", checkpointed activations offloaded" if e.offload_activations else ""),
         f"{'CPU RAM (STRONGHOLD)':<54}{'GiB':>10}",
         row("fp32 master weights (4 B/param)", e.cpu_master_bytes),
         row(f"Adam state ({ADAM_STATE_BYTES} B/param)", e.cpu_adam_bytes),
@@ -595,26 +729,42 @@ def _table(e: Estimate) -> str:
         row("pinned images (fp32: the masters; frozen: stored bytes)" if c == 4
             else f"pinned {e.dtype} images ({c} B/param; frozen: stored bytes)", e.cpu_pinned_copy_bytes),
         row("pinned gradient staging (K buffers)", e.cpu_grad_staging_bytes),
+        row("offloaded checkpointed activations", e.cpu_activation_bytes),
         row("process allowance (Python, torch, CUDA runtime)", e.cpu_process_bytes),
         total("total", e.cpu_bytes_needed, e.cpu_memory_bytes, e.cpu_fits),
         f"GPU (STRONGHOLD, window_size={e.window_size})",
-        row(f"resident params+grads+Adam ({e.resident_params / 1e6:.1f} M x {16 if c == 4 else 18} B)", e.gpu_resident_bytes),
-        row(f"window slots ({e.window_size + 1} x {e.gpu_slot_bytes / MiB:.1f} MiB params)", e.gpu_window_bytes),
+        row(f"window ({e.window_size + 1} units, largest {e.gpu_slot_bytes / MiB:.1f} MiB)", e.gpu_window_bytes),
         row("gradient buffers in flight (K)", e.gpu_grad_buffer_bytes),
-        row(f"block activations ({'checkpointed' if e.gradient_checkpointing else 'all stored'})", e.gpu_block_activation_bytes),
-        row("head activations (final norm, logits, loss)", e.gpu_head_activation_bytes),
+        row(outside, e.gpu_resident_bytes),
+        row(f"block activations ({'checkpointed' if e.gradient_checkpointing else 'all stored'}"
+            + (", offloaded" if e.offload_activations else "") + ")", e.gpu_block_activation_bytes),
+        row(loss, e.gpu_head_activation_bytes),
         row(f"workspace ({GPU_WORKSPACE_FIXED_BYTES / GiB:.1f} GiB + {GPU_WORKSPACE_PERCENT}%)", e.gpu_workspace_bytes),
         total("total", e.gpu_bytes_needed, e.gpu_memory_bytes, e.gpu_fits),
         f"  largest window_size that fits: {'unknown' if e.max_window_size is None else e.max_window_size}",
         "Plain training (everything on the GPU)",
         row(f"params+grads+Adam ({e.total_params / 1e9:.3f} B x {16 if c == 4 else 18} B)", e.plain_state_bytes),
-        row("activations (blocks + head)", e.gpu_block_activation_bytes + e.gpu_head_activation_bytes),
+        row("activations (blocks, whole logits)", e.plain_gpu_bytes_needed - e.plain_state_bytes
+            - e.plain_workspace_bytes),
         row(f"workspace ({GPU_WORKSPACE_FIXED_BYTES / GiB:.1f} GiB + {GPU_WORKSPACE_PERCENT}%)", e.plain_workspace_bytes),
         total("total", e.plain_gpu_bytes_needed, e.gpu_memory_bytes, e.plain_fits),
         f"STRONGHOLD: {'fits' if e.fits else 'does NOT fit'}; plain training: {_verdict(e.plain_fits)}",
     ]
     lines += [f"note: {note}" for note in e.notes]
     return "\n".join(lines)
+
+
+def _parse_bool(text: str) -> bool:
+    value = str(text).strip().lower()
+    if value in ("true", "1", "yes", "on"):
+        return True
+    if value in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(f"{text!r} is not true or false")
+
+
+def _parse_auto_bool(text: str) -> bool | str:
+    return "auto" if str(text).strip().lower() == "auto" else _parse_bool(text)
 
 
 def _arg_type(parse: Any, name: str) -> Any:
@@ -648,6 +798,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--gradient_checkpointing", action="store_true")
     parser.add_argument("--window_size", type=_arg_type(parse_window_size, "window size"), default="auto", help="auto (default) or an int >= 1")
     parser.add_argument("--auto_class", choices=sorted(_AUTO_CLASSES), help="which Auto class builds the model")
+    flag = _arg_type(_parse_bool, "true or false")
+    parser.add_argument("--offload_non_block", type=flag, default=True,
+                        help="true (default): embeddings, norms and heads are offloaded like blocks; false: they stay "
+                        "on the GPU with a device AdamW")
+    parser.add_argument("--chunked_loss", type=flag, default=True,
+                        help="true (default): causal LMs compute the head and loss in chunks; false: whole logits")
+    parser.add_argument("--offload_activations", type=_arg_type(_parse_auto_bool, "auto, true or false"),
+                        default="auto", help="auto (default: when the GPU would not fit otherwise), true or false")
+    parser.add_argument("--grad_buffers", type=int, default=2, help="K, gradient buffers in flight (default 2)")
     parser.add_argument("--check", action="store_true", help="exit with status 3 when STRONGHOLD does not fit")
     args = parser.parse_args(argv)
 
@@ -660,7 +819,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             config, seq_len=args.seq_len, batch_size=args.batch_size, dtype=args.dtype,
             gpu_memory_bytes=args.gpu_memory, cpu_memory_bytes=args.cpu_memory,
             gradient_checkpointing=args.gradient_checkpointing, window_size=args.window_size,
-            auto_class=args.auto_class, decoder_seq_len=args.decoder_seq_len,
+            auto_class=args.auto_class, decoder_seq_len=args.decoder_seq_len, grad_buffers=args.grad_buffers,
+            offload_non_block=args.offload_non_block, chunked_loss=args.chunked_loss,
+            offload_activations=args.offload_activations,
         )
     except (ValueError, OSError, KeyError) as err:
         parser.error(str(err))

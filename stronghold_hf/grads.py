@@ -1,24 +1,25 @@
-"""The gradient queue: a bounded number of block gradients on their way to the host.
+"""The gradient queue: a bounded number of unit gradients on their way to the host.
 
-During a block's backward its trainable parameters' ``.grad`` are views into a *lane*: a
-device buffer in the block's gradient layout (autograd accumulates into it in place). When
-the block's backward is done the lane is *flushed*: one device-to-host copy of the whole
-buffer into the lane's pinned staging buffer, then, on the host worker, a *fold* that copies
-or adds the staged values into the block's fp32 gradient. The lane is free again after the
-fold.
+During a unit's backward its trainable parameters' ``.grad`` are views into a *lane*: a
+device buffer in the unit's gradient layout (autograd accumulates into it in place). When
+the unit's backward is done the schedule *flushes* the lane: `send` starts one device-to-host
+copy of the whole buffer into the lane's pinned staging buffer, then, on the host worker, a
+*fold* copies or adds the staged values into the unit's fp32 gradient and `release` frees
+the lane. The queue only keeps the lanes; the schedule composes the flush.
 
-There are ``K = StrongholdConfig.grad_buffers`` lanes. A block that needs one while all are
+There are ``K = StrongholdConfig.grad_buffers`` lanes. A unit that needs one while all are
 busy waits for the oldest flush to land: gradients drain *during* backward, so device
 memory holds at most ``K`` gradient buffers, whatever the depth (FSDP2's post-reduce event
 bounds its reduce-scatter outputs the same way). The ``K`` device buffers are allocated at the
 first use of a lane in a backward pass and kept until the pass ends
-(`release_device_buffers`), so the pass holds exactly ``K`` buffers of the largest block's
-gradient, whatever the timing; its
-staging buffer lives as long as the engine. The ledger books both.
+(`release_device_buffers`), so the pass holds exactly ``K`` buffers of the largest unit's
+gradient, whatever the timing; its staging buffer lives as long as the engine. The ledger
+books both. (The resident unit has a queue of its own with one lane of its size: it keeps
+its lane for the whole backward.)
 
 States of a lane::
 
-    FREE --acquire--> FILLING --flush--> IN_FLIGHT --(worker: copy landed, folded)--> FREE
+    FREE --acquire--> FILLING --send--> IN_FLIGHT --(worker: copy landed, folded; release)--> FREE
 
 [Note: lane lifetime] The device buffer is read by the D2H stream after the compute stream
 wrote it; the lane becomes FREE (and its buffer reusable) only in the fold task, after
@@ -37,7 +38,7 @@ import torch
 from .ledger import MemoryLedger
 from .memory import HostAllocator, element_size
 from .transfer import TransferContext
-from .workers import HostWorker, Ticket
+from .workers import Ticket
 
 
 _NORM_BYTES = 64  # room for one fp32 norm at the end of each staging buffer, alignment kept
@@ -51,7 +52,7 @@ class LaneState(enum.Enum):
 
 class GradLane:
     __slots__ = ("index", "state", "device_bytes", "device_buffer", "staging", "norm_host", "dtype", "numel",
-                 "block_index", "ticket")
+                 "unit_index", "ticket")
 
     def __init__(self, index: int, staging: torch.Tensor) -> None:
         self.index = index
@@ -64,7 +65,7 @@ class GradLane:
         self.norm_host = staging[-_NORM_BYTES:][:4].view(torch.float32)  # fp32 [1]
         self.dtype: torch.dtype | None = None
         self.numel = 0
-        self.block_index = -1
+        self.unit_index = -1
         self.ticket: Ticket | None = None
 
     def device_view(self, offset: int, numel: int, shape) -> torch.Tensor:
@@ -75,19 +76,21 @@ class GradLane:
         """The staging buffer as ``[numel]`` of the lane's dtype (read only after the copy landed)."""
         return self.staging[: numel * element_size(self.dtype)].view(self.dtype)
 
+    def staged_norm(self) -> float:
+        """The flush's squared norm (read only after the copy landed)."""
+        return float(self.norm_host[0])
+
 
 class GradientQueue:
-    """``K`` lanes shared by all blocks; see the module docstring."""
+    """``K`` lanes shared by the units; see the module docstring."""
 
     def __init__(self, num_lanes: int, max_bytes: int, *, device: torch.device, host: HostAllocator,
-                 transfer: TransferContext, ledger: MemoryLedger, worker: HostWorker,
-                 staging_bytes: int | None = None) -> None:
+                 transfer: TransferContext, ledger: MemoryLedger, staging_bytes: int | None = None) -> None:
         self.device = device
         self.transfer = transfer
         self.ledger = ledger
-        self.worker = worker
-        self.max_bytes = max_bytes  # device buffer: the largest block's whole gradient
-        # Host staging: what one flush copies, the largest block's gradient shard (all of it
+        self.max_bytes = max_bytes  # device buffer: the largest unit's whole gradient
+        # Host staging: what one flush copies, the largest unit's gradient shard (all of it
         # without sharded data parallelism).
         self.staging_bytes = max_bytes if staging_bytes is None else staging_bytes
         self._host = host
@@ -106,7 +109,7 @@ class GradientQueue:
     def busy(self) -> int:
         return sum(lane.state is not LaneState.FREE for lane in self._lanes)
 
-    def acquire(self, block_index: int, numel: int, dtype: torch.dtype) -> GradLane:
+    def acquire(self, unit_index: int, numel: int, dtype: torch.dtype) -> GradLane:
         """A zeroed lane of ``numel`` elements; waits for the oldest flush when all are busy."""
         lanes = self._lane_pool()
         while True:
@@ -118,8 +121,8 @@ class GradientQueue:
                 oldest = next((l.ticket for l in lanes if l.state is LaneState.IN_FLIGHT), None)
             if oldest is None:
                 raise RuntimeError(
-                    f"stronghold: all {len(lanes)} gradient buffers are held by blocks whose backward has not "
-                    "finished; raise StrongholdConfig.grad_buffers (this model keeps more blocks' gradients open "
+                    f"stronghold: all {len(lanes)} gradient buffers are held by units whose backward has not "
+                    "finished; raise StrongholdConfig.grad_buffers (this model keeps more units' gradients open "
                     "at once than the queue allows)."
                 )
             self._wait(oldest)
@@ -133,15 +136,16 @@ class GradientQueue:
         # Zeros: autograd accumulates into it, and the alignment padding between parameters
         # must not add to norms or sums.
         lane.device_buffer.zero_()
-        lane.dtype, lane.numel, lane.block_index = dtype, numel, block_index
+        lane.dtype, lane.numel, lane.unit_index = dtype, numel, unit_index
         self.peak_in_flight = max(self.peak_in_flight, self.busy)
         return lane
 
-    def flush(self, lane: GradLane, fold, *, label: str, sq_norm: torch.Tensor | None = None,
-              send: torch.Tensor | None = None) -> Ticket:
-        """Starts copying ``send`` (the lane, or this rank's shard of it) to the host; ``fold(staged,
-        sq_norm)`` runs on the worker once it landed. ``sq_norm`` (a device scalar) travels too,
-        first on the same stream, so the copy's event covers it."""
+    def send(self, lane: GradLane, send: torch.Tensor | None = None, *,
+             sq_norm: torch.Tensor | None = None) -> tuple[torch.Tensor, object]:
+        """Starts copying ``send`` (the lane, or this rank's shard of it) to the host; returns the
+        staged host tensor and the copy's event. ``sq_norm`` (a device scalar) travels too, first
+        on the same stream, so the event covers it. The lane is IN_FLIGHT until `release`, which
+        the fold calls after ``host_wait(event)`` ([Note: lane lifetime])."""
         assert lane.state is LaneState.FILLING
         send = lane.device_buffer if send is None else send
         if sq_norm is not None:
@@ -154,20 +158,15 @@ class GradientQueue:
             staged = lane.staged(send.numel())
             event = self.transfer.copy_d2h(staged, send)
         lane.state = LaneState.IN_FLIGHT
+        return staged, event
 
-        def land_and_fold() -> None:
-            try:
-                self.transfer.host_wait(event)  # the device buffer may be reused only now
-                fold(staged, float(lane.norm_host[0]) if sq_norm is not None else None)
-            finally:
-                with self._free:
-                    lane.device_buffer = None
-                    lane.state = LaneState.FREE
-                    lane.ticket = None
-                    self._free.notify_all()
-
-        lane.ticket = self.worker.submit(f"gradient copy of {label}", land_and_fold)
-        return lane.ticket
+    def release(self, lane: GradLane) -> None:
+        """The fold has read the staged copy: the lane (and its device buffer) is free again."""
+        with self._free:
+            lane.device_buffer = None
+            lane.state = LaneState.FREE
+            lane.ticket = None
+            self._free.notify_all()
 
     def discard(self, lane: GradLane) -> None:
         """Gives a FILLING lane back without copying (its gradients are dropped)."""

@@ -9,9 +9,10 @@ it (slots, gradient buffers, host arenas, staging), on CPU and CUDA alike. The C
 assert the GPU invariants on these numbers; ``scripts/gpu_check.sh`` checks on a real GPU
 that they agree with ``torch.cuda.max_memory_allocated``.
 
-What is *not* booked: tensors autograd allocates on its own (activations, and a gradient
-that arrives after its block left, see ``window.py``) and the resident parameters
-(embeddings, heads), which the user's model owns. The CPU optimizer's state is added by
+What is *not* booked with the device bytes: tensors autograd allocates on its own
+(activations, a gradient that arrives after its unit left, see ``schedule.py``) and
+parameters the engine leaves on the device (``offload_non_block=False``). The checkpointed
+block inputs are booked apart (``activation_*``, see ``activations.py``). The CPU optimizer's state is added by
 `WindowEngine.memory_stats` from the optimizer itself.
 """
 
@@ -32,6 +33,11 @@ class MemoryLedger:
         self.h2d_bytes = 0
         self.d2h_bytes = 0
         self.fetches = 0
+        # Checkpointed block inputs the engine holds on the device (activations.py), and the
+        # host buffers they are offloaded into.
+        self.activation_device_bytes = 0
+        self.activation_device_peak_bytes = 0
+        self.activation_host_bytes = 0
 
     # ------------------------------------------------------------------ device
     def device_alloc(self, nbytes: int) -> None:
@@ -48,6 +54,23 @@ class MemoryLedger:
     def reset_peak(self) -> None:
         with self._lock:
             self.device_peak_bytes = self.device_bytes
+            self.activation_device_peak_bytes = self.activation_device_bytes
+
+    # ------------------------------------------------------------------ activations
+    def activation_alloc(self, nbytes: int) -> None:
+        with self._lock:
+            self.activation_device_bytes += nbytes
+            if self.activation_device_bytes > self.activation_device_peak_bytes:
+                self.activation_device_peak_bytes = self.activation_device_bytes
+
+    def activation_free(self, nbytes: int) -> None:
+        with self._lock:
+            self.activation_device_bytes -= nbytes
+            assert self.activation_device_bytes >= 0, "ledger: more activation bytes freed than held"
+
+    def set_activation_host_bytes(self, nbytes: int) -> None:
+        with self._lock:
+            self.activation_host_bytes = nbytes
 
     # ------------------------------------------------------------------ host
     def host_alloc(self, nbytes: int, *, pinned: bool) -> None:
@@ -84,4 +107,7 @@ class MemoryLedger:
                 "h2d_bytes": self.h2d_bytes,
                 "d2h_bytes": self.d2h_bytes,
                 "fetches": self.fetches,
+                "activation_device_bytes": self.activation_device_bytes,
+                "activation_device_peak_bytes": self.activation_device_peak_bytes,
+                "activation_host_bytes": self.activation_host_bytes,
             }

@@ -26,6 +26,7 @@ _FIELDS = (
     "speculated_blocks",
     "speculation_hits",
     "speculation_misses",
+    "late_gradients",  # parameters whose gradient arrived after their unit left the device
     "steps",
 )
 

@@ -3,20 +3,23 @@
 The engine owns one `StepCoordinator` (``engine.coordinator``). It holds the state of the
 optimizer step that is not the schedule's: the global gradient norm, the clip coefficient,
 the fp16 loss scale and its overflow verdict, and the tickets of the CPU updates in flight.
+It sits below the schedule (which asks it whether a unit's update is done before fetching
+the unit) and above the units; it never calls the schedule. Callers settle a backward that
+raised (``schedule.settle()``) before asking it for norms.
 
 The protocol with the optimizer (`optim/hybrid.py`) is narrow:
 
 * ``take_step_scalars()``: the verdict (skip on overflow), the clip coefficient and the
   inverse loss scale the CPU kernel folds into its update;
-* ``submit_update(block, fn)``: runs ``fn`` (one block's CPU Adam) on the host worker;
+* ``submit(unit, label, fn)``: runs ``fn`` (one unit's CPU Adam) on the host worker;
 * ``synchronize()`` before touching optimizer state or hyperparameters.
 
-The schedule calls ``wait_update(block)`` before it fetches a block (the update writes what
-the fetch reads) and ``update_pending(block)`` so a prefetch never blocks on an update.
+The schedule calls ``wait_update(unit)`` before it fetches a unit (the update writes what
+the fetch reads) and ``update_pending(unit)`` so a prefetch never blocks on an update.
 
-Exact global clipping without an extra pass over host gradients: when a block's gradient
+Exact global clipping without an extra pass over host gradients: when a unit's gradient
 leaves the device and is its whole gradient for the step, its squared norm is computed on
-the device right there (``window._flush``). Only blocks whose gradient was accumulated on
+the device right there (``schedule.flush``). Only units whose gradient was accumulated on
 the host (gradient accumulation, several uses, a late gradient) are re-normed on the host.
 The coefficient is then folded into the CPU Adam kernel, so clipping itself costs no pass.
 """
@@ -41,9 +44,26 @@ class StepScalars(NamedTuple):
     inv_loss_scale: float
 
 
+def _state_bytes(optimizer) -> int:
+    if optimizer is None:
+        return 0
+    total = 0
+    for state in list(optimizer.state.values()):
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                total += value.numel() * value.element_size()
+    return total
+
+
 class StepCoordinator:
-    def __init__(self, engine) -> None:
-        self.engine = engine
+    def __init__(self, *, units: list, worker, stats, dp, device: torch.device, speculative_step: str,
+                 device_parameters) -> None:
+        self.units = units  # every unit, in index order
+        self.worker = worker
+        self.stats = stats
+        self.dp = dp
+        self.device = device
+        self._device_parameters = device_parameters  # () -> trainable parameters the engine leaves on the device
         self.optimizer = None
         self._tickets: dict[int, Ticket] = {}  # the latest CPU task of each block (the worker runs them in order)
         self._step_started_at: float | None = None
@@ -54,7 +74,7 @@ class StepCoordinator:
         self.last_grad_norm: float | None = None
         self.last_max_norm: float | None = None
         # ---- speculation (speculation.py)
-        self.policy = SpeculationPolicy(engine.config.speculative_step)
+        self.policy = SpeculationPolicy(speculative_step)
         self.partial_norm = PartialNorm()
         self.speculating = False  # in this backward pass
         #: Whether the backward now running is followed by ``optimizer.step()`` with the
@@ -80,20 +100,17 @@ class StepCoordinator:
         return loss if self.scaler is None else self.scaler.scale_loss(loss)
 
     def optimizer_state_bytes(self) -> int:
-        cpu = getattr(self.optimizer, "cpu_optimizer", None)
-        if cpu is None:
-            return 0
-        total = 0
-        for state in list(cpu.state.values()):
-            for value in state.values():
-                if isinstance(value, torch.Tensor):
-                    total += value.numel() * value.element_size()
-        return total
+        """Bytes of the CPU optimizer's state (host memory)."""
+        return _state_bytes(getattr(self.optimizer, "cpu_optimizer", None))
+
+    def device_optimizer_state_bytes(self) -> int:
+        """Bytes of the device optimizer's state: 0 unless parameters are left on the device."""
+        return _state_bytes(getattr(self.optimizer, "device_optimizer", None))
 
     # ------------------------------------------------------------------ CPU tasks in flight
     def submit(self, block, label: str, fn, *, counter: str = "cpu_adam_s") -> Ticket:
-        """Runs ``fn`` (one block's CPU work) on the host worker, after everything submitted before."""
-        stats = self.engine.stats
+        """Runs ``fn`` (one unit's CPU work) on the host worker, after everything submitted before."""
+        stats = self.stats
 
         def timed() -> None:
             t0 = time.perf_counter()
@@ -102,18 +119,18 @@ class StepCoordinator:
             stats.add(counter, elapsed)
             stats.add("update_total_s", elapsed)
 
-        ticket = self.engine.worker.submit(f"{label} of block {block.fqn}", timed)
+        ticket = self.worker.submit(f"{label} of {block.fqn}", timed)
         self._tickets[block.index] = ticket
         return ticket
 
     def run_inline(self, block, label: str, fn, *, counter: str = "cpu_adam_s") -> None:
-        """Runs one block's CPU work on the training thread (the block the next forward needs first)."""
-        stats = self.engine.stats
+        """Runs one unit's CPU work on the training thread (the unit the next forward needs first)."""
+        stats = self.stats
         t0 = time.perf_counter()
         try:
             fn()
         except Exception as err:  # the same message a worker task's failure gets
-            raise RuntimeError(f"stronghold: {label} of block {block.fqn} failed: {err!r}") from err
+            raise RuntimeError(f"stronghold: {label} of {block.fqn} failed: {err!r}") from err
         t1 = time.perf_counter()
         stats.add(counter, t1 - t0)
         stats.add("update_total_s", t1 - t0)
@@ -124,7 +141,7 @@ class StepCoordinator:
     def begin_updates(self) -> None:
         self._step_started_at = time.perf_counter()
         self._first_ticket = None
-        self.engine.stats.add("steps", 1)
+        self.stats.add("steps", 1)
 
     def note_first_block(self, block) -> None:
         """The first block the next forward needs has its last task queued: time it from the step."""
@@ -134,7 +151,7 @@ class StepCoordinator:
         if ticket is not None and not ticket.done():
             self._first_ticket = ticket
         else:  # already up to date (its speculative update finished during backward)
-            self.engine.stats.add("first_block_ready_s", 0.0)
+            self.stats.add("first_block_ready_s", 0.0)
             self._first_ticket = False
 
     def _account_first_block(self) -> None:
@@ -142,7 +159,7 @@ class StepCoordinator:
         if ticket is None or ticket is False or started is None:
             return
         ready = 0.0 if ticket is False or ticket.finished_at is None else max(0.0, ticket.finished_at - started)
-        self.engine.stats.add("first_block_ready_s", ready)
+        self.stats.add("first_block_ready_s", ready)
         self._first_ticket = None
 
     def update_pending(self, block) -> bool:
@@ -157,22 +174,22 @@ class StepCoordinator:
         ticket = self._tickets.pop(block.index, None)
         if ticket is not None:
             waited = ticket.wait()
-            self.engine.stats.add("blocked_s", waited)
+            self.stats.add("blocked_s", waited)
             if forward:
-                self.engine.stats.add("forward_stall_s", waited)
+                self.stats.add("forward_stall_s", waited)
             if self._first_ticket is ticket:
                 self._account_first_block()
 
     def _wait_ticket(self, block) -> None:
         ticket = self._tickets.get(block.index)
         if ticket is not None:
-            self.engine.stats.add("blocked_s", ticket.wait())
+            self.stats.add("blocked_s", ticket.wait())
 
     def synchronize(self) -> None:
         """Waits for every in-flight CPU task (before reading masters, saving, clipping)."""
         for index in list(self._tickets):
             ticket = self._tickets.pop(index)
-            self.engine.stats.add("blocked_s", ticket.wait())
+            self.stats.add("blocked_s", ticket.wait())
             if self._first_ticket is ticket:
                 self._account_first_block()
 
@@ -198,7 +215,7 @@ class StepCoordinator:
         partial = self.partial_norm
         self.submit(block, "the speculative CPU optimizer update",
                     lambda: self.optimizer.apply_speculation(block, record, partial), counter="speculative_update_s")
-        self.engine.stats.add("speculated_blocks", 1)
+        self.stats.add("speculated_blocks", 1)
 
     def undo_speculation(self, block) -> None:
         if block.grads_modified_in_place():
@@ -219,10 +236,12 @@ class StepCoordinator:
 
     # ------------------------------------------------------------------ norms and clipping
     def resident_grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self.engine.resident_parameters() if p.grad is not None]
+        """Gradients of the parameters the engine leaves on the device (``offload_non_block=False``,
+        or added after ``offload_model``)."""
+        return [p.grad for p in self._device_parameters() if p.grad is not None]
 
     def _offloaded_grads(self) -> list[torch.Tensor]:
-        return [g for b in self.engine.blocks for g in b.current_grads()]
+        return [g for b in self.units for g in b.current_grads()]
 
     def global_grad_sq_norm(self) -> torch.Tensor:
         """Sum of squared gradient entries over all parameters, as a device fp32 scalar.
@@ -230,12 +249,10 @@ class StepCoordinator:
         With sharded data parallelism each rank holds a shard of every block's gradient: the
         ranks' block parts are summed (one all-reduce of a scalar), with the resident part,
         which every rank holds whole after its all-reduce, counted once."""
-        engine = self.engine
-        engine._settle()
-        device = engine.device
+        device = self.device
         zero = torch.zeros((), dtype=torch.float32, device=device)
         blocks = []
-        for b in engine.blocks:
+        for b in self.units:
             if not b.trainable:
                 continue
             if b.device_norm_valid():
@@ -248,7 +265,7 @@ class StepCoordinator:
         if resident:
             norms = torch._foreach_norm(resident)
             resident_part = torch.stack([n.float() for n in norms]).square().sum()
-        dp = engine.dp
+        dp = self.dp
         if dp is not None and dp.sharded:
             total = block_part + (resident_part if dp.rank == 0 else zero)
             return dp.sum_(total.reshape(1)).reshape(())

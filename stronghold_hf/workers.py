@@ -16,6 +16,12 @@ device work meanwhile.
 A task's exception is stored on its ticket and re-raised in the training thread, naming the
 block, at the first wait. The thread starts lazily and `shutdown` joins it, so nothing
 outlives training.
+
+*Inline* mode runs each task at once on the submitting thread, with the same tickets. It is
+what ``StrongholdConfig(host_worker="auto")`` picks when the compute device is the CPU itself:
+there is no device work to overlap the host work with, and a worker thread would only compete
+with the training thread for the same cores (measured: the embedded default at 0.86-0.91x of
+plain training with a worker thread and speculation, docs/performance.md).
 """
 
 from __future__ import annotations
@@ -59,17 +65,22 @@ class Ticket:
 
 
 class HostWorker:
-    """A lazily started thread that runs submitted callables one after another."""
+    """A lazily started thread that runs submitted callables one after another (or, ``inline``,
+    the submitting thread running each at once)."""
 
-    def __init__(self, num_threads: int) -> None:
+    def __init__(self, num_threads: int, *, inline: bool = False) -> None:
         assert num_threads >= 1
         self.num_threads = num_threads
+        self.inline = inline
         self._queue: queue.SimpleQueue | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
     def submit(self, label: str, fn: Callable[[], None]) -> Ticket:
         ticket = Ticket(label)
+        if self.inline:
+            _run_one(fn, ticket)
+            return ticket
         with self._lock:
             if self._thread is None:
                 self._queue = queue.SimpleQueue()
@@ -112,10 +123,14 @@ def _run(jobs: queue.SimpleQueue, num_threads: int) -> None:
         delay = simulated_copy_delay()  # testing.simulated_device: host work is slow, as on a large model,
         if delay:                       # so a read that does not wait for it sees old values
             time.sleep(delay)
-        try:
-            fn()
-        except BaseException as err:  # surfaced in the training thread by Ticket.wait
-            ticket._error = err
-        ticket.finished_at = time.perf_counter()
-        ticket._done.set()
+        _run_one(fn, ticket)
         del fn, ticket, job  # do not keep the last task (and what it references) alive while idle
+
+
+def _run_one(fn: Callable[[], None], ticket: Ticket) -> None:
+    try:
+        fn()
+    except BaseException as err:  # surfaced in the training thread by Ticket.wait
+        ticket._error = err
+    ticket.finished_at = time.perf_counter()
+    ticket._done.set()

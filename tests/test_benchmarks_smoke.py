@@ -30,7 +30,8 @@ def test_bench_cpu_adam_smoke():
 def test_bench_memory_shows_depth_independent_device_peak():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_memory.py"), "--depths", "4,12", "--width", "32",
-         "--steps", "2", "--seq", "8"],
+         "--steps", "2", "--seq", "8", "--sweep_hidden", "64", "--sweep_seq", "64", "--sweep_vocab", "1024",
+         "--vocab_sweep", "512,4096", "--seq_sweep", "64,256", "--depth_sweep", "2,8"],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -38,6 +39,12 @@ def test_bench_memory_shows_depth_independent_device_peak():
     assert summary["device_peak_ratio_deep_vs_shallow"] == 1.0
     assert summary["turn_is_free"] and summary["peak_within_bound"]
     assert all(v <= 16.05 for v in summary["host_bytes_per_param_without_staging_by_depth"].values())
+    # The sweeps: the engine's device bytes do not grow with depth; plain training's do.
+    depth = summary["sweeps"]["depth"]
+    assert depth["engine_growth"] < 1.1 < depth["plain_growth"]
+    for kind in ("vocab", "seq"):
+        sweep = summary["sweeps"][kind]
+        assert all(e < p for e, p in zip(sweep["engine_device_bytes"], sweep["plain_device_bytes"])), sweep
 
 
 def test_bench_lora_smoke():

@@ -67,51 +67,75 @@ def test_korthikanti_formula_exact_for_gpt_layers():
     assert gated - layer_activation_bytes(s, b, h, a, nbytes=2, ffn=ffn) == 2 * s * b * ffn * 2
 
 
+def _buffers(dtype=torch.float32):
+    model = AutoModelForCausalLM.from_config(tiny_gpt2()).to(dtype)
+    return sum(b.numel() * b.element_size() for b in model.buffers())
+
+
 def test_tiny_gpt2_bytes_by_hand():
+    """Every parameter is offloaded; the embeddings here are smaller than half a block, so they
+    and the final norm are the resident unit, on the device with their gradient buffer."""
     blk, res = per_block_params(), resident_params()
     e = estimate(tiny_gpt2(), seq_len=S, batch_size=B, dtype="fp32", gpu_memory_bytes=GiB * 8, cpu_memory_bytes=GiB * 8)
     assert (e.num_blocks, e.block_params, e.resident_params, e.largest_block_params) == (L, L * blk, res, blk)
     real = AutoModelForCausalLM.from_config(tiny_gpt2())
     assert e.total_params == sum(p.numel() for p in real.parameters())
     assert e.window_size == 2 and e.window_size_requested == "auto"
+    assert e.offload_non_block and e.chunked_loss and not e.offload_activations
 
-    # CPU: 4 + 8 + 4 B per offloaded parameter; fp32 has no extra pinned copy.
-    assert e.cpu_master_bytes == 4 * L * blk
-    assert e.cpu_adam_bytes == 8 * L * blk
-    assert e.cpu_grad_bytes == 4 * L * blk
+    # CPU: 4 + 8 + 4 B per parameter, blocks and the rest; fp32 has no extra pinned copy.
+    n = L * blk + res
+    assert e.cpu_master_bytes == 4 * n and e.cpu_adam_bytes == 8 * n and e.cpu_grad_bytes == 4 * n
     assert e.cpu_pinned_copy_bytes == 0
-    assert e.cpu_grad_staging_bytes == 2 * blk * 4  # K = 2 pinned staging buffers
-    assert e.cpu_bytes_needed == 16 * L * blk + 2 * blk * 4 + 2 * GiB
+    staging = 2 * blk * 4 + res * 4  # K = 2 staging buffers of the largest streamed unit, one of the resident unit
+    assert e.cpu_grad_staging_bytes == staging
+    assert e.cpu_bytes_needed == 16 * n + staging + 2 * GiB
 
-    # GPU: resident 16 B/param, 3 slots of params, 2 gradient buffers, activations by the formula.
+    # GPU: the window (both blocks), 2 gradient buffers, the resident unit and its gradient,
+    # activations by the formula, and the chunked loss: one chunk of logits (all 64 tokens
+    # here) at 16 B, the head's fp32 gradient sum, the final norm.
     layer = S * B * H * (66 + 9 * A * S // H)
-    head = 2 * S * B * H * 4 + S * B * V * 12
+    head = 2 * S * B * H * 4 + S * B * V * 16 + V * H * 4
     assert e.block_activation_bytes_full == L * layer
     assert e.block_activation_bytes_checkpointed == L * S * B * H * 4 + layer
     assert e.gpu_block_activation_bytes == L * layer  # checkpointing off
     assert e.gpu_head_activation_bytes == head
-    assert e.gpu_resident_bytes == 16 * res
-    assert e.gpu_slot_bytes == blk * 4 and e.gpu_window_bytes == 3 * blk * 4
+    assert e.gpu_resident_bytes == 2 * res * 4 + _buffers()
+    assert e.gpu_slot_bytes == blk * 4 and e.gpu_window_bytes == 2 * blk * 4
     assert e.gpu_grad_buffer_bytes == 2 * blk * 4
-    other = 16 * res + 3 * blk * 4 + 2 * blk * 4 + L * layer + head
+    assert e.gpu_engine_bytes == 2 * blk * 4 + 2 * blk * 4 + 2 * res * 4
+    other = e.gpu_engine_bytes + _buffers() + L * layer + head
     assert e.gpu_bytes_needed == other + workspace(other)
-    plain_other = 16 * (L * blk + res) + L * layer + head
+    plain_head = 2 * S * B * H * 4 + S * B * V * 12
+    plain_other = 16 * n + _buffers() + L * layer + plain_head
     assert e.plain_gpu_bytes_needed == plain_other + workspace(plain_other)
     assert e.fits and e.plain_fits and e.max_window_size == L
+
+
+def test_tiny_gpt2_with_the_first_versions_choices():
+    """``offload_non_block=False, chunked_loss=False``: the parameters outside the blocks stay on
+    the device at 16 B/param with a device AdamW, and the logits are whole (12 B each)."""
+    blk, res = per_block_params(), resident_params()
+    e = estimate(tiny_gpt2(), seq_len=S, batch_size=B, dtype="fp32", gpu_memory_bytes=GiB * 8,
+                 cpu_memory_bytes=GiB * 8, offload_non_block=False, chunked_loss=False)
+    assert e.cpu_bytes_needed == 16 * L * blk + 2 * blk * 4 + 2 * GiB
+    assert e.gpu_resident_bytes == 16 * res + _buffers() and e.gpu_window_bytes == 2 * blk * 4
+    assert e.gpu_head_activation_bytes == 2 * S * B * H * 4 + S * B * V * 12 and not e.chunked_loss
 
 
 def test_tiny_gpt2_bf16_and_checkpointing():
     blk, res = per_block_params(), resident_params()
     e = estimate(tiny_gpt2(), seq_len=S, batch_size=B, dtype="bf16", gpu_memory_bytes=8 * GiB,
                  cpu_memory_bytes=8 * GiB, gradient_checkpointing=True, window_size=1)
-    assert e.cpu_pinned_copy_bytes == 2 * L * blk
-    assert e.cpu_grad_staging_bytes == 2 * blk * 2
-    assert e.cpu_bytes_needed == 18 * L * blk + 2 * blk * 2 + 2 * GiB
-    assert e.gpu_resident_bytes == 18 * res  # fp32 params+grads+Adam + the autocast copy
+    n = L * blk + res  # a bf16 checkpoint: everything is bf16 on the device, fp32 masters on the host
+    assert e.cpu_pinned_copy_bytes == 2 * n
+    assert e.cpu_grad_staging_bytes == 2 * blk * 2 + res * 2
+    assert e.cpu_bytes_needed == 18 * n + 2 * blk * 2 + res * 2 + 2 * GiB
+    assert e.gpu_resident_bytes == 2 * res * 2 + _buffers(torch.bfloat16)  # the resident unit and its gradient
     assert e.gpu_window_bytes == 2 * blk * 2 and e.gpu_grad_buffer_bytes == 2 * blk * 2
     layer16 = S * B * H * (34 + 5 * A * S // H)
     assert e.gpu_block_activation_bytes == L * S * B * H * 2 + layer16
-    assert e.plain_state_bytes == 18 * (L * blk + res)
+    assert e.plain_state_bytes == 18 * n + _buffers(torch.bfloat16)
 
 
 def test_gpu_limit_sets_max_window():
@@ -124,6 +148,46 @@ def test_gpu_limit_sets_max_window():
     assert e1.max_window_size == 1 and e1.fits
     e0 = estimate(tiny_gpt2(n_layer=8), seq_len=S, batch_size=B, gpu_memory_bytes=tight - 1, cpu_memory_bytes=8 * GiB)
     assert e0.max_window_size == 0 and not e0.fits and e0.cpu_fits
+
+
+LLAMA3_8B = ("llama", "hidden_size=4096,intermediate_size=14336,num_hidden_layers=32,num_attention_heads=32,"
+             "num_key_value_heads=8,vocab_size=128256,tie_word_embeddings=False")
+QWEN25_14B = ("qwen2", "hidden_size=5120,intermediate_size=13824,num_hidden_layers=48,num_attention_heads=40,"
+              "num_key_value_heads=8,vocab_size=152064,tie_word_embeddings=False")
+LLAMA3_70B = ("llama", "hidden_size=8192,intermediate_size=28672,num_hidden_layers=80,num_attention_heads=64,"
+              "num_key_value_heads=8,vocab_size=128256,tie_word_embeddings=False")
+
+
+@pytest.mark.parametrize("shape, gpu", [(LLAMA3_8B, "24GB"), (QWEN25_14B, "24GB"), (LLAMA3_70B, "48GB")])
+def test_modern_full_fine_tunes_fit_their_gpu(shape, gpu):
+    """bf16, 4096 tokens, batch 1, gradient checkpointing: only the window and the activations
+    are on the GPU (the host side is another question, with its own RAM)."""
+    e = estimate(load_config(shape[0], config_overrides=shape[1]), seq_len=4096, batch_size=1, dtype="bf16",
+                 gpu_memory_bytes=gpu, cpu_memory_bytes="4TB", gradient_checkpointing=True)
+    assert e.gpu_fits and e.fits and not e.plain_fits, e.table()
+    assert e.chunked_loss and e.offload_non_block
+
+
+def test_the_first_versions_choices_do_not_fit_llama3_8b_on_24gb():
+    """What the issue measured: 32.7 GiB with the embeddings and head resident (device AdamW),
+    whole logits and checkpointed inputs on the device."""
+    e = estimate(load_config(LLAMA3_8B[0], config_overrides=LLAMA3_8B[1]), seq_len=4096, batch_size=1, dtype="bf16",
+                 gpu_memory_bytes="24GB", cpu_memory_bytes="4TB", gradient_checkpointing=True, offload_non_block=False,
+                 chunked_loss=False, offload_activations=False)
+    assert not e.gpu_fits and round(e.gpu_bytes_needed / GiB, 1) == 32.7
+    assert round(e.gpu_resident_bytes / GiB, 1) == 17.6
+
+
+def test_activation_offload_auto_turns_on_when_the_inputs_do_not_fit():
+    cfg = load_config(LLAMA3_8B[0], config_overrides=LLAMA3_8B[1].replace("num_hidden_layers=32", "num_hidden_layers=32"))
+    kw = dict(seq_len=32768, batch_size=1, dtype="bf16", cpu_memory_bytes="4TB", gradient_checkpointing=True)
+    big = estimate(cfg, gpu_memory_bytes="1TB", offload_activations=False, **kw)
+    small = estimate(cfg, gpu_memory_bytes="1TB", offload_activations=True, **kw)
+    assert small.gpu_block_activation_bytes < big.gpu_block_activation_bytes
+    between = (small.gpu_bytes_needed + big.gpu_bytes_needed) // 2
+    auto = estimate(cfg, gpu_memory_bytes=between, **kw)
+    assert auto.offload_activations and auto.gpu_fits and auto.cpu_activation_bytes > 0
+    assert not estimate(cfg, gpu_memory_bytes="1TB", **kw).offload_activations  # it fits without
 
 
 def test_encoder_decoder_counts_both_stacks():

@@ -288,8 +288,10 @@ def test_trl_preference_and_rl_scripts_unchanged_train_with_stronghold(tmp_path,
         assert ref["auxiliary"]["ref_model"] is None
         ledger = result["auxiliary"]["ref_model"]
         assert ledger is not None and ledger["offloaded_trainable_params"] == 0
-        assert ledger["fetches"] == 3 * ledger["blocks"]  # one forward over every block per step
-        assert ledger["device_peak_bytes"] <= (ledger["window_size"] + 1) * ledger["slot_bytes"]
+        # One forward per step over every position (blocks, and units outside them that stream),
+        # and the resident unit once.
+        assert ledger["fetches"] == 3 * (ledger["sequence_length"] + ledger["resident_units"])
+        assert ledger["device_peak_bytes"] <= ledger["window_bound_bytes"] + ledger["resident_unit_bytes"]
 
 
 def _sft_build():

@@ -32,6 +32,13 @@ def _gpt2(layers, width=64, **kw):
     return tiny_model("gpt2", n_layer=layers, n_embd=width, n_head=2, **kw)
 
 
+def device_bound(stats, lanes):
+    """Everything the engine may hold on the device at once: W+1 slots of the largest streamed
+    units, K lanes, the resident unit and its own gradient buffer."""
+    return (stats["window_bound_bytes"] + lanes * stats["grad_buffer_bytes"] + stats["resident_unit_bytes"]
+            + stats["resident_grad_bytes"])
+
+
 @pytest.mark.parametrize("window_size", [1, 2])
 def test_device_peak_does_not_grow_with_depth(window_size):
     peaks = {}
@@ -41,9 +48,11 @@ def test_device_peak_does_not_grow_with_depth(window_size):
         _train(model, engine)
         stats = engine.memory_stats()
         peaks[layers] = stats["device_peak_bytes"]
-        # The bound, from the layout: W+1 slots and K gradient buffers, nothing else.
-        bound = (window_size + 1) * stats["slot_bytes"] + 2 * stats["grad_buffer_bytes"]
-        assert stats["device_peak_bytes"] <= bound, (layers, stats)
+        # The bound, from the layout: W+1 slots and K gradient buffers, plus the resident unit
+        # (what is too small to stream) and its gradient, nothing else.
+        assert stats["device_peak_bytes"] <= device_bound(stats, lanes=2), (layers, stats)
+        assert stats["device_optimizer_bytes"] == 0 and engine.resident_parameters() == []
+        assert stats["offloaded_trainable_params"] == stats["model_trainable_params"]
         assert stats["device_bytes"] == 0, "everything is back on the host between steps"
     assert peaks[16] <= 1.10 * peaks[4], peaks
 
@@ -73,7 +82,8 @@ def test_resident_and_in_flight_bounds_hold_at_every_hook():
 @pytest.mark.parametrize("window_size", [1, 2, 3])
 @pytest.mark.parametrize("grad_ckpt", [False, True])
 def test_each_block_crosses_once_per_direction_and_the_turn_is_free(window_size, grad_ckpt):
-    """Per step: N fetches for forward, N - W for backward (the last W are resident at the turn)."""
+    """Per step: N fetches for forward, N - W for backward (the last W are resident at the turn),
+    and one of the resident unit (the embeddings and the head, too small here to stream)."""
     layers = 6
     model = _gpt2(layers)
     if grad_ckpt:
@@ -85,13 +95,15 @@ def test_each_block_crosses_once_per_direction_and_the_turn_is_free(window_size,
         model(**batch("gpt2", seed=step, seq=16)).loss.backward()
         opt.step()
         opt.zero_grad()
-        assert engine.memory_stats()["fetches"] - before == 2 * layers - window_size
-    # Every byte that crossed is a block image or a gradient buffer (and, while the engine
+        assert engine.memory_stats()["fetches"] - before == 2 * layers - window_size + 1
+    # Every byte that crossed is a unit image or a gradient buffer (and, while the engine
     # speculates, each gradient's 4-byte squared norm).
     stats = engine.memory_stats()
-    assert stats["h2d_bytes"] == stats["fetches"] * engine.blocks[0].slot_bytes
-    grad_bytes = 3 * layers * engine.blocks[0].layout.grad_numel * 4
-    assert grad_bytes <= stats["d2h_bytes"] <= grad_bytes + 3 * layers * 4
+    resident = engine.schedule.resident_unit
+    assert stats["sequence_length"] == layers and resident is not None
+    assert stats["h2d_bytes"] == 3 * ((2 * layers - window_size) * engine.blocks[0].slot_bytes + resident.slot_bytes)
+    grad_bytes = 3 * (layers * engine.blocks[0].layout.grad_numel + resident.layout.grad_numel) * 4
+    assert grad_bytes <= stats["d2h_bytes"] <= grad_bytes + 3 * (layers + 1) * 4
 
 
 def test_frozen_blocks_move_no_gradients():
@@ -103,11 +115,20 @@ def test_frozen_blocks_move_no_gradients():
     model(**batch("gpt2", seed=0)).loss.backward()
     opt.step()
     stats = engine.memory_stats()
-    assert stats["d2h_bytes"] == 0 and stats["optimizer_state_bytes"] == 0
-    assert stats["device_peak_bytes"] <= 2 * stats["slot_bytes"]
-    # The body's backward is not needed (embeddings are trainable but blocks frozen => still
-    # needed for the embedding gradient): what matters is no gradient buffer and no D2H.
+    # Only the trainable parameters outside the blocks (embeddings, final norm) send gradients
+    # and keep Adam state; the frozen blocks stream their bytes and get no gradient buffer.
+    resident = engine.schedule.resident_unit
+    trainable = resident.layout.grad_numel
+    assert stats["d2h_bytes"] == 4 * trainable and stats["offloaded_trainable_params"] == trainable
+    assert stats["optimizer_state_bytes"] == 8 * trainable + 4 * len(resident.layout.trainable)
+    assert stats["device_peak_bytes"] <= 2 * stats["slot_bytes"] + stats["resident_unit_bytes"] + \
+        stats["resident_grad_bytes"]
     assert engine.grad_queue.max_bytes == 0
+
+
+def _staging(engine):
+    queues = [engine.grad_queue, engine.schedule.resident_queue]
+    return sum(q._num_lanes * (q.staging_bytes + 64) for q in queues if q is not None and q.max_bytes)
 
 
 def _host_bytes_per_param(stats, staging):
@@ -127,10 +148,11 @@ def test_host_bytes_per_parameter(family, param_dtype, budget):
     opt.step()
     engine.synchronize()
     stats = engine.memory_stats()
-    staging = 2 * engine.grad_queue.max_bytes  # K pinned staging buffers, bounded
+    assert stats["offloaded_params"] == sum(p.numel() for p in model.parameters())  # everything is on the host
+    staging = _staging(engine)  # K pinned staging buffers (and the resident unit's one), bounded
     per_param = _host_bytes_per_param(stats, staging)
     assert budget - 0.2 <= per_param <= budget + 0.2, stats  # + 64-byte alignment of each buffer
-    assert staging <= 2 * max(b.slot_bytes for b in engine.blocks)
+    assert staging <= 2 * stats["slot_bytes"] + stats["resident_grad_bytes"] + 3 * 4096
 
 
 def test_pinning_budget_and_pageable_fallback():
@@ -143,8 +165,8 @@ def test_pinning_budget_and_pageable_fallback():
     assert full["pinned_host_bytes"] > 0
     # Only transfer buffers are pinned: the images (4 B/param here) and the K staging buffers.
     images = sum(b.image_trainable.numel() + (b.image_frozen.numel() if b.image_frozen is not None else 0)
-                 for b in engine.blocks)
-    assert full["pinned_host_bytes"] <= images + 2 * engine.grad_queue.max_bytes + 16 * 4096 * 8
+                 for b in engine.units)
+    assert full["pinned_host_bytes"] <= images + _staging(engine) + 16 * 4096 * 8
 
     model = _gpt2(4)
     limit = 2 * engine.blocks[0].slot_bytes + 4 * 4096
@@ -172,16 +194,20 @@ def test_reset_peak_memory_stats():
     assert engine.memory_stats()["device_peak_bytes"] == 0
 
 
-def test_estimator_agrees_with_the_ledger():
-    """The fits/does-not-fit estimate of host memory matches what the engine really allocates."""
+@pytest.mark.parametrize("vocab", [96, 4096])  # small: the embeddings are resident; large: they stream
+def test_estimator_agrees_with_the_ledger(vocab):
+    """The fits/does-not-fit estimate matches what the engine really allocates: host bytes, and
+    the device bytes the engine owns (window, gradient lanes, resident units)."""
     from stronghold_hf.estimate import estimate_for_model
 
     for param_dtype in (None, "bf16"):
-        model = tiny_model("llama", num_hidden_layers=4, hidden_size=128, intermediate_size=256)
+        model = tiny_model("llama", num_hidden_layers=4, hidden_size=128, intermediate_size=256, vocab_size=vocab,
+                           tie_word_embeddings=False)
         est = estimate_for_model(model, seq_len=16, batch_size=2, dtype="fp32" if param_dtype is None else "bf16",
                                  gpu_memory_bytes=1 << 40, cpu_memory_bytes=1 << 40, window_size=3, grad_buffers=1)
         engine = offload_model(model, StrongholdConfig(window_size=3, param_dtype=param_dtype, grad_buffers=1),
                                device="cpu")
+        assert ({u.kind for u in engine.units} >= {"streamed"}) == (vocab > 96)
         opt = engine.build_optimizer(lr=1e-3)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=param_dtype is not None):
             model(**batch("llama", seed=0, seq=16)).loss.backward()
@@ -191,3 +217,6 @@ def test_estimator_agrees_with_the_ledger():
         ledger_host = stats["pinned_host_bytes"] + stats["pageable_host_bytes"]
         estimated = est.cpu_bytes_needed - est.cpu_process_bytes
         assert abs(estimated - ledger_host) <= 0.05 * ledger_host, (param_dtype, estimated, ledger_host)
+        ledger_device = stats["device_peak_bytes"]
+        assert abs(est.gpu_engine_bytes - ledger_device) <= 0.05 * ledger_device, (param_dtype, est.gpu_engine_bytes,
+                                                                                   ledger_device)

@@ -107,7 +107,8 @@ def test_auto_speculates_only_after_clean_steps():
     clipped = _pair("gpt2", "auto", 3, max_norm=0.05, window_size=1)
     assert clipped.stats.as_dict()["speculated_blocks"] == 0  # a plain loop never vouches for the step
     model = tiny_model("gpt2")
-    engine = offload_model(model, StrongholdConfig(window_size=1), device="cpu")
+    # The host worker as on a GPU (on a CPU device "auto" runs host work inline and never speculates).
+    engine = offload_model(model, StrongholdConfig(window_size=1, host_worker="thread"), device="cpu")
     opt = engine.build_optimizer(lr=LR)
     engine.coordinator.step_signal = lambda: True  # what the Trainer and prepare_stronghold provide
     for max_norm in (0.05, 1e6, 1e6, 1e6):
@@ -166,7 +167,8 @@ def test_trainer_speculates_on_the_last_micro_batch_and_matches_plain_trainer(tm
                     train_dataset=TinyDataset("gpt2"))
     t_ref.train()
     t = StrongholdTrainer(model=model, args=StrongholdTrainingArguments(output_dir=str(tmp_path / "b"), stronghold=True,
-                                                                        stronghold_window_size="1", **kw),
+                                                                        stronghold_window_size="1",
+                                                                        stronghold_config={"host_worker": "thread"}, **kw),
                           train_dataset=TinyDataset("gpt2"))
     t.train()
     losses = [h["loss"] for h in t.state.log_history if "loss" in h]

@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 
+from stronghold_hf.testing import simulated_device
 from stronghold_hf import StrongholdConfig, offload_model
 from tiny_models import batch, tiny_model
 
@@ -18,10 +19,12 @@ ACCUM = 2
 ADAM_SLACK = 0.02 * 1e-2 * 3
 
 
-def _plain_loop_pair(family, *, steps=3, window_size=1, cpu_threads=None, max_norm=1.0, param_dtype=None, autocast=False):
+def _plain_loop_pair(family, *, steps=3, window_size=1, cpu_threads=None, max_norm=1.0, param_dtype=None, autocast=False,
+                     host_worker="auto"):
     ref = tiny_model(family)
     model = copy.deepcopy(ref)
-    cfg = StrongholdConfig(window_size=window_size, cpu_threads=cpu_threads, param_dtype=param_dtype)
+    cfg = StrongholdConfig(window_size=window_size, cpu_threads=cpu_threads, param_dtype=param_dtype,
+                           host_worker=host_worker)
     engine = offload_model(model, cfg, device="cpu")
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
     opt = engine.build_optimizer(lr=1e-2, weight_decay=0.1)
@@ -101,8 +104,8 @@ def test_bf16_autocast_parity_is_close():
 
 
 def test_threads_equal_sequential():
-    _, m1, e1, l1, n1 = _plain_loop_pair("gpt2", cpu_threads=1)
-    _, m3, e3, l3, n3 = _plain_loop_pair("gpt2", cpu_threads=3)
+    _, m1, e1, l1, n1 = _plain_loop_pair("gpt2", cpu_threads=1, host_worker="thread")
+    _, m3, e3, l3, n3 = _plain_loop_pair("gpt2", cpu_threads=3, host_worker="thread")
     assert l1 == l3 and n1 == n3
     for k, v in m1.state_dict().items():
         assert torch.equal(v, m3.state_dict()[k]), k
@@ -111,11 +114,24 @@ def test_threads_equal_sequential():
 
 
 def test_no_threads_left_after_shutdown():
-    _, _, engine, _, _ = _plain_loop_pair("gpt2", steps=1)
+    _, _, engine, _, _ = _plain_loop_pair("gpt2", steps=1, host_worker="thread")
     thread = engine.worker._thread
     assert thread is not None and thread.is_alive() and thread.name.startswith("stronghold-host-worker")
     engine.shutdown_workers()
     assert not thread.is_alive() and not engine.worker.running
+
+
+def test_a_cpu_device_runs_host_work_inline_and_does_not_speculate():
+    """With the CPU as the compute device there is nothing to overlap host work with: "auto"
+    runs it on the training thread (a worker would compete for the same cores) and never
+    speculates; the simulated GPU-like device keeps the worker thread."""
+    ref, model, engine, losses, _ = _plain_loop_pair("gpt2", steps=2)
+    assert engine.worker.inline and engine.worker._thread is None and engine.coordinator.policy.mode == "off"
+    assert all(g == pytest.approx(w, rel=1e-4) for g, w in losses)
+    with simulated_device(0.0):
+        threaded = offload_model(tiny_model("gpt2"), StrongholdConfig(window_size=1), device="cpu")
+    assert not threaded.worker.inline and threaded.coordinator.policy.mode == "auto"
+    assert offload_model(tiny_model("gpt2"), StrongholdConfig(host_worker="thread"), device="cpu").worker.inline is False
 
 
 def test_update_exceptions_reach_the_caller_naming_the_block():
@@ -132,15 +148,19 @@ def test_update_exceptions_reach_the_caller_naming_the_block():
         return step_groups(groups, **kwargs)
 
     opt.cpu_optimizer.step_groups = boom
-    opt.step()  # block 0 runs on the training thread and succeeds; block 1 fails on the worker
+    # The first unit the next forward needs (the resident unit: embeddings, final norm) runs on
+    # the training thread and succeeds; block 1 fails on the worker.
+    first = engine.update_order[0]
+    assert first is engine.schedule.resident_unit
+    opt.step()
     with pytest.raises(RuntimeError, match=r"transformer\.h\.1.*injected"):
         model(**batch("gpt2", seed=1)).loss.backward()  # raised at the block's next use
-    failing.update(opt.block_groups[0])
+    failing.update(opt.block_groups[first.index])
     model.zero_grad()
     engine.coordinator._tickets.clear()
     model(**batch("gpt2", seed=2)).loss.backward()
-    with pytest.raises(RuntimeError, match=r"transformer\.h\.0.*injected"):
-        opt.step()  # block 0's own failure surfaces in step()
+    with pytest.raises(RuntimeError, match=r"non-block parameters.*injected"):
+        opt.step()  # the inline unit's own failure surfaces in step()
 
 
 def test_fp16_overflow_skips_everywhere_and_backs_off():

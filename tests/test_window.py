@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from stronghold_hf import StrongholdConfig, offload_model
-from stronghold_hf.block import Residency
+from stronghold_hf.unit import Residency
 from stronghold_hf.testing import simulated_device
 from tiny_models import batch, is_seq2seq, tiny_model
 
@@ -140,15 +140,17 @@ def test_resident_bound(family, window_size, grad_ckpt):
 def test_evicted_blocks_hold_no_device_storage_and_parameters_point_at_host_memory():
     model = tiny_model("gpt2")
     engine = offload_model(model, StrongholdConfig(window_size=1), device="cpu")
-    for b in engine.blocks:
+    for b in engine.units:  # the blocks, and the units outside them
         assert b.state is Residency.ON_HOST
         assert b.slot.untyped_storage().nbytes() == 0
         for p, view in zip(b.params, b.host_views):
             assert p.data_ptr() == view.data_ptr()  # readable and writable, never freed memory
     assert engine.memory_stats()["device_bytes"] == 0
-    # Tied embedding and LM head stay one resident tensor.
+    # The tied embedding and LM head stay one tensor, offloaded once, in one unit outside the blocks.
     assert model.lm_head.weight is model.transformer.wte.weight
-    assert not engine.is_offloaded(model.lm_head.weight)
+    assert engine.is_offloaded(model.lm_head.weight) and engine.unit_of(model.lm_head.weight).kind != "block"
+    assert sum(1 for u in engine.units for p in u.params if p is model.lm_head.weight) == 1
+    assert engine.resident_parameters() == []
 
 
 def test_parameters_keep_identity():
@@ -289,7 +291,7 @@ def test_auto_window_probe_measures_a_real_step():
 
     model = tiny_model("t5")
     engine = offload_model(model, StrongholdConfig(window_size=1), device="cpu")
-    engine._probe = AutoWindowProbe(engine)
+    engine._probe = AutoWindowProbe(engine.blocks, engine.device)
     model(**batch("t5", seed=0)).loss.backward()
     assert engine._probe is None, "the probe finished after the first backward"
     assert engine.window_choice is not None and engine.window_size == engine.window_choice.window_size

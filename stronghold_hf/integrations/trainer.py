@@ -246,7 +246,8 @@ class _StrongholdTrainerMixin:
             args = self.args  # the Trainer's defaults when none were given
             cfg = self._stronghold_config = _with_low_precision_copies(self._stronghold_config, args)
             if cfg.check_fit:
-                self._check_fits()
+                self._check_fits()  # may turn activation offload on (offload_activations="auto")
+            cfg = self._stronghold_config
             engine = get_engine(self.model)
             self.stronghold_engine = engine if engine is not None else offload_model(self.model, cfg, device=args.device)
             # Whether the backward now running ends an accumulation window (then a step follows
@@ -307,14 +308,27 @@ class _StrongholdTrainerMixin:
     def _estimate(self, **shape: Any):
         from ..estimate import estimate_for_model
 
-        window = self._stronghold_config.window_size
+        cfg = self._stronghold_config
+        window = cfg.window_size
         return estimate_for_model(
             self.model,
             dtype="bf16" if self.args.bf16 else "fp16" if self.args.fp16 else "fp32",
             gradient_checkpointing=bool(self.args.gradient_checkpointing),
             window_size=None if window == "auto" else int(window),
+            grad_buffers=cfg.grad_buffers, offload_non_block=cfg.offload_non_block, chunked_loss=cfg.chunked_loss,
+            offload_activations=cfg.offload_activations, loss_chunk_tokens=cfg.loss_chunk_tokens,
             **shape,
         )
+
+    def _adopt_activation_offload(self, est) -> None:
+        """``offload_activations="auto"``: the fit check decides (on when only that makes it fit)."""
+        if self._stronghold_config.offload_activations != "auto" or not est.offload_activations:
+            return
+        _hf_logger.info("STRONGHOLD: checkpointed activations go to host memory (they would not fit on the device)")
+        if self.stronghold_engine is None:
+            self._stronghold_config = self._stronghold_config.replace(offload_activations=True)
+        else:
+            self.stronghold_engine.schedule.activations.offload = True
 
     def _check_fits(self) -> None:
         """Refuses a run that cannot fit, before the engine allocates anything.
@@ -330,6 +344,7 @@ class _StrongholdTrainerMixin:
             est = self._estimate(seq_len=seq_len, decoder_seq_len=decoder_len,
                                  batch_size=self.args.per_device_train_batch_size)
             est.raise_if_not_fits()
+            self._adopt_activation_offload(est)
             return
         est = self._estimate(seq_len=1, batch_size=1)
         dataclasses.replace(est, gpu_fits=None).raise_if_not_fits()
@@ -349,11 +364,13 @@ class _StrongholdTrainerMixin:
             logger.warning("STRONGHOLD fit check skipped: the training batch has no input_ids to size it by.")
             return
         decoder = inputs.get("labels") if self._is_encoder_decoder() else None
-        self._estimate(
+        est = self._estimate(
             seq_len=int(tokens.shape[1]), batch_size=int(tokens.shape[0]),
             decoder_seq_len=int(decoder.shape[-1]) if isinstance(decoder, torch.Tensor) and decoder.dim() >= 2 else None,
             gpu_memory_bytes=gpu_memory, cpu_memory_bytes=cpu_memory,
-        ).raise_if_not_fits()
+        )
+        est.raise_if_not_fits()
+        self._adopt_activation_offload(est)
 
     def _is_encoder_decoder(self) -> bool:
         return bool(getattr(getattr(self.model, "config", None), "is_encoder_decoder", False))

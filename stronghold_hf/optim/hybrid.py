@@ -3,9 +3,11 @@
 The Trainer, accelerate and every LR scheduler expect a single optimizer. This one is a thin
 composite:
 
-* a `CPUAdam` over the fp32 masters of the offloaded blocks, one param group per (block,
-  user group), so a block can be stepped alone from a worker thread;
-* a device AdamW over the resident parameters (embeddings, final norm, heads).
+* a `CPUAdam` over the fp32 masters of every unit (the blocks, and by default the embeddings,
+  norms and heads outside them), one param group per (unit, user group), so a unit can be
+  stepped alone from a worker thread;
+* a device AdamW only over parameters the engine leaves on the device
+  (``StrongholdConfig(offload_non_block=False)``, or parameters added after ``offload_model``).
 
 Its ``param_groups`` are its own dicts, one per group the user gave ([Note: public groups]).
 An LR scheduler writes them; ``step()`` copies the hyperparameters into the inner groups
@@ -15,10 +17,10 @@ the scheduler's dicts, a worker could read next step's learning rate. The copy h
 every update of the previous step has finished (``engine.synchronize()``), so no worker is
 reading an inner group while it is written.
 
-[Note: the pipelined step] ``step()`` updates the resident parameters at once, then submits
-one CPU update per block in forward order and returns. The engine waits for block ``i``'s
-update only when it next needs block ``i`` (its prefetch in the next forward), so update,
-host-to-device copy and forward pipeline across blocks. Clipping and the fp16 overflow
+[Note: the pipelined step] ``step()`` updates the device parameters (if any) at once, then
+submits one CPU update per unit in the order the next forward needs them and returns. The
+engine waits for unit ``i``'s update only when it next needs unit ``i`` (its prefetch in the
+next forward), so update, host-to-device copy and forward pipeline across units. Clipping and the fp16 overflow
 verdict are known before any update starts, because `WindowEngine.clip_grad_norm_` (or the
 overflow check inside ``step``) ran after the whole backward.
 """
@@ -101,13 +103,13 @@ class StrongholdOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         engine, coordinator = self.engine, self.engine.coordinator
-        engine.evict_all()
+        engine.schedule.evict_all()
         scalars = coordinator.take_step_scalars()
         found_inf, clip_coef, inv_scale = scalars.found_inf, scalars.clip_coef, scalars.inv_loss_scale
         self.last_step_skipped = bool(found_inf)
         if self.scaler is not None:
             self.scaler.update(bool(found_inf))
-        speculated = [b for b in engine.blocks if b.spec is not None]
+        speculated = [b for b in engine.units if b.spec is not None]
         hyper_changed = self._hyperparameters_changed()
         if hyper_changed or not speculated:
             coordinator.synchronize()  # running updates read the groups we are about to write
@@ -122,7 +124,7 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         # while this thread moves on, instead of contending for the GIL with the planning loop.
         plan: list[tuple[Any, str, Any, str]] = []  # (block, label, task, counter)
         hits = misses = 0
-        for block in engine.blocks:  # forward order: block 0, needed first, is updated first
+        for block in engine.update_order:  # the order the next forward needs them: the first is updated first
             groups = self.block_groups.get(block.index)
             record, block.spec, block.spec_blocked = block.spec, None, False
             if not groups:
@@ -264,19 +266,19 @@ class StrongholdOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.device_optimizer is not None:
             self.device_optimizer.zero_grad(set_to_none=set_to_none)
-        self.engine._settle()
+        self.engine.schedule.settle()
         coordinator = self.engine.coordinator
-        for block in self.engine.blocks:
+        for block in self.engine.units:
             if block.spec is not None:  # the step it guessed did not come: undo it while its gradient is intact
                 coordinator.undo_speculation(block)
         if not set_to_none:
-            self.engine.synchronize()  # zeroing in place writes what an update (or undo) may still read
-        for block in self.engine.blocks:
+            self.engine.coordinator.synchronize()  # zeroing in place writes what an update (or undo) may still read
+        for block in self.engine.units:
             block.zero_grads(set_to_none)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        self.engine.synchronize()
+        self.engine.coordinator.synchronize()
         cpu_state = self.cpu_optimizer.state_dict() if self.cpu_optimizer is not None else None
         return {
             "stronghold_format": 1,
@@ -296,7 +298,7 @@ class StrongholdOptimizer(torch.optim.Optimizer):
                 "StrongholdOptimizer.load_state_dict: this state was not saved by a stronghold optimizer "
                 "(missing 'stronghold_format'). Resume from a checkpoint written with --stronghold."
             )
-        self.engine.synchronize()
+        self.engine.coordinator.synchronize()
         if self.cpu_optimizer is not None and state_dict["cpu"] is not None:
             self.cpu_optimizer.load_state_dict(state_dict["cpu"])
         if self.device_optimizer is not None and state_dict["device"] is not None:
@@ -330,7 +332,7 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         if self.cpu_optimizer is None:
             return None
         where: dict[int, tuple[str, str, int, int]] = {}
-        for b in self.engine.blocks:
+        for b in self.engine.units:
             for k, master in enumerate(b.masters):
                 if master is not None:
                     offset, _, count = b.pieces[k]
@@ -381,8 +383,8 @@ def build_optimizer(engine, params: Iterable | None = None, *, fp16_loss_scaling
                     continue  # sharded data parallel: another rank keeps (and steps) this parameter
                 if master is None:
                     raise ValueError(
-                        f"build_optimizer: parameter {block.fqn} ({tuple(p.shape)}) was frozen when the model was "
-                        "offloaded, so it has no fp32 master and no gradient. Unfreeze it before offload_model."
+                        f"build_optimizer: a parameter of {block.fqn} ({tuple(p.shape)}) was frozen when the model "
+                        "was offloaded, so it has no fp32 master and no gradient. Unfreeze it before offload_model."
                     )
                 by_block.setdefault(block.index, []).append(master)
         for idx, masters in by_block.items():
@@ -404,7 +406,7 @@ def build_optimizer(engine, params: Iterable | None = None, *, fp16_loss_scaling
     if isinstance(cpu_opt, CPUAdam):
         # The kernel writes the compute-dtype image of each master in the same pass.
         stepped = {id(p) for g in cpu_groups for p in g["params"]}
-        for block in engine.blocks:
+        for block in engine.units:
             if block.layout.masters_in_image:
                 continue
             for m, img in zip(block.masters, block.image_views):

@@ -1,4 +1,9 @@
-"""One offloaded block: its host buffers, its device slot, and its residency state machine.
+"""One unit: its host buffers, its device slot, and its residency state machine.
+
+A *unit* is what moves between host and device together: a block (a transformer layer), a
+large parameter group outside the blocks (an embedding, an LM head), or the resident unit
+that gathers the small rest (``discovery.py``). All three have the same mechanics, below;
+only the schedule (``schedule.py``) treats them differently, and a unit never calls it.
 
 Host side (``memory.py`` explains the bytes and the layout): the *image*, what fetches copy
 to the device slot: this rank's shard of the trainable region in the compute dtype, and the
@@ -41,9 +46,8 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from .discovery import BlockSpec
+from .discovery import UnitSpec
 from .distributed import DataParallel
-from .grads import GradLane
 from .ledger import MemoryLedger
 from .memory import BlockLayout, DeviceSlotPool, HostAllocator, element_size, layout_block, typed_view
 from .transfer import TransferContext
@@ -64,15 +68,17 @@ class Residency(enum.Enum):
     ON_DEVICE = "on_device"
 
 
-class OffloadedBlock:
-    """Buffers and residency of one block; the schedule (`WindowEngine`) drives it."""
+class Unit:
+    """Buffers and residency of one unit; the schedule (`WindowSchedule`) drives it."""
 
-    def __init__(self, spec: BlockSpec, *, device: torch.device, param_dtype: torch.dtype | None,
-                 host: HostAllocator, transfer: TransferContext, pool: DeviceSlotPool, ledger: MemoryLedger,
+    def __init__(self, spec: UnitSpec, *, device: torch.device, param_dtype: torch.dtype | None,
+                 host: HostAllocator, transfer: TransferContext, pool: DeviceSlotPool | None, ledger: MemoryLedger,
                  dp: DataParallel | None = None) -> None:
         self.index = spec.index
         self.fqn = spec.fqn
-        self.module = spec.module
+        self.kind = spec.kind
+        self.module = spec.module  # a block's module (None outside the blocks)
+        self.owners = spec.owners  # modules registering the parameters, with their local names
         self.names = [name for name, _ in spec.params]
         self.params: list[nn.Parameter] = [p for _, p in spec.params]
         self.device = device
@@ -161,9 +167,12 @@ class OffloadedBlock:
         self.forward_holds = 0  # forward calls of this block in progress (0 or 1, more when re-entered)
         self.backward_holds = 0  # uses whose backward started and is not done
         self.pending_backward = 0  # uses whose backward has not run yet
+        self.backward_position = -1  # sequence position of the latest use whose backward started
         # ---- gradients
-        self.lane: GradLane | None = None
-        self._lane_views: list[torch.Tensor | None] | None = None  # the .grad views while a lane is attached
+        # The device gradient buffer while the unit has one (a lane of the gradient queue, handed
+        # down by the schedule as a plain tensor): [padded trainable numel] in the grad dtype.
+        self.grad_buffer: torch.Tensor | None = None
+        self._lane_views: list[torch.Tensor | None] | None = None  # the .grad views into it
         self.grad_touched = [False] * len(self.params)  # set by post-accumulate-grad hooks
         self.grad_valid = [False] * len(self.params)  # the host gradient holds a value (exposed as .grad)
         self.flushes = 0  # flushes folded into the host gradient since it was last empty
@@ -179,6 +188,7 @@ class OffloadedBlock:
         # ---- speculation (speculation.py), driven by the step coordinator
         self.spec = None  # SpecRecord of a speculative update no step has validated yet
         self.spec_blocked = False  # no speculation for this block until the next step
+        self.loaded_keys: list[str] = []  # sharded load_state_dict: keys the pre-hook took (state_dict.py)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -259,7 +269,8 @@ class OffloadedBlock:
         with record_function(f"stronghold.fetch:{self.fqn}"):
             self.adopt_host_writes()
             self.refresh_image()
-            self.pool.acquire(self.index)
+            if self.pool is not None:  # the resident unit is outside the window's pool
+                self.pool.acquire(self.index)
             self._storage.resize_(self.slot_bytes)  # on the compute stream: [Note: allocation stream]
             self.ledger.device_alloc(self.slot_bytes)
             events = []
@@ -293,12 +304,13 @@ class OffloadedBlock:
         """Frees the slot; the parameters point at their host memory again."""
         assert self.state is not Residency.ON_HOST, f"{self.fqn}: evict from {self.state}"
         assert self.holds == 0, f"{self.fqn}: evict while held ({self.holds})"
-        assert self.lane is None, f"{self.fqn}: evict with a gradient buffer still attached"
+        assert self.grad_buffer is None, f"{self.fqn}: evict with a gradient buffer still attached"
         if self.state is Residency.FETCHING:
             self._wait_copies()  # the copies must land before their destination is freed (no gather)
         self._storage.resize_(0)
         self.ledger.device_free(self.slot_bytes)
-        self.pool.release(self.index)
+        if self.pool is not None:
+            self.pool.release(self.index)
         for p, view in zip(self.params, self.host_views):
             p.data = view
         self._record_host_state()
@@ -356,21 +368,28 @@ class OffloadedBlock:
             gv is None or gv._version == v for gv, v in zip(self.grad_views, self._exposed_grad_versions)
         )
 
-    def attach_lane(self, lane: GradLane) -> None:
-        """Points the trainable parameters' ``.grad`` at the lane: autograd accumulates there."""
-        assert self.lane is None and self.state is Residency.ON_DEVICE, f"{self.fqn}: attach_lane in {self.state}"
-        self.lane = lane
-        self._lane_views = [lane.device_view(e.grad_offset, e.numel, e.shape) if e.trainable else None
-                            for e in self.layout.entries]
+    @property
+    def has_grad_buffer(self) -> bool:
+        return self.grad_buffer is not None
+
+    def _grad_view(self, e) -> torch.Tensor:
+        return self.grad_buffer[e.grad_offset : e.grad_offset + e.numel].view(e.shape)
+
+    def attach_grad_buffer(self, buffer: torch.Tensor) -> None:
+        """Points the trainable parameters' ``.grad`` at ``buffer`` (zeroed, in the gradient
+        layout): autograd accumulates there."""
+        assert self.grad_buffer is None and self.state is Residency.ON_DEVICE, f"{self.fqn}: attach in {self.state}"
+        self.grad_buffer = buffer
+        self._lane_views = [self._grad_view(e) if e.trainable else None for e in self.layout.entries]
         for k, (p, view) in enumerate(zip(self.params, self._lane_views)):
             if view is not None:
                 p.grad = view
                 self.grad_touched[k] = False
 
-    def collect_into_lane(self) -> list[int]:
-        """Before a flush: moves gradients that autograd put elsewhere into the lane; returns
-        the indices of the parameters that received a gradient since the lane was attached."""
-        assert self.lane is not None
+    def collect_into_buffer(self) -> list[int]:
+        """Before a flush: moves gradients that autograd put elsewhere into the buffer; returns
+        the indices of the parameters that received a gradient since it was attached."""
+        assert self.grad_buffer is not None
         touched = []
         views = self._lane_views or [None] * len(self.params)
         with torch.no_grad():
@@ -378,7 +397,7 @@ class OffloadedBlock:
                 if not e.trainable:
                     continue
                 g = p.grad
-                view = views[k] if views[k] is not None else self.lane.device_view(e.grad_offset, e.numel, e.shape)
+                view = views[k] if views[k] is not None else self._grad_view(e)
                 if g is not None and g is not view:  # create_graph=True accumulates out of place
                     view.add_(g.to(view.dtype))
                     self.grad_touched[k] = True
@@ -388,12 +407,17 @@ class OffloadedBlock:
         self._lane_views = None
         return touched
 
+    def detach_grad_buffer(self) -> torch.Tensor:
+        """Gives the buffer back (after `collect_into_buffer`); the schedule flushes or drops it."""
+        buffer, self.grad_buffer = self.grad_buffer, None
+        return buffer
+
     def local_params(self, touched: list[int]) -> list[int]:
         """Of ``touched``, the parameters this rank keeps a piece of."""
         return [k for k in touched if self.pieces[k] is not None]
 
     def fold(self, staged: torch.Tensor, touched: list[int], accumulate: list[bool]) -> None:
-        """Worker thread: adds (or copies) the staged shard of the lane into the fp32 gradient.
+        """Worker thread: adds (or copies) the staged shard of the gradient into the fp32 gradient.
 
         ``staged`` is this rank's shard of the gradient layout (the whole layout, unsharded)."""
         n_local = sum(piece is not None for piece in self.pieces)
@@ -542,7 +566,7 @@ class OffloadedBlock:
     # ------------------------------------------------------------------ teardown
     def restore_parameters(self, device: torch.device, values: list[torch.Tensor]) -> None:
         """Gives each parameter an ordinary tensor of its stored dtype on ``device`` (engine.close)."""
-        assert self.state is Residency.ON_HOST and self.lane is None
+        assert self.state is Residency.ON_HOST and self.grad_buffer is None
         with torch.no_grad():
             for e, p, value in zip(self.layout.entries, self.params, values):
                 grad = p.grad if self.exposes_grads else None
@@ -554,5 +578,8 @@ class OffloadedBlock:
 
     @property
     def grad_nbytes_device(self) -> int:
-        """Bytes of this block's gradient lane on the device (the padded trainable region)."""
+        """Bytes of this unit's gradient buffer on the device (the padded trainable region)."""
         return self.layout.trainable_bytes
+
+
+OffloadedBlock = Unit  # a block is a unit; the old name stays for readers of older notes
