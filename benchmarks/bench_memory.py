@@ -1,4 +1,4 @@
-"""The memory ledger at several depths: device peak, host bytes per parameter, fetches per step.
+"""The memory ledger at several depths, and device bytes against vocabulary, sequence and depth.
 
 Why: the product's promise is that device memory does not grow with depth and that the host
 pays a known number of bytes per parameter. This trains a GPT-2 of a fixed width at several
@@ -8,20 +8,34 @@ without the bounded staging), and the blocks fetched per step (``2 N - W`` when 
 free). On CUDA it also records ``torch.cuda.max_memory_allocated`` over the same steps, and
 optionally trains the deepest model under a per-process memory cap of a third of its blocks.
 
-Output: one JSON line per depth, then a summary line (the last line) with
-``device_peak_ratio_deep_vs_shallow`` and, on CUDA, ``ledger_vs_cuda_peak_max_rel_diff``.
+Three sweeps (``--sweeps vocab,seq,depth``) then train a Llama-shaped causal LM (untied
+head, gradient checkpointing) at each point, once with the engine (default config:
+everything outside the blocks offloaded, the chunked loss, checkpointed inputs offloaded) and
+once plainly, and record for each the *device bytes*: for the engine, what its ledger owns
+(window, gradient lanes, resident units) plus the checkpointed inputs it holds plus every
+other tensor autograd saves for backward; for plain training, parameters, gradients and AdamW
+state (16 B/param) plus the tensors autograd saves. Saved tensors are measured with a
+saved-tensor hook (parameters and views of them excluded); the recompute inside backward is
+the same for both and not counted. ``benchmarks/plot_results.py --memory`` draws them.
 
-    python benchmarks/bench_memory.py                      # CPU: 4, 16, 64 blocks, width 64
+Output: one JSON line per depth and per sweep point, then a summary line (the last line) with
+``device_peak_ratio_deep_vs_shallow``, the sweeps' engine/plain ratios and, on CUDA,
+``ledger_vs_cuda_peak_max_rel_diff``.
+
+    python benchmarks/bench_memory.py                      # CPU: 4, 16, 64 blocks, width 64, and the sweeps
     python benchmarks/bench_memory.py --device cuda --width 1024 --depths 4,16,64 --cap_third
+    python benchmarks/bench_memory.py --sweeps none        # the depth rows only
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
 import sys
+import weakref
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -70,17 +84,20 @@ def run_depth(depth: int, args) -> dict:
         losses.append(loss.item())
     engine.synchronize()
     stats = engine.memory_stats()
-    staging = args.grad_buffers * engine.grad_queue.max_bytes
+    queues = [engine.grad_queue, engine.schedule.resident_queue]
+    staging = sum(q._num_lanes * q.staging_bytes for q in queues if q is not None and q.max_bytes)
     host = stats["pinned_host_bytes"] + stats["pageable_host_bytes"]
     row = {
         "depth": depth, "width": args.width, "window_size": engine.window_size, "grad_buffers": args.grad_buffers,
         "offloaded_params": stats["offloaded_params"],
         "device_peak_bytes": stats["device_peak_bytes"],
-        "device_bound_bytes": (engine.window_size + 1) * stats["slot_bytes"] + args.grad_buffers * stats["grad_buffer_bytes"],
+        "device_bound_bytes": (stats["window_bound_bytes"] + args.grad_buffers * stats["grad_buffer_bytes"]
+                               + stats["resident_unit_bytes"] + stats["resident_grad_bytes"]),
         "host_bytes": host, "host_bytes_per_param": host / stats["offloaded_params"],
         "host_bytes_per_param_without_staging": (host - staging) / stats["offloaded_params"],
         "pinned_host_bytes": stats["pinned_host_bytes"], "staging_bytes": staging,
-        "fetches_per_step": fetches, "expected_fetches_per_step": 2 * depth - engine.window_size,
+        "fetches_per_step": fetches,
+        "expected_fetches_per_step": 2 * stats["sequence_length"] - engine.window_size + stats["resident_units"],
         "losses_finite": all(math.isfinite(x) for x in losses),
     }
     if cuda:
@@ -123,6 +140,137 @@ def run_capped(depth: int, args) -> dict:
     return out
 
 
+# ---------------------------------------------------------------------------- the sweeps
+class SavedBytes:
+    """Peak bytes of the tensors autograd saves for backward while the context is active
+    (distinct storages; parameters and views of them excluded: those are the weights)."""
+
+    def __init__(self, params) -> None:
+        self.params = list(params)
+        self.live: dict[int, list] = {}  # storage pointer -> [nbytes, references]
+        self.current = self.peak = 0
+
+    def _pack(self, t):
+        key = t.untyped_storage().data_ptr()
+        # A weight, or a view of one (``weight.t()``): where the parameter's data is now (an
+        # offloaded parameter's data is its unit's device slot while resident).
+        weights = {p.untyped_storage().data_ptr() for p in self.params}
+        if key in weights or not t.is_floating_point():
+            return t
+        entry = self.live.setdefault(key, [t.untyped_storage().nbytes(), 0])
+        if entry[1] == 0:
+            self.current += entry[0]
+            self.peak = max(self.peak, self.current)
+        entry[1] += 1
+        holder = _Holder(t)
+        weakref.finalize(holder, self._release, key)
+        return holder
+
+    def _release(self, key) -> None:
+        entry = self.live[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.current -= entry[0]
+            del self.live[key]
+
+    @staticmethod
+    def _unpack(x):
+        return x.tensor if isinstance(x, _Holder) else x
+
+    def context(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+
+class _Holder:
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor) -> None:
+        self.tensor = tensor
+
+
+def build_llama(layers: int, vocab: int, hidden: int, seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                   num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
+                                   num_key_value_heads=max(1, hidden // 128), max_position_embeddings=16384,
+                                   tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = transformers.LlamaForCausalLM(cfg).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def _measure(model, ids, steps, engine=None):
+    params = list(model.parameters())
+    saved = SavedBytes(params)
+    opt = engine.build_optimizer(lr=1e-4) if engine is not None else torch.optim.AdamW(params, lr=1e-4)
+    for _ in range(steps):
+        with saved.context():
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        if engine is not None:
+            engine.clip_grad_norm_(1.0)
+        else:
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad()
+    return saved.peak, loss.item()
+
+
+def sweep_point(kind: str, value: int, layers: int, vocab: int, seq: int, args) -> dict:
+    device = torch.device(args.device)
+    model = build_llama(layers, vocab, args.sweep_hidden)
+    ref = copy.deepcopy(model).to(device)
+    ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(0)).to(device)
+    engine = offload_model(model, StrongholdConfig(window_size=args.window, grad_buffers=args.grad_buffers,
+                                                   offload_activations=True), device=device)
+    engine_saved, engine_loss = _measure(model, ids, args.steps, engine)
+    stats = engine.memory_stats()
+    engine.close()
+    plain_saved, plain_loss = _measure(ref, ids, args.steps)
+    n = sum(p.numel() for p in ref.parameters())
+    state = sum(16 * p.numel() if p.dtype == torch.float32 else 18 * p.numel() for p in ref.parameters())
+    row = {
+        "sweep": kind, kind: value, "layers": layers, "vocab": vocab, "seq": seq, "hidden": args.sweep_hidden,
+        "params": n,
+        "engine_owned_bytes": stats["device_peak_bytes"],
+        "engine_checkpoint_bytes": stats["activation_device_peak_bytes"],
+        "engine_saved_bytes": engine_saved,
+        "engine_device_bytes": stats["device_peak_bytes"] + stats["activation_device_peak_bytes"] + engine_saved,
+        "plain_state_bytes": state, "plain_saved_bytes": plain_saved,
+        "plain_device_bytes": state + plain_saved,
+        "losses": [engine_loss, plain_loss],
+    }
+    row["engine_vs_plain"] = row["engine_device_bytes"] / row["plain_device_bytes"]
+    return row
+
+
+def run_sweeps(args) -> list[dict]:
+    rows = []
+    plan = []
+    if "vocab" in args.sweeps:
+        plan += [("vocab", v, args.sweep_layers, v, args.sweep_seq) for v in _ints(args.vocab_sweep)]
+    if "seq" in args.sweeps:
+        plan += [("seq", s, args.sweep_layers, args.sweep_vocab, s) for s in _ints(args.seq_sweep)]
+    if "depth" in args.sweeps:
+        plan += [("depth", d, d, args.sweep_vocab, args.sweep_seq) for d in _ints(args.depth_sweep)]
+    for kind, value, layers, vocab, seq in plan:
+        row = sweep_point(kind, value, layers, vocab, seq, args)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _growth(rows: list[dict], kind: str, key: str) -> float | None:
+    points = [r for r in rows if r["sweep"] == kind]
+    if len(points) < 2:
+        return None
+    return points[-1][key] / points[0][key]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
@@ -134,16 +282,36 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--cap_third", action="store_true", help="CUDA: also train the deepest model under a cap of 1/3")
+    ap.add_argument("--sweeps", default="vocab,seq,depth", help="which sweeps to run: vocab,seq,depth or none")
+    ap.add_argument("--sweep_hidden", type=int, default=128)
+    ap.add_argument("--sweep_layers", type=int, default=4)
+    ap.add_argument("--sweep_vocab", type=int, default=32000)
+    ap.add_argument("--sweep_seq", type=int, default=1024)
+    ap.add_argument("--vocab_sweep", default="4096,16384,32768,65536,131072")
+    ap.add_argument("--seq_sweep", default="512,1024,2048,4096,8192")
+    ap.add_argument("--depth_sweep", default="2,4,8,16,32")
     args = ap.parse_args(argv)
     rows = []
-    for depth in [int(x) for x in args.depths.split(",")]:
+    for depth in [int(x) for x in args.depths.split(",") if x]:
         row = run_depth(depth, args)
         rows.append(row)
         print(json.dumps(row), flush=True)
+    sweeps = run_sweeps(args) if args.sweeps != "none" else []
     summary = {
         "summary": True, "device": args.device, "width": args.width,
+        "sweeps": {
+            kind: {
+                "points": [r[kind] for r in sweeps if r["sweep"] == kind],
+                "engine_device_bytes": [r["engine_device_bytes"] for r in sweeps if r["sweep"] == kind],
+                "engine_owned_bytes": [r["engine_owned_bytes"] for r in sweeps if r["sweep"] == kind],
+                "plain_device_bytes": [r["plain_device_bytes"] for r in sweeps if r["sweep"] == kind],
+                "engine_growth": _growth(sweeps, kind, "engine_device_bytes"),
+                "plain_growth": _growth(sweeps, kind, "plain_device_bytes"),
+            }
+            for kind in ("vocab", "seq", "depth") if any(r["sweep"] == kind for r in sweeps)
+        },
         "device_peak_bytes_by_depth": {r["depth"]: r["device_peak_bytes"] for r in rows},
-        "device_peak_ratio_deep_vs_shallow": rows[-1]["device_peak_bytes"] / rows[0]["device_peak_bytes"],
+        "device_peak_ratio_deep_vs_shallow": rows[-1]["device_peak_bytes"] / rows[0]["device_peak_bytes"] if rows else None,
         "host_bytes_per_param_by_depth": {r["depth"]: round(r["host_bytes_per_param"], 3) for r in rows},
         "host_bytes_per_param_without_staging_by_depth": {
             r["depth"]: round(r["host_bytes_per_param_without_staging"], 3) for r in rows},

@@ -11,6 +11,10 @@ batches:
   offload_wN  a deepcopy under ``offload_model(copy, StrongholdConfig(window_size=N))``,
               ``engine.build_optimizer(...)``, ``engine.clip_grad_norm_(1.0)``; one variant per
               ``--windows`` entry
+  offload_wN_nb_off  the same with ``offload_non_block=False`` (embeddings and head on the
+              device with a device AdamW, the first version), with ``--non_block on,off``;
+              the summary's ``ratio_non_block_on_vs_off_paired`` is tokens/s with everything
+              outside the blocks offloaded over tokens/s without (target >= 0.95)
 
 Method. All variants live in ONE process (these shared machines drift by about +-30% from
 minute to minute, shared/NOTES.md), are warmed up, then run in interleaved blocks of
@@ -174,13 +178,13 @@ def plain_variant(base, device: torch.device, precision: str, lr: float, max_nor
 
 
 def offload_variant(base, device: torch.device, precision: str, lr: float, window_size: int, cpu_threads: int | None,
-                    speculative: str, max_norm: float) -> Variant:
+                    speculative: str, max_norm: float, non_block: bool = True) -> Variant:
     from stronghold_hf import StrongholdConfig, offload_model
 
     model = copy.deepcopy(base)
     cfg = StrongholdConfig(
         window_size=window_size, cpu_threads=cpu_threads, speculative_step=speculative,
-        param_dtype=torch.bfloat16 if precision == "bf16" else None,
+        param_dtype=torch.bfloat16 if precision == "bf16" else None, offload_non_block=non_block,
     )
     engine = offload_model(model, cfg, device=device)
     opt = engine.build_optimizer(lr=lr, weight_decay=0.01)
@@ -207,7 +211,7 @@ def offload_variant(base, device: torch.device, precision: str, lr: float, windo
         t4 = time.perf_counter()
         return {"forward": t1 - t0, "backward": t2 - t1, "clip": t3 - t2, "step": t4 - t3, "loss": float(loss.detach())}
 
-    suffix = "" if speculative == "auto" else f"_spec_{speculative}"
+    suffix = ("" if speculative == "auto" else f"_spec_{speculative}") + ("" if non_block else "_nb_off")
     v = Variant(f"offload_w{window_size}{suffix}", step, drain=engine.synchronize, engine=engine, window_size=window_size)
     return v
 
@@ -323,6 +327,13 @@ def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def _paired(a: Variant, b: Variant | None) -> float | None:
+    """Median over rounds of tokens/s of ``a`` over tokens/s of ``b`` (each round's medians)."""
+    if b is None or not a.round_medians:
+        return None
+    return round(_median([tb / ta for ta, tb in zip(a.round_medians, b.round_medians)]), 3)
+
+
 def report(v: Variant, tokens_per_step: int, device: torch.device, plain_v: Variant | None = None,
            plain: dict | None = None, params: int | None = None) -> dict:
     med = _median(v.steps)
@@ -378,6 +389,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cpu_threads", type=int, default=None, help="StrongholdConfig.cpu_threads (default: auto)")
     p.add_argument("--speculative", default="auto", help="StrongholdConfig.speculative_step of the offloaded variants; "
                    "a comma-separated list (auto,off) adds one variant per value for the first window")
+    p.add_argument("--non_block", default="on", help="StrongholdConfig.offload_non_block of the offloaded variants: "
+                   "on (default), or on,off to add a variant with the parameters outside the blocks on the device")
     p.add_argument("--max_grad_norm", type=float, default=1.0, help="global clip (HF's default 1.0)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the training thread")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps per variant")
@@ -480,6 +493,9 @@ def main(argv=None) -> int:
     for mode in modes[1:]:
         variants.append(offload_variant(base, device, args.precision, args.lr, args.windows[0], args.cpu_threads, mode,
                                         args.max_grad_norm))
+    if "off" in [m.strip() for m in args.non_block.split(",")]:
+        variants.append(offload_variant(base, device, args.precision, args.lr, args.windows[0], args.cpu_threads,
+                                        modes[0], args.max_grad_norm, non_block=False))
     zero = zero_offload_variant(base, device, args.precision, args.lr, args.max_grad_norm)
     if zero is not None:
         variants.append(zero)
@@ -512,6 +528,8 @@ def main(argv=None) -> int:
         "first_block_ready_fraction": first.get("first_block_ready_fraction"),
         "forward_stall_fraction": first.get("forward_stall_fraction"),
         "speculation": {r["variant"]: r.get("speculation") for r in rows if "speculation" in r},
+        "ratio_non_block_on_vs_off_paired": _paired(variants[1], next(
+            (v for v in variants if v.name.endswith("_nb_off")), None)),
         "ratio_offload_vs_zero_offload": next(
             (round(first["tokens_per_s"] / r["tokens_per_s"], 3) for r in rows if r["variant"] == "zero_offload"), None),
         "target_ratio_cpu": 0.85,

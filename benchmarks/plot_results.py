@@ -8,6 +8,8 @@ Every input file is read line by line, and each line is classified by its ``benc
                           several ``--model``/``--n_embd`` sizes)
   max_model_size.png      largest trainable model per system (bench_max_model summaries)
   cpu_tokens_per_s.png    bar chart of tokens/s per variant of each CPU run (one group per file)
+  memory_sweeps.png       device bytes against vocabulary, sequence length and depth, the
+                          engine next to plain training (bench_memory rows with ``sweep``)
 
 matplotlib is not a dependency of stronghold_hf (``pip install matplotlib``, or the ``plots``
 extra). A plot with no data is skipped with a message.
@@ -132,6 +134,33 @@ def plot_cpu_bars(plt, lines, out_dir: str) -> str | None:
     return _save(fig, out_dir, "cpu_tokens_per_s.png")
 
 
+def plot_memory_sweeps(plt, lines, out_dir: str) -> str | None:
+    rows = [obj for _, obj in lines if "sweep" in obj and "engine_device_bytes" in obj]
+    kinds = [k for k in ("vocab", "seq", "depth") if any(r["sweep"] == k for r in rows)]
+    if not kinds:
+        return None
+    titles = {"vocab": "vocabulary size", "seq": "sequence length (tokens)", "depth": "blocks"}
+    fig, axes = plt.subplots(1, len(kinds), figsize=(4.2 * len(kinds), 3.6), squeeze=False)
+    for ax, kind in zip(axes[0], kinds):
+        points = sorted((r for r in rows if r["sweep"] == kind), key=lambda r: r[kind])
+        x = [r[kind] for r in points]
+        mib = 2**20
+        ax.plot(x, [r["plain_device_bytes"] / mib for r in points], "o-", color="tab:red", label="plain HF")
+        ax.plot(x, [r["engine_device_bytes"] / mib for r in points], "o-", color="tab:blue", label="stronghold")
+        ax.plot(x, [r["engine_owned_bytes"] / mib for r in points], "s--", color="tab:blue", alpha=0.6,
+                label="stronghold: window + lanes + resident")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(titles[kind])
+        ax.set_ylabel("device MiB")
+        first = points[0]
+        fixed = {k: first[k] for k in ("vocab", "seq", "layers", "hidden") if k != ("layers" if kind == "depth" else kind)}
+        ax.set_title(", ".join(f"{k} {v}" for k, v in fixed.items()), fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("Device bytes: parameters, optimizer state and saved activations (bench_memory.py)", fontsize=9)
+    return _save(fig, out_dir, "memory_sweeps.png")
+
+
 def _save(fig, out_dir: str, name: str) -> str:
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, name)
@@ -151,7 +180,7 @@ def main(argv=None) -> int:
     plt = _require_matplotlib()
     lines = read_lines(args.files)
     for name, fn in (("throughput_vs_size", plot_throughput_vs_size), ("max_model_size", plot_max_model),
-                     ("cpu_tokens_per_s", plot_cpu_bars)):
+                     ("cpu_tokens_per_s", plot_cpu_bars), ("memory_sweeps", plot_memory_sweeps)):
         path = fn(plt, lines, args.out)
         print(f"{name}: {path}" if path else f"{name}: skipped (no matching lines in the inputs)")
     return 0

@@ -11,20 +11,22 @@
 #                                    deep == shallow peak, a model 3x the capped device trains
 #   bench_memory.py             60   the ledger at 4/16/64 blocks next to torch.cuda.max_memory_allocated,
 #                                    and the deepest model under a cap of 1/3 of its blocks
-#   bench_step.py (fp32)        90   plain vs offloaded W=1,2,4 (+ speculation off, + DeepSpeed ZeRO-Offload
+#   bench_estimate.py           75   the estimator against torch.cuda.max_memory_allocated on a
+#                                    Llama-3-8B-shaped model (2 blocks, 128k vocabulary, 4096 tokens, bf16)
+#   bench_step.py (fp32)        80   plain vs offloaded W=1,2,4 (+ speculation off, + DeepSpeed ZeRO-Offload
 #                                    when it imports) on a GPT-2-medium-like model: paired ratios,
 #                                    first_block_ready_fraction, forward_stall_fraction, miss rate
-#   bench_max_model.py --quick  90   largest trainable model under a 32 GB cap
-#   bench_train.py --quick      90   HF Trainer: plain vs --stronghold (auto, 1, 2), FSDP2 offload
+#   bench_max_model.py --quick  60   largest trainable model under a 32 GB cap
+#   bench_train.py --quick      70   HF Trainer: plain vs --stronghold (auto, 1, 2), FSDP2 offload
 #   bench_step.py (bf16)        rest only if at least 60 s of the 8 minutes are left
-#   total                       <= 460 + the optional bf16 run, capped at 470
+#   total                       <= 485 + the optional bf16 run, capped at 490
 # A piece that fails or times out is recorded and the script goes on: one broken piece must
 # not cost the others their (expensive) device time. The exit status is non-zero if any
 # piece failed.
 #
-# Output (at most 8 files, which the device tool collects from $OUT):
-#   env.txt  gpu_tests.txt  bench_memory_cuda.jsonl  bench_step_cuda.jsonl  bench_max_model.jsonl
-#   bench_train_cuda.jsonl  bench_step_cuda_bf16.jsonl  stderr.log  summary.txt
+# Output (which the device tool collects from $OUT):
+#   env.txt  gpu_tests.txt  bench_memory_cuda.jsonl  bench_estimate_cuda.jsonl  bench_step_cuda.jsonl
+#   bench_max_model.jsonl  bench_train_cuda.jsonl  bench_step_cuda_bf16.jsonl  stderr.log  summary.txt
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -97,29 +99,36 @@ tail -n 3 "$OUT_DIR/gpu_tests.txt" >>"$SUMMARY" || true
 run_piece "bench_memory cuda" 60 "$OUT_DIR/bench_memory_cuda.jsonl" \
     python benchmarks/bench_memory.py --device cuda --width 512 --depths 4,16,64 --seq 32 --batch 1 --cap_third
 
+# ---------------------------------------------------------------------------- bench_estimate (75 s)
+# Llama-3-8B's shapes with 2 blocks (1.5 B parameters, ~27 GB of host RAM): one training step; the
+# estimator's device total against the allocator's peak, the ledger against gpu_engine_bytes.
+run_piece "bench_estimate cuda" 75 "$OUT_DIR/bench_estimate_cuda.jsonl" \
+    python benchmarks/bench_estimate.py --device cuda --layers 2 --seq 4096
+
 # ---------------------------------------------------------------------------- bench_step fp32 (90 s)
 # GPT-2-medium-like: n_embd 1024, 24 layers, 16 heads, seq 512, batch 8. Each variant: 2 warm-up
 # steps, then 3 rounds x 3 steps (2 counted per round): 6 counted steps, 4 variants; no new round
 # after 70 s.
-run_piece "bench_step cuda fp32" 90 "$OUT_DIR/bench_step_cuda.jsonl" \
+run_piece "bench_step cuda fp32" 80 "$OUT_DIR/bench_step_cuda.jsonl" \
     python benchmarks/bench_step.py --device cuda --model gpt2-medium-like --n_embd 1024 --n_layer 24 \
-    --seq 512 --batch 8 --windows 1,2,4 --speculative auto,off --warmup 2 --rounds 3 --block_steps 3 --time_budget_s 70
+    --seq 512 --batch 8 --windows 1,2,4 --speculative auto,off --non_block on,off --warmup 2 --rounds 3 --block_steps 3 \
+    --time_budget_s 60
 
-# ---------------------------------------------------------------------------- bench_max_model (90 s)
-# hidden 2048, 16 heads; --quick: seq 512, batch 2, host RAM capped at 48 GiB; search budget 60 s
+# ---------------------------------------------------------------------------- bench_max_model (60 s)
+# hidden 2048, 16 heads; --quick: seq 512, batch 2, host RAM capped at 48 GiB; search budget 40 s
 # (after ~15 s of imports and estimator bounds), probes bounded by what is left.
-run_piece "bench_max_model quick 32GB" 90 "$OUT_DIR/bench_max_model.jsonl" \
-    python benchmarks/bench_max_model.py --quick --gpu_memory 32GB --time_budget_s 60
+run_piece "bench_max_model quick 32GB" 60 "$OUT_DIR/bench_max_model.jsonl" \
+    python benchmarks/bench_max_model.py --quick --gpu_memory 32GB --time_budget_s 40
 
 # ---------------------------------------------------------------------------- bench_train (90 s)
 # GPT-2-small-like (n_embd 768, 12 layers, seq 512, batch 8): 2 rounds x 8 steps per variant; no new
 # run after 65 s (round 0 of plain and stronghold always runs), so the summary line always comes.
-run_piece "bench_train cuda quick" 90 "$OUT_DIR/bench_train_cuda.jsonl" \
-    python benchmarks/bench_train.py --device cuda --quick --model_size gpt2-small-like --worker_timeout 45 \
-    --time_budget_s 65
+run_piece "bench_train cuda quick" 70 "$OUT_DIR/bench_train_cuda.jsonl" \
+    python benchmarks/bench_train.py --device cuda --quick --model_size gpt2-small-like --worker_timeout 40 \
+    --time_budget_s 50
 
 # ---------------------------------------------------------------------------- optional bf16 step
-LEFT=$((470 - (SECONDS - START)))
+LEFT=$((490 - (SECONDS - START)))
 if [ "$LEFT" -ge 60 ]; then
     run_piece "bench_step cuda bf16" "$LEFT" "$OUT_DIR/bench_step_cuda_bf16.jsonl" \
         python benchmarks/bench_step.py --device cuda --model gpt2-medium-like --seq 512 --batch 8 \
