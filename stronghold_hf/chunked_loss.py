@@ -631,6 +631,10 @@ class _ChunkedHead:
             # logits_to_keep, a packed boolean mask, prompt-learning PEFT: not the rows the
             # labels describe, so the plain path computes this loss.
             return None
+        if lead.numel() <= resolve_chunk_tokens(self.chunk_tokens, self.head.weight.shape[0]):
+            # One chunk would hold every token: chunking saves no memory then, and its
+            # recompute in backward would cost a head matmul. The plain path runs.
+            return None
         self.hidden, self.hidden_version, self.phase = hidden, hidden._version, _Phase.CAPTURED
         # The model's own ``self.lm_head(...)`` now builds [B, 0, V] logits, and every
         # transform between the head and the loss runs on that empty tensor.

@@ -246,6 +246,13 @@ class TransferContext:
                 pending.append((counter, start, end))
         self._timed = pending
 
+    def book_h2d(self, nbytes: int, *, fetch: bool) -> None:
+        """The ``"sync"`` mode's zero-copy fetch (unit.py, [Note: aliasing the host on a CPU
+        device]): the bytes a fetch would copy are booked as crossed."""
+        assert self.mode == "sync"
+        self.ledger.count_h2d(nbytes, fetch=fetch)
+        self.stats.add("h2d_bytes", nbytes)
+
     def book_d2h(self, src: torch.Tensor):
         """The ``"sync"`` mode's zero-copy device-to-host transfer: the bytes are host memory
         already; they are booked as crossed, and the returned event is complete."""

@@ -155,6 +155,15 @@ class Unit:
         self._storage = self.slot.untyped_storage()
         self.slot_bytes = self._storage.nbytes()
         self._storage.resize_(0)
+        # [Note: aliasing the host on a CPU device] When the compute device is the CPU itself
+        # (synchronous copies) and this rank holds the whole unit, a fetch would copy host
+        # memory into more host memory: the parameters then point at the image itself while
+        # "resident" (the bytes a fetch would have copied, in the compute dtype). The state
+        # machine, the pool and the ledger run as on a GPU (the ledger books the slot as device
+        # memory and the fetch as traffic); only the memcpy and the allocation are skipped.
+        # The simulated GPU-like mode and CUDA copy for real.
+        self.alias_host = transfer.mode == "sync" and not self.sharded
+        self._alias_views = self.image_views if self.alias_host else None
         for p, view in zip(self.params, self.host_views):
             p.data = view
         self._record_host_state()
@@ -201,6 +210,8 @@ class Unit:
 
     @property
     def holds_device_storage(self) -> bool:
+        if self.alias_host:
+            return self.state is not Residency.ON_HOST
         return self._storage.nbytes() > 0
 
     def master_of(self, param: nn.Parameter) -> nn.Parameter | None:
@@ -271,8 +282,14 @@ class Unit:
             self.refresh_image()
             if self.pool is not None:  # the resident unit is outside the window's pool
                 self.pool.acquire(self.index)
-            self._storage.resize_(self.slot_bytes)  # on the compute stream: [Note: allocation stream]
             self.ledger.device_alloc(self.slot_bytes)
+            if self.alias_host:  # [Note: aliasing the host on a CPU device]
+                self.transfer.book_h2d(self.slot_bytes, fetch=True)
+                for p, view in zip(self.params, self._alias_views):
+                    p.data = view
+                self.state = Residency.FETCHING
+                return
+            self._storage.resize_(self.slot_bytes)  # on the compute stream: [Note: allocation stream]
             events = []
             if self.image_trainable is not None:  # this rank's shard (everything, unsharded)
                 events.append(self.transfer.copy_h2d(self.slot_local, self.image_trainable, fetch=True))
@@ -307,7 +324,8 @@ class Unit:
         assert self.grad_buffer is None, f"{self.fqn}: evict with a gradient buffer still attached"
         if self.state is Residency.FETCHING:
             self._wait_copies()  # the copies must land before their destination is freed (no gather)
-        self._storage.resize_(0)
+        if not self.alias_host:
+            self._storage.resize_(0)
         self.ledger.device_free(self.slot_bytes)
         if self.pool is not None:
             self.pool.release(self.index)

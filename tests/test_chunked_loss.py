@@ -478,3 +478,18 @@ def test_peak_rss_of_a_training_step():
     print(f"peak RSS growth of one step, 1 x 4096 tokens, vocab 32000: plain {plain / 1024:.0f} MiB, "
           f"chunked {chunked / 1024:.0f} MiB")
     assert chunked <= plain / 2, (plain, chunked)
+
+
+def test_one_chunk_for_every_token_runs_the_plain_path():
+    """When a single chunk would hold all the tokens, chunking saves nothing and its backward
+    recompute would cost a head matmul: the plain path runs and returns real logits."""
+    model, reference = pair("llama")
+    batch = make_batch()
+    rows = batch["input_ids"].numel()
+    ChunkedLoss.install(model, chunk_tokens=rows)
+    out, ref = model(**batch), reference(**batch)
+    assert out.logits is not None and out.logits.shape == ref.logits.shape
+    torch.testing.assert_close(out.loss, ref.loss)
+    model2, _ = pair("llama")
+    ChunkedLoss.install(model2, chunk_tokens=rows - 1)
+    assert model2(**batch).logits is None  # two chunks: chunked
