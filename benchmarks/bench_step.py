@@ -178,13 +178,14 @@ def plain_variant(base, device: torch.device, precision: str, lr: float, max_nor
 
 
 def offload_variant(base, device: torch.device, precision: str, lr: float, window_size: int, cpu_threads: int | None,
-                    speculative: str, max_norm: float, non_block: bool = True) -> Variant:
+                    speculative: str, max_norm: float, non_block: bool = True, host_worker: str = "auto") -> Variant:
     from stronghold_hf import StrongholdConfig, offload_model
 
     model = copy.deepcopy(base)
     cfg = StrongholdConfig(
         window_size=window_size, cpu_threads=cpu_threads, speculative_step=speculative,
         param_dtype=torch.bfloat16 if precision == "bf16" else None, offload_non_block=non_block,
+        host_worker=host_worker,
     )
     engine = offload_model(model, cfg, device=device)
     opt = engine.build_optimizer(lr=lr, weight_decay=0.01)
@@ -391,6 +392,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "a comma-separated list (auto,off) adds one variant per value for the first window")
     p.add_argument("--non_block", default="on", help="StrongholdConfig.offload_non_block of the offloaded variants: "
                    "on (default), or on,off to add a variant with the parameters outside the blocks on the device")
+    p.add_argument("--host_worker", default="auto", choices=["auto", "thread", "inline"],
+                   help="StrongholdConfig.host_worker of the offloaded variants (thread: overlap as on a GPU)")
     p.add_argument("--max_grad_norm", type=float, default=1.0, help="global clip (HF's default 1.0)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the training thread")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps per variant")
@@ -489,7 +492,7 @@ def main(argv=None) -> int:
     modes = [m.strip() for m in args.speculative.split(",") if m.strip()]
     for w in args.windows:
         variants.append(offload_variant(base, device, args.precision, args.lr, w, args.cpu_threads, modes[0],
-                                        args.max_grad_norm))
+                                        args.max_grad_norm, host_worker=args.host_worker))
     for mode in modes[1:]:
         variants.append(offload_variant(base, device, args.precision, args.lr, args.windows[0], args.cpu_threads, mode,
                                         args.max_grad_norm))
