@@ -96,11 +96,11 @@ class DataParallel:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
-    def broadcast_(self, tensors: list[torch.Tensor]) -> None:
-        """Rank 0's values everywhere; host tensors through the host group."""
+    def broadcast_(self, tensors: list[torch.Tensor], src: int = 0) -> None:
+        """Rank ``src``'s values everywhere; host tensors through the host group."""
         for t in tensors:
             group = self.host_group if (t.device.type == "cpu" and self.host_group is not None) else None
-            dist.broadcast(t, src=0, group=group)
+            dist.broadcast(t, src=src, group=group)
 
     def all_gather_host_(self, full: torch.Tensor, local: torch.Tensor) -> None:
         """Like `all_gather_` for host tensors (a full state dict)."""

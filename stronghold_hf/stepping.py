@@ -121,6 +121,8 @@ class StepCoordinator:
 
         ticket = self.worker.submit(f"{label} of {block.fqn}", timed)
         self._tickets[block.index] = ticket
+        if not ticket.done():
+            block.guard()  # a read before it finishes waits for it (read_guard.py)
         return ticket
 
     def run_inline(self, block, label: str, fn, *, counter: str = "cpu_adam_s") -> None:
@@ -192,6 +194,9 @@ class StepCoordinator:
             self.stats.add("blocked_s", ticket.wait())
             if self._first_ticket is ticket:
                 self._account_first_block()
+            unit = self.units[index]
+            if unit.spec is None and not unit.sharded:
+                unit.unguard()
 
     # ------------------------------------------------------------------ speculation
     def begin_backward_pass(self) -> None:
@@ -212,6 +217,7 @@ class StepCoordinator:
         if record is None:
             return
         block.spec = record
+        block.guard()  # a read before the step validates it sees the value the last step produced
         partial = self.partial_norm
         self.submit(block, "the speculative CPU optimizer update",
                     lambda: self.optimizer.apply_speculation(block, record, partial), counter="speculative_update_s")

@@ -49,6 +49,7 @@ from torch.autograd.profiler import record_function
 from .discovery import UnitSpec
 from .distributed import DataParallel
 from .ledger import MemoryLedger
+from . import read_guard
 from .memory import BlockLayout, DeviceSlotPool, HostAllocator, element_size, layout_block, typed_view
 from .transfer import TransferContext
 
@@ -56,6 +57,12 @@ from .transfer import TransferContext
 def _sharded_placeholder(shape: torch.Size) -> torch.Tensor:
     """``shape``-shaped fp32 view of a single NaN (stride 0 everywhere)."""
     return torch.full((1,) * len(shape), float("nan")).expand(shape)
+
+
+def _engine_access():
+    """The engine's own reads and writes of a parameter's ``.data``: never a user's read, so a
+    guarded parameter (read_guard.py) does not run its barrier for them."""
+    return torch._C.DisableTorchFunctionSubclass()
 
 
 def _is_placeholder(t: torch.Tensor) -> bool:
@@ -164,8 +171,9 @@ class Unit:
         # The simulated GPU-like mode and CUDA copy for real.
         self.alias_host = transfer.mode == "sync" and not self.sharded
         self._alias_views = self.image_views if self.alias_host else None
-        for p, view in zip(self.params, self.host_views):
-            p.data = view
+        with _engine_access():
+            for p, view in zip(self.params, self.host_views):
+                p.data = view
         self._record_host_state()
         self.master_index = {id(m): k for k, m in enumerate(self.masters) if m is not None}
 
@@ -236,7 +244,7 @@ class Unit:
         in-place write to our view shows as a bumped version counter (writes through a ``.data``
         alias do not: with bf16/fp16 compute call ``engine.mark_parameters_changed()``)."""
         changed = False
-        with torch.no_grad():
+        with torch.no_grad(), _engine_access():
             for k, (p, view) in enumerate(zip(self.params, self.host_views)):
                 data = p.data
                 if data.data_ptr() != view.data_ptr() or data.dtype != view.dtype or data.shape != view.shape or (
@@ -274,10 +282,20 @@ class Unit:
                     img.copy_(master)  # fp32 -> compute dtype
         self.image_stale = False
 
+    # ------------------------------------------------------------------ reads between steps
+    def guard(self) -> None:
+        """Reads of the parameters run the unit's read barrier first (read_guard.py): its update
+        is in flight, a speculative update is not validated, or this rank holds only a shard."""
+        read_guard.guard(self.params)
+
+    def unguard(self) -> None:
+        read_guard.unguard(self.params)
+
     # ------------------------------------------------------------------ transitions
     def begin_fetch(self) -> None:
         assert self.state is Residency.ON_HOST, f"{self.fqn}: begin_fetch from {self.state}"
-        with record_function(f"stronghold.fetch:{self.fqn}"):
+        with record_function(f"stronghold.fetch:{self.fqn}"), _engine_access():
+            self.unguard()  # the schedule waited for its update: the parameters are read freely now
             self.adopt_host_writes()
             self.refresh_image()
             if self.pool is not None:  # the resident unit is outside the window's pool
@@ -329,10 +347,13 @@ class Unit:
         self.ledger.device_free(self.slot_bytes)
         if self.pool is not None:
             self.pool.release(self.index)
-        for p, view in zip(self.params, self.host_views):
-            p.data = view
+        with _engine_access():
+            for p, view in zip(self.params, self.host_views):
+                p.data = view
         self._record_host_state()
         self.state = Residency.ON_HOST
+        if self.sharded:
+            self.guard()  # between uses this rank holds only its shard: a read must not see the placeholder
 
     # ------------------------------------------------------------------ gradients
     def take_exposed_grads(self) -> None:
@@ -585,7 +606,7 @@ class Unit:
     def restore_parameters(self, device: torch.device, values: list[torch.Tensor]) -> None:
         """Gives each parameter an ordinary tensor of its stored dtype on ``device`` (engine.close)."""
         assert self.state is Residency.ON_HOST and self.grad_buffer is None
-        with torch.no_grad():
+        with torch.no_grad(), _engine_access():
             for e, p, value in zip(self.layout.entries, self.params, values):
                 grad = p.grad if self.exposes_grads else None
                 p.grad = None

@@ -17,6 +17,7 @@ instead, stepped by a device AdamW (the first version's behaviour).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import distributed
+from . import distributed, read_guard
 from .activations import ActivationStore
 from .auto_window import AutoWindowProbe
 from .config import DEFAULT_WINDOW_SIZE, StrongholdConfig
@@ -39,7 +40,7 @@ from .state_dict import install_state_dict_hooks
 from .stats import EngineStats
 from .stepping import StepCoordinator
 from .transfer import TransferContext
-from .unit import Unit
+from .unit import Residency, Unit
 from .workers import HostWorker
 
 logger = logging.getLogger("stronghold_hf")
@@ -128,6 +129,11 @@ class WindowEngine:
         self._handles: list[Any] = self.schedule.install()
         for u in self.units:
             self._handles.extend(install_state_dict_hooks(self.schedule, self.coordinator, u))
+        self._gathered = 0  # depth of gathered_parameters() contexts
+        for u in self.units:
+            read_guard.register(u.params, self, u.index)
+            if u.sharded:
+                u.guard()  # this rank holds a shard: a read between steps is refused with the fix
         self._device_reporting = _report_compute_device(model, device)
         self.chunked_loss = None
         if config.chunked_loss:
@@ -299,6 +305,70 @@ class WindowEngine:
         self.schedule.evict_all()
         self.coordinator.synchronize()
 
+    def read_barrier(self, index: int) -> None:
+        """A guarded parameter of unit ``index`` is about to be read (read_guard.py): its CPU
+        update finishes first (a speculative update the step has not validated is undone, so the
+        read sees what the last ``step()`` produced); a shard this rank holds is refused."""
+        u = self.units[index]
+        self.coordinator.wait_update(u, forward=False)
+        if u.sharded and u.state is Residency.ON_HOST:
+            if self.schedule.gathering or self._gathered:
+                return  # the values are being assembled (full_state_dict, gathered_parameters)
+            raise RuntimeError(
+                f"stronghold: with sharded CPU state (data parallel) this rank holds only a shard of the parameters "
+                f"of {u.fqn} between steps, so reading one here would give a placeholder, not its value. Read whole "
+                "values with engine.full_state_dict() (on every rank), or inside `with "
+                "engine.gathered_parameters(params):` entered on every rank (modifier_rank=r writes rank r's changes "
+                "back), or use StrongholdConfig(shard_cpu_state=False)."
+            )
+        u.unguard()
+
+    @contextlib.contextmanager
+    def gathered_parameters(self, params=None, modifier_rank: int | None = None):
+        """Whole parameters on every rank for the body of the ``with`` (DeepSpeed's
+        ``GatheredParameters``): every rank must enter it, with the same ``params``.
+
+        ``params``: the parameters to gather (their units are gathered whole), default all.
+        Inside, each offloaded trainable parameter holds its whole fp32 value in host memory;
+        reads see it. ``modifier_rank=r``: on exit, rank ``r``'s values (changed in place or
+        through ``.data``) are broadcast and written into every rank's masters; otherwise
+        changes are dropped. Outside data parallelism it only finishes pending updates."""
+        self.schedule.evict_all()
+        self.coordinator.synchronize()
+        if params is None:
+            units = list(self.units)
+        else:
+            chosen = {self.unit_of(p).index for p in params if self.is_offloaded(p)}
+            units = [u for u in self.units if u.index in chosen]
+        gathered = []
+        self._gathered += 1
+        try:
+            for u in units:  # the same order on every rank: each full_values is a collective
+                u.unguard()
+                if u.sharded:
+                    values = u.full_values()
+                    with torch.no_grad():
+                        for e, p, v in zip(u.layout.entries, u.params, values):
+                            if e.trainable:
+                                p.data = v
+                    gathered.append(u)
+            yield
+        finally:
+            self._gathered -= 1
+            with torch.no_grad():
+                for u in units:
+                    trainable = [(k, p) for k, (e, p) in enumerate(zip(u.layout.entries, u.params)) if e.trainable]
+                    if modifier_rank is not None and self.dp is not None:
+                        self.dp.broadcast_([p.data for _, p in trainable], src=modifier_rank)
+                    if u in gathered:
+                        if modifier_rank is not None:
+                            for k, p in trainable:
+                                u._write_host_value(k, p.data.to(torch.float32))
+                            u.image_stale = not u.layout.masters_in_image
+                        for p, view in zip(u.params, u.host_views):
+                            p.data = view
+                        u.guard()
+
     def mark_parameters_changed(self) -> None:
         """Tells the engine that offloaded parameters were written behind its back (through a
         ``.data`` alias, which bumps no version counter); the next fetch re-derives the
@@ -357,7 +427,8 @@ class WindowEngine:
         return self.coordinator.last_grad_norm
 
     def synchronize(self) -> None:
-        """Waits for every in-flight CPU update (before reading masters outside the engine)."""
+        """Waits for every in-flight CPU update. Not needed before reading parameters: a read
+        waits for its own unit's update by itself (read_guard.py)."""
         self.coordinator.synchronize()
 
     def shutdown_workers(self) -> None:
@@ -389,6 +460,8 @@ class WindowEngine:
         if self.chunked_loss is not None:
             self.chunked_loss.remove()
             self.chunked_loss = None
+        for u in self.units:
+            read_guard.unregister(u.params)
         for u in self.units:  # with sharded state, gathering is collective: every rank closes
             u.restore_parameters(target, u.full_values())
         _stop_reporting_compute_device(self._device_reporting)

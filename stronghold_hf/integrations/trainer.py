@@ -40,7 +40,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from transformers import Seq2SeqTrainer, Trainer, TrainerCallback
+from transformers import Seq2SeqTrainer, Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from ..config import StrongholdConfig
@@ -187,11 +187,6 @@ def _with_low_precision_copies(cfg: StrongholdConfig, args: Any) -> StrongholdCo
     return cfg
 
 
-def _acts_at_step_end(callback: Any) -> bool:
-    cls = type(callback)
-    return cls.on_step_end is not TrainerCallback.on_step_end and not cls.__module__.startswith("transformers.")
-
-
 def _carries_engine(model: Any) -> bool:
     """Whether ``model`` or a module inside it (a PEFT wrapper's base) has a STRONGHOLD engine."""
     if not isinstance(model, torch.nn.Module):
@@ -259,7 +254,6 @@ class _StrongholdTrainerMixin:
             self._stronghold_log_t0 = time.perf_counter()
             self._stronghold_log_steps = 0
             self._log_stronghold_on()
-            self._settle_weights_for_step_end_callbacks()
             if getattr(args, "sync_ref_model", False) and self.stronghold_engine.dp is not None and \
                     self.stronghold_engine.dp.sharded:
                 raise ValueError(
@@ -280,24 +274,6 @@ class _StrongholdTrainerMixin:
             f"state ({mem['pinned_host_bytes'] / 2**30:.2f} GiB pinned), CPU Adam threads={engine.worker.num_threads}, "
             f"device {engine.device}"
         )
-
-    def _settle_weights_for_step_end_callbacks(self) -> None:
-        """Callbacks that run right after a step see every block's updated weights.
-
-        ``optimizer.step()`` returns while the CPU updates of later blocks still run (the next
-        forward waits per block). A callback from outside transformers that acts at
-        ``on_step_end`` (TRL's ``SyncRefModelCallback`` mixes the trained weights into the
-        reference model there; EMA callbacks read them) would read half-updated blocks, so the
-        engine finishes its updates first, only when such a callback is registered."""
-        handler = self.callback_handler
-        deliver = handler.on_step_end
-
-        def on_step_end(args, state, control):
-            if any(_acts_at_step_end(cb) for cb in handler.callbacks):
-                self.stronghold_engine.synchronize()
-            return deliver(args, state, control)
-
-        handler.on_step_end = on_step_end
 
     def _move_model_to_device(self, model, device):
         if getattr(self, "_stronghold_on", False):
