@@ -21,6 +21,10 @@ Variants (all over the same fp32 params and grads):
   (full mode) chunk sweeps of the torch kernel's scaled path, and of a hand-chunked
   "fused step on a chunk, then copy that chunk out while it is in cache" variant
   deepspeed[_bf16_copy]         DeepSpeedCPUAdam, only if `deepspeed` is importable
+  cpu_adam_8bit                 CPUAdam(state_bits=8): blockwise 8-bit moments (host_memory="lean")
+  bnb_adamw8bit                 bitsandbytes.optim.AdamW8bit (its CPU backend), only if importable
+  torchao_adamw8bit             torchao.optim.AdamW8bit, only if importable
+                                (pip install ".[compare]"; neither is a dependency of this project)
 ratio_vs_bound uses the faster of the two bounds. Then a thread study (two big groups
 stepped sequentially vs from two Python threads) and a GIL check.
 
@@ -46,7 +50,8 @@ from collections.abc import Callable
 import torch
 
 from stronghold_hf.optim import DEFAULT_CHUNK_NUMEL, CPUAdam
-from stronghold_hf.optim.cpu_adam import build_native_library, native_kernel_error
+from stronghold_hf.optim.cpu_adam import native_kernel_error
+from stronghold_hf.optim.native import build_native_library
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 1e-2
 
@@ -148,6 +153,27 @@ def deepspeed_variants(params, dests) -> dict[str, Callable[[], None]]:
             ds_copy.step()
             torch._foreach_copy_(dests, params)
     return {"deepspeed": ds.step, "deepspeed_bf16_copy": ds_bf16}
+
+
+def eight_bit_variants(params) -> dict[str, Callable[[], None]]:
+    """8-bit AdamW: ours, and bitsandbytes' and torchao's where they import (each its own state)."""
+    variants: dict[str, Callable[[], None]] = {
+        "cpu_adam_8bit": CPUAdam(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, state_bits=8).step}
+    for name, module, cls in (("bnb_adamw8bit", "bitsandbytes", "optim.AdamW8bit"),
+                              ("torchao_adamw8bit", "torchao", "optim.AdamW8bit")):
+        if importlib.util.find_spec(module) is None:
+            continue
+        try:
+            factory = importlib.import_module(module)
+            for part in cls.split("."):
+                factory = getattr(factory, part) if hasattr(factory, part) else importlib.import_module(
+                    f"{factory.__name__}.{part}")
+            opt = factory(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+            opt.step()  # creates its state (and compiles, for torchao) outside the timing
+            variants[name] = opt.step
+        except Exception as e:  # a library that does not run here must not sink the benchmark
+            emit({"variant": name, "error": f"{type(e).__name__}: {e}"[:500]})
+    return variants
 
 
 def thread_study(params: list[torch.Tensor], threads: int, repeats: int, kernels: list[str]) -> None:
@@ -287,6 +313,7 @@ def main() -> None:
     if not args.no_foreach:
         variants["torch_foreach"] = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=True).step
     variants.update(deepspeed_variants(params, dests))
+    variants.update(eight_bit_variants(params))
     if not (args.quick or args.smoke):  # chunk size of the torch kernel's copy-out / scaled paths
         hot = cpu_adam("torch")
         hot.step()  # creates the (shared) state chunked_hot_copy reads
@@ -327,6 +354,9 @@ def main() -> None:
         "ratio_bf16_copy_vs_plain": ratio("cpu_adam_bf16_copy", "cpu_adam"),
         "ratio_bf16_copy_vs_torch_kernel_separate_pass": ratio("cpu_adam_bf16_copy", "cpu_adam_torch_kernel_bf16_copy"),
         "ratio_scaled_vs_plain": ratio("cpu_adam_scaled", "cpu_adam"),
+        "ratio_8bit_vs_fp32": ratio("cpu_adam_8bit", "cpu_adam"),
+        "ratio_8bit_vs_bnb_8bit": ratio("cpu_adam_8bit", "bnb_adamw8bit"),
+        "ratio_8bit_vs_torchao_8bit": ratio("cpu_adam_8bit", "torchao_adamw8bit"),
         "bound_used": bound,
         "kernel": kernels[0],
         "targets_met": {

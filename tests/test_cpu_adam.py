@@ -435,8 +435,14 @@ def test_errors_name_the_fix():
 
 
 def test_kernel_fallback(monkeypatch):
-    monkeypatch.setattr(cpu_adam_module, "_load_native", lambda: None)
-    monkeypatch.setattr(cpu_adam_module, "_native_error", "RuntimeError: no C++ compiler found")
+    class Unavailable:  # a NativeLibrary that could not be built
+        def load(self):
+            return None
+
+        def error(self):
+            return "RuntimeError: no C++ compiler found"
+
+    monkeypatch.setattr(cpu_adam_module, "_NATIVE", Unavailable())
     monkeypatch.setattr(cpu_adam_module, "_fallback_warned", threading.Event())
     with pytest.warns(UserWarning, match="no C\\+\\+ compiler.*kernel='torch'"):
         assert CPUAdam(make_params()).kernel == "torch"

@@ -37,22 +37,18 @@ from __future__ import annotations
 
 import array
 import ctypes
-import hashlib
 import math
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 import warnings
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
 from torch.autograd.profiler import record_function
+
+from . import quant8
+from .native import ROUNDING_HELPERS, NativeLibrary
 
 __all__ = ["CPUAdam", "DEFAULT_CHUNK_NUMEL", "native_kernel_error"]
 
@@ -63,6 +59,7 @@ __all__ = ["CPUAdam", "DEFAULT_CHUNK_NUMEL", "native_kernel_error"]
 DEFAULT_CHUNK_NUMEL = 1 << 19
 
 _OUT_KIND = {torch.bfloat16: 1, torch.float16: 2}
+
 
 # Every arithmetic step mirrors torch's fused kernel in order; -ffp-contract=off plus explicit
 # fma keep the compiler from fusing differently in the vector body and the scalar tail, so
@@ -76,28 +73,7 @@ _NATIVE_SOURCE = r"""
 #include <vector>
 
 namespace {
-inline uint32_t bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
-inline float from_bits(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
-
-// c10 round_to_nearest_even: what param.to(torch.bfloat16) computes.
-inline uint16_t to_bf16(float f) {
-  const uint32_t u = bits(f);
-  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  return (u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t(0x7FC0) : uint16_t(r);
-}
-// c10 fp16_ieee_from_fp32_value: round to nearest even, NaN -> 0x7E00, written to vectorize.
-inline uint16_t to_fp16(float f) {
-  float base = (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
-  const uint32_t w = bits(f), shl1_w = w + w, sign = w & 0x80000000u;
-  const uint32_t bias = std::max(shl1_w & 0xFF000000u, 0x71000000u);
-  base = from_bits((bias >> 1) + 0x07800000u) + base;
-  const uint32_t b = bits(base);
-  const uint32_t nonsign = ((b >> 13) & 0x00007C00u) + (b & 0x00000FFFu);
-  // Selects by mask, not ?:, which GCC 12 turns into a branch that stops vectorization.
-  const uint32_t nan = 0u - uint32_t(shl1_w > 0xFF000000u);
-  return uint16_t((sign >> 16) | (nan & 0x7E00u) | (~nan & nonsign));
-}
-
+""" + ROUNDING_HELPERS + r"""
 struct Hyper { float grad_mul, decay, lerp_w, beta2, one_minus_beta2, eps; };
 using RangeFn = void (*)(float*, const float*, float*, float*, uint16_t*, int64_t, const Hyper&, float, float);
 
@@ -172,81 +148,14 @@ extern "C" void sh_adamw_step(int64_t nt, const int64_t* table, double lr, doubl
 }
 """
 
-_BUILD_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
-
-
-def build_native_library(source: str, name: str) -> ctypes.CDLL:
-    """Compiles ``source`` once per (source, compiler, CPU) into the cache and loads it.
-
-    ``-march=native`` is tried first, so the cache key includes the CPU's flags: a home
-    directory shared by different machines must not hand one a binary for another. Raises
-    ``RuntimeError`` with the reason when there is no compiler or the build fails.
-    """
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if not cxx:
-        raise RuntimeError("no C++ compiler found (set CXX)")
-    try:
-        cpu = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
-    except OSError:
-        cpu = ""
-    key = hashlib.sha256("\0".join([source, cxx, *_BUILD_FLAGS, platform.machine(), cpu]).encode()).hexdigest()[:16]
-    xdg_cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    cache = Path(os.environ.get("STRONGHOLD_CACHE_DIR") or xdg_cache / "stronghold_hf")
-    lib = cache / f"{name}-{key}.so"
-    if not lib.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            src, out = Path(tmp) / f"{name}.cpp", Path(tmp) / f"{name}.so"
-            src.write_text(source)
-            for isa in (["-march=native"], []):
-                cmd = [cxx, *_BUILD_FLAGS, *isa, str(src), "-o", str(out)]
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-                if proc.returncode == 0:
-                    break
-            else:
-                raise RuntimeError(f"building {name} with {cxx} failed: {proc.stderr.strip()[-1500:]}")
-            os.replace(out, lib)  # atomic: concurrent ranks building the same key are fine
-    # Loaded after torch, the library's libgomp.so.1 dependency resolves by soname to the
-    # copy torch already loaded, so both share one OpenMP runtime and one thread pool.
-    handle = ctypes.CDLL(str(lib))  # CDLL (not PyDLL) calls release the GIL
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        maps = ""
-    names = ("libgomp", "libiomp", "libomp")
-    runtimes = {ln.split()[-1] for ln in maps.splitlines() if any(r in ln.rsplit("/", 1)[-1] for r in names)}
-    if len(runtimes) > 1:
-        raise RuntimeError(f"two OpenMP runtimes are loaded ({sorted(runtimes)}); they would oversubscribe the cores")
-    return handle
-
-
-_native: ctypes.CDLL | None = None
-_native_error: str | None = None
-_native_lock = threading.Lock()
+_NATIVE = NativeLibrary("cpu_adam", _NATIVE_SOURCE, abi=("sh_cpu_adam_abi", 2), signatures={
+    "sh_adamw_step": [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_double] * 6 + [ctypes.c_int32]})
 _fallback_warned = threading.Event()  # warn once per process about kernel="auto" falling back
-
-
-def _load_native() -> ctypes.CDLL | None:
-    global _native, _native_error
-    with _native_lock:
-        if _native is None and _native_error is None:
-            try:
-                lib = build_native_library(_NATIVE_SOURCE, "cpu_adam")
-                if lib.sh_cpu_adam_abi() != 2:
-                    raise RuntimeError("stale library ABI")
-                f64 = ctypes.c_double
-                lib.sh_adamw_step.argtypes = [ctypes.c_int64, ctypes.c_void_p, f64, f64, f64, f64, f64, f64, ctypes.c_int32]
-                lib.sh_adamw_step.restype = None
-                _native = lib
-            except Exception as e:  # any failure means: use the torch kernel
-                _native_error = f"{type(e).__name__}: {e}"
-        return _native
 
 
 def native_kernel_error() -> str | None:
     """Why the native kernel is unavailable (building it if needed), or ``None`` if it works."""
-    _load_native()
-    return _native_error
+    return _NATIVE.error()
 
 
 def _is_true(flag: bool | Tensor | None) -> bool:
@@ -279,6 +188,12 @@ class CPUAdam(torch.optim.Optimizer):
         kernel: ``"auto"`` (native if it builds, else torch, with one warning), ``"native"``
             (raise if unavailable) or ``"torch"``. ``self.kernel`` says which one runs.
         chunk_numel: elements per call on the torch kernel's scaled-gradient path; a multiple of 16.
+        state_bits: 32 (``exp_avg``/``exp_avg_sq`` in fp32, AdamW's state) or 8: blockwise 8-bit
+            moments (``optim/quant8.py``) for tensors of at least `quant8.MIN_8BIT_NUMEL`
+            elements, fp32 for smaller ones (`set_state_bits` overrides per tensor). The 8-bit
+            state is ``exp_avg_q``/``exp_avg_sq_q`` (uint8 codes) and ``exp_avg_absmax``/
+            ``exp_avg_sq_absmax`` (fp32 per block of 256); ``load_state_dict`` converts a state
+            saved with the other setting.
 
     Thread-safety contract:
         * ``step_groups`` is the worker-thread entry point. Calls from several threads may
@@ -311,9 +226,13 @@ class CPUAdam(torch.optim.Optimizer):
         maximize: bool = False,
         kernel: Literal["auto", "native", "torch"] = "auto",
         chunk_numel: int = DEFAULT_CHUNK_NUMEL,
+        state_bits: Literal[32, 8] = 32,
     ) -> None:
         if kernel not in ("auto", "native", "torch"):
             raise ValueError(f"CPUAdam: kernel={kernel!r}; use 'auto', 'native' or 'torch'.")
+        if state_bits not in (32, 8):
+            raise ValueError(f"CPUAdam: state_bits={state_bits!r}; use 32 (fp32 moments) or 8 (blockwise 8-bit).")
+        self.state_bits = state_bits
         if not isinstance(chunk_numel, int) or chunk_numel < 16 or chunk_numel % 16:
             # torch's kernel splits work in 16-element units and rounds its scalar tail
             # differently; unit-aligned chunks keep results independent of chunking.
@@ -326,14 +245,14 @@ class CPUAdam(torch.optim.Optimizer):
     def _init_runtime(self) -> None:
         self.kernel: Literal["native", "torch"] = "torch"
         if self._kernel_request != "torch":
-            if _load_native() is not None:
+            if _NATIVE.load() is not None:
                 self.kernel = "native"
             elif self._kernel_request == "native":
-                raise RuntimeError(f"CPUAdam(kernel='native'): the native kernel is unavailable ({_native_error}). "
+                raise RuntimeError(f"CPUAdam(kernel='native'): the native kernel is unavailable ({_NATIVE.error()}). "
                                    "Use kernel='torch' or 'auto'.")
             elif not _fallback_warned.is_set():
                 _fallback_warned.set()
-                warnings.warn(f"CPUAdam: native kernel unavailable ({_native_error}); using torch's fused kernel, which "
+                warnings.warn(f"CPUAdam: native kernel unavailable ({_NATIVE.error()}); using torch's fused kernel, which "
                               "is slower for copy-out and scaled gradients. Pass kernel='torch' to silence this.",
                               stacklevel=3)
         self._lock = threading.Lock()  # guards lazy state insertion, _in_flight and _copy_out
@@ -341,13 +260,16 @@ class CPUAdam(torch.optim.Optimizer):
         self._copy_out: dict[Tensor, Tensor] = {}  # param -> bf16/fp16 dest; not optimizer state
         self._tables: dict[int, tuple] = {}  # group -> (grad ids, params list, table, items): [Note: cached tables]
         self._tls = threading.local()  # per-thread scratch of the torch kernel's scaled path
+        self.__dict__.setdefault("_bits", {})  # param -> 32/8, set_state_bits' overrides (kept across copies)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "_kernel_request": self._kernel_request, "_chunk_numel": self._chunk_numel}
+        return {**super().__getstate__(), "_kernel_request": self._kernel_request, "_chunk_numel": self._chunk_numel,
+                "state_bits": self.state_bits, "_bits": self._bits}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         if not hasattr(self, "_lock"):  # unpickled / deep-copied, not load_state_dict
+            self.__dict__.setdefault("state_bits", 32)
             self.__dict__.setdefault("_kernel_request", "auto")
             self.__dict__.setdefault("_chunk_numel", DEFAULT_CHUNK_NUMEL)
             self._init_runtime()
@@ -394,8 +316,28 @@ class CPUAdam(torch.optim.Optimizer):
                 raise ValueError(f"{desc} is not a contiguous dense tensor. Make it one first: p.data = p.data.contiguous().")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As ``torch.optim.AdamW``'s; a state saved with the other ``state_bits`` is converted
+        (fp32 moments quantized, or 8-bit ones read back as fp32) to what each parameter uses."""
         self._tables.clear()
-        super().load_state_dict(state_dict)
+        # torch casts every floating parameter's non-step state to the parameter's dtype: the
+        # uint8 codes go around it and come back after.
+        codes: dict[Any, dict[str, Tensor]] = {}
+        states = {}
+        for i, st in state_dict.get("state", {}).items():
+            codes[i] = {k: st[k] for k in quant8.CODE_KEYS if k in st}
+            states[i] = {k: v for k, v in st.items() if k not in quant8.CODE_KEYS}
+        super().load_state_dict({**state_dict, "state": states})
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(saved_ids, params):
+            st = self.state.get(p)
+            if not st:
+                continue
+            st.update(codes.get(i, {}))
+            if quant8.is_8bit(st) and not self.wants_8bit(p):
+                self.state[p] = quant8.state_to_fp32(st, p.shape)
+            elif not quant8.is_8bit(st) and "exp_avg" in st and self.wants_8bit(p):
+                self.state[p] = quant8.state_to_8bit(st)
         for gi, group in enumerate(self.param_groups):
             self._validate_group(group, gi)
         for state in self.state.values():
@@ -405,14 +347,32 @@ class CPUAdam(torch.optim.Optimizer):
             if step is not None and not ok:
                 state["step"] = torch.tensor(float(step), dtype=torch.float32)
 
+    def set_state_bits(self, params: Iterable[Tensor], bits: Literal[32, 8]) -> None:
+        """Overrides the size rule for ``params`` (before their first step): with sharded state a
+        master is a piece, and the whole parameter decides, so every rank's piece agrees."""
+        if bits not in (32, 8):
+            raise ValueError(f"CPUAdam.set_state_bits: bits={bits!r}; use 32 or 8.")
+        with self._lock:
+            for p in params:
+                self._bits[p] = bits
+
+    def wants_8bit(self, p: Tensor) -> bool:
+        """Whether ``p``'s moments are (or will be) 8-bit: ``state_bits=8`` and at least
+        `quant8.MIN_8BIT_NUMEL` elements, unless `set_state_bits` said otherwise."""
+        default = self.state_bits if p.numel() >= quant8.MIN_8BIT_NUMEL else 32
+        return self._bits.get(p, default) == 8
+
     def _state_for(self, p: Tensor) -> dict[str, Tensor]:
         state = self.state.get(p)
         if state:
             return state
         # Allocate and zero outside the lock (the slow part); a param is in one group only,
         # so only the thread stepping that group ever initializes it.
-        fresh = {"step": torch.tensor(0.0, dtype=torch.float32),  # fp32 0-d, as torch AdamW's
-                 "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}  # fp32, p's shape
+        if self.wants_8bit(p):
+            fresh = quant8.new_state(p)  # uint8 codes [numel] and fp32 absmax [blocks] per moment
+        else:
+            fresh = {"step": torch.tensor(0.0, dtype=torch.float32),  # fp32 0-d, as torch AdamW's
+                     "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}  # fp32, p's shape
         with self._lock:
             state = self.state[p]  # defaultdict insert: mutates the shared dict
             if not state:
@@ -495,8 +455,8 @@ class CPUAdam(torch.optim.Optimizer):
         group = self.param_groups[gi]
         if self.kernel == "native":
             # [Note: cached tables] A group whose parameters hold the same gradient tensors as at
-            # its last step reuses that step's address table: the engine steps each block with
-            # the same gradient buffers every step, and rebuilding the table is all Python (tens
+            # its last step reuses that step's address tables: the engine steps each block with
+            # the same gradient buffers every step, and rebuilding a table is all Python (tens
             # of microseconds per parameter, the whole update of a small block). State tensors
             # and copy-out targets only change through load_state_dict / register_copy_out,
             # which clear the cache.
@@ -504,6 +464,7 @@ class CPUAdam(torch.optim.Optimizer):
             cached = self._tables.get(gi)
             if cached is not None and cached[0] == key and cached[1] is group["params"]:
                 self._run_native(cached[2], cached[3], group, gmul)
+                self._run_native8(cached[4], cached[5], group, gmul)
                 return
         items: list[tuple[Tensor, Tensor, dict[str, Tensor], Tensor | None]] = []  # (param, grad, state, dest)
         for pi, p in enumerate(group["params"]):
@@ -517,30 +478,61 @@ class CPUAdam(torch.optim.Optimizer):
             items.append((p, g if g.is_contiguous() else g.contiguous(), self._state_for(p), self._copy_out.get(p)))
         if not items:
             return
+        items8 = [it for it in items if "exp_avg_q" in it[2]]
+        items = [it for it in items if "exp_avg_q" not in it[2]]
         beta1, beta2 = (float(b) for b in group["betas"])
         lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
         if self.kernel == "native":
-            # [Note: raw addresses] The table holds addresses only; every tensor it names is
-            # kept alive by `items` (grads made contiguous included) as long as the table is used.
+            # [Note: raw addresses] A table holds addresses only; every tensor it names is kept
+            # alive by its items (grads made contiguous included) as long as the table is used.
             table = array.array("q")  # int64 [n, 8], see sh_adamw_step
             for p, g, st, d in items:
                 table.extend((p.numel(), p.data_ptr(), g.data_ptr(), st["exp_avg"].data_ptr(), st["exp_avg_sq"].data_ptr(),
                               0 if d is None else d.data_ptr(), st["step"].data_ptr(), 0 if d is None else _OUT_KIND[d.dtype]))
-            if all(g is p.grad for p, g, _, _ in items):  # no contiguous() copies: the table stays valid
+            table8 = array.array("q")  # int64 [n, 10], see sh_adamw8_step
+            for p, g, st, d in items8:
+                table8.extend((p.numel(), p.data_ptr(), g.data_ptr(), st["exp_avg_q"].data_ptr(),
+                               st["exp_avg_absmax"].data_ptr(), st["exp_avg_sq_q"].data_ptr(),
+                               st["exp_avg_sq_absmax"].data_ptr(), 0 if d is None else d.data_ptr(),
+                               st["step"].data_ptr(), 0 if d is None else _OUT_KIND[d.dtype]))
+            if all(g is p.grad for p, g, _, _ in items + items8):  # no contiguous() copies: the tables stay valid
                 with self._lock:
-                    self._tables[gi] = (key, group["params"], table, items)
+                    self._tables[gi] = (key, group["params"], table, items, table8, items8)
             self._run_native(table, items, group, gmul)
+            self._run_native8(table8, items8, group, gmul)
         else:
-            # As torch's _fused_adam: the caller bumps the step before the kernel reads it.
-            torch._foreach_add_([st["step"] for _, _, st, _ in items], 1.0)
             hyper = dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=eps, amsgrad=False, maximize=False)
-            self._step_torch(items, gmul, hyper)
+            if items:
+                # As torch's _fused_adam: the caller bumps the step before the kernel reads it.
+                torch._foreach_add_([st["step"] for _, _, st, _ in items], 1.0)
+                self._step_torch(items, gmul, hyper)
+            for p, g, st, d in items8:
+                quant8.step_reference(p, g, st, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd,
+                                      grad_mul=gmul, out=d)
+
+    def _run_native8(self, table: array.array, items, group: dict[str, Any], gmul: float) -> None:
+        if not items:
+            return
+        lib = quant8.native_kernel()
+        if lib is None:  # built with the fp32 kernel but not this one: the reference, same math
+            beta1, beta2 = (float(b) for b in group["betas"])
+            for p, g, st, d in items:
+                quant8.step_reference(p, g, st, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
+                                      eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                                      grad_mul=gmul, out=d)
+            return
+        beta1, beta2 = (float(b) for b in group["betas"])
+        _, maps = quant8._map_pointers()
+        lib.sh_adamw8_step(len(items), table.buffer_info()[0], float(group["lr"]), beta1, beta2,
+                           float(group["weight_decay"]), float(group["eps"]), gmul, *maps, torch.get_num_threads())
 
     def _run_native(self, table: array.array, items, group: dict[str, Any], gmul: float) -> None:
+        if not items:
+            return
         beta1, beta2 = (float(b) for b in group["betas"])
         lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
         # The kernel bumps the steps itself; the GIL is released for the whole call.
-        _native.sh_adamw_step(len(items), table.buffer_info()[0], lr, beta1, beta2, wd, eps, gmul, torch.get_num_threads())
+        _NATIVE.load().sh_adamw_step(len(items), table.buffer_info()[0], lr, beta1, beta2, wd, eps, gmul, torch.get_num_threads())
 
     def _step_torch(self, items, gmul: float, hyper: dict[str, Any]) -> None:
         if gmul != 1.0:  # see [Note: the fused kernel writes the unscaled gradient back]
