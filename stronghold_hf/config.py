@@ -156,6 +156,16 @@ class StrongholdConfig:
     quarter of the free device memory; never on a CPU device. Without gradient checkpointing
     it does nothing."""
 
+    host_memory: Literal["exact", "lean"] = "exact"
+    """What the host keeps per trainable parameter. ``"exact"``: fp32 masters, gradients and
+    Adam moments (``torch.optim.AdamW``'s state, bit for bit). ``"lean"``: the two Adam moments
+    in blockwise 8-bit (Dettmers et al.'s dynamic quantization, blocks of 256, what
+    ``--optim adamw_bnb_8bit`` does on a GPU; ``optim/quant8.py``), about 2 B/param for both
+    instead of 8; masters stay fp32 and tensors under 4096 elements keep fp32 moments. Lean
+    updates cannot be undone exactly, so it never speculates (``speculative_step``). The
+    Trainer also selects it for ``--optim adamw_8bit``, ``adamw_bnb_8bit``,
+    ``paged_adamw_8bit`` and ``adamw_torch_8bit``."""
+
     nvme_path: str | None = None
     """Reserved for the NVMe tier of masters and optimizer state. Not implemented yet;
     setting it is refused rather than silently ignored."""
@@ -180,6 +190,22 @@ class StrongholdConfig:
             isinstance(self.cpu_threads, bool) or not isinstance(self.cpu_threads, int) or self.cpu_threads < 1
         ):
             raise ValueError(f"StrongholdConfig.cpu_threads={self.cpu_threads!r}; use None (auto) or an int >= 1.")
+        if self.host_memory not in ("exact", "lean"):
+            raise ValueError(
+                f"StrongholdConfig.host_memory={self.host_memory!r}; use \"exact\" (fp32 Adam state) or \"lean\" "
+                "(8-bit Adam moments)."
+            )
+        if self.host_memory == "lean" and self.speculative_step == "on":
+            raise ValueError(
+                "StrongholdConfig(host_memory=\"lean\", speculative_step=\"on\"): a speculative update is rolled back "
+                "by inverting AdamW exactly, which 8-bit moments do not allow. Use speculative_step=\"auto\" or \"off\" "
+                "(lean never speculates), or host_memory=\"exact\"."
+            )
+        if self.host_memory == "lean" and self.offload_optimizer is False:
+            raise ValueError(
+                "StrongholdConfig(host_memory=\"lean\") keeps 8-bit Adam moments, which only the engine's CPU Adam "
+                "updates; offload_optimizer=False asks for torch's AdamW instead. Drop one of the two."
+            )
         if self.host_worker not in ("auto", "thread", "inline"):
             raise ValueError(
                 f"StrongholdConfig.host_worker={self.host_worker!r}; use \"auto\", \"thread\" or \"inline\"."

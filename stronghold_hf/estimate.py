@@ -80,6 +80,16 @@ GiB = 2**30
 MiB = 2**20
 
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32
+
+
+def _lean_adam_bytes(numel: int) -> int:
+    """Adam state of one tensor under ``host_memory="lean"`` (optim/quant8.py): two uint8 codes
+    per element and an fp32 absmax per block of 256 for each moment; small tensors stay fp32."""
+    from .optim import quant8
+
+    if numel < quant8.MIN_8BIT_NUMEL:
+        return ADAM_STATE_BYTES * numel
+    return 2 * numel + 2 * 4 * quant8.num_blocks(numel)
 CPU_PROCESS_BYTES = 2 * GiB
 GPU_WORKSPACE_FIXED_BYTES = 3 * GiB // 2
 GPU_WORKSPACE_PERCENT = 5
@@ -157,6 +167,7 @@ class _Unit:
     grad_bytes: int  # its gradient buffer on the device: trainable in the device-copy dtype
     host_bytes: int  # masters, gradients, Adam state, the pinned image; frozen: stored bytes
     image_bytes: int  # of host_bytes, the pinned image (frozen parameters: their stored bytes)
+    lean_adam_bytes: int  # its Adam state with host_memory="lean" (8-bit moments of the large tensors)
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,6 +224,7 @@ def _count(model: nn.Module, block_classes: tuple[str, ...] | None, encoder_deco
             grad_bytes=sum(p.numel() * dev[id(p)] for p in trainable),
             host_bytes=masters + (4 + ADAM_STATE_BYTES) * sum(p.numel() for p in trainable) + image + frozen_bytes,
             image_bytes=image + frozen_bytes,
+            lean_adam_bytes=sum(_lean_adam_bytes(p.numel()) for p in trainable),
         ))
     block_params = sum(layer.params for layer in layers)
     total = sum(p.numel() for p in model.parameters())  # unique tensors: tied weights once
@@ -292,6 +304,7 @@ class Estimate:
     cpu_master_bytes: int
     cpu_adam_bytes: int
     cpu_grad_bytes: int
+    host_memory: str  # "exact" (fp32 Adam moments) or "lean" (8-bit)
     cpu_pinned_copy_bytes: int
     cpu_grad_staging_bytes: int
     cpu_activation_bytes: int
@@ -341,7 +354,9 @@ class Estimate:
                 f"{_gib(self.cpu_pinned_copy_bytes + self.cpu_grad_staging_bytes + self.cpu_activation_bytes)} + "
                 f"process {_gib(self.cpu_process_bytes)}) for {self.total_params / 1e9:.2f} B offloaded parameters, "
                 f"has {_gib(self.cpu_memory_bytes)}. Add CPU RAM, or train fewer or narrower layers "
-                f"(each trainable parameter costs {self.cpu_bytes_per_param} B of RAM; bf16 does not lower it)."
+                f"(each trainable parameter costs {self.cpu_bytes_per_param:.1f} B of RAM; bf16 does not lower it"
+                + ("; host_memory=\"lean\" (--optim adamw_8bit) keeps 8-bit Adam moments, 6 B/param less)."
+                   if self.host_memory == "exact" else ").")
             )
         if self.gpu_fits is False:
             fixes = []
@@ -370,8 +385,10 @@ class Estimate:
             raise ValueError(f"{self.model_name} does not fit for STRONGHOLD training. " + " ".join(problems))
 
     @property
-    def cpu_bytes_per_param(self) -> int:
-        return 4 + ADAM_STATE_BYTES + 4 + (0 if self.dtype == "fp32" else _NBYTES[self.dtype])
+    def cpu_bytes_per_param(self) -> float:
+        """Host bytes of a trainable parameter: master, gradient, Adam state, image."""
+        adam = ADAM_STATE_BYTES if self.host_memory == "exact" else self.cpu_adam_bytes / max(self.total_params, 1)
+        return 4 + adam + 4 + (0 if self.dtype == "fp32" else _NBYTES[self.dtype])
 
 
 _NBYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -402,8 +419,10 @@ def _assemble(
     gradient_checkpointing: bool, window_size: int | str | None, gpu_memory_bytes: int | None,
     cpu_memory_bytes: int | None, decoder_seq_len: int | None, notes: list[str], grad_buffers: int = 2,
     offload_non_block: bool = True, chunked_loss: bool = True, offload_activations: bool | str = "auto",
-    loss_chunk_tokens: int | str = "auto",
+    loss_chunk_tokens: int | str = "auto", host_memory: str = "exact",
 ) -> Estimate:
+    if host_memory not in ("exact", "lean"):
+        raise ValueError(f"host_memory={host_memory!r}; use \"exact\" or \"lean\".")
     if seq_len < 1 or batch_size < 1:
         raise ValueError(f"seq_len and batch_size must be >= 1, got seq_len={seq_len}, batch_size={batch_size}.")
     c = _NBYTES[dtype]
@@ -423,7 +442,8 @@ def _assemble(
     # resident unit, the activation buffers, the process itself.
     trainable = sum(u.trainable for u in units)
     master = sum(4 * u.trainable for u in units)
-    adam, grad = ADAM_STATE_BYTES * trainable, 4 * trainable
+    adam = sum(u.lean_adam_bytes for u in units) if host_memory == "lean" else ADAM_STATE_BYTES * trainable
+    grad = 4 * trainable
     pinned = sum(u.image_bytes for u in units)
     lane = max((u.grad_bytes for u in streamed), default=0)
     staging = grad_buffers * lane + len([u for u in resident if u.trainable]) * max(
@@ -520,7 +540,7 @@ def _assemble(
         num_blocks=n, block_params=counts.block_params, resident_params=counts.resident_params,
         total_params=total, largest_block_params=largest, offload_non_block=offload_non_block,
         chunked_loss=bool(use_chunks), offload_activations=offload,
-        cpu_master_bytes=master, cpu_adam_bytes=adam, cpu_grad_bytes=grad, cpu_pinned_copy_bytes=pinned,
+        cpu_master_bytes=master, cpu_adam_bytes=adam, cpu_grad_bytes=grad, host_memory=host_memory, cpu_pinned_copy_bytes=pinned,
         cpu_grad_staging_bytes=staging, cpu_activation_bytes=activation_host, cpu_process_bytes=CPU_PROCESS_BYTES,
         cpu_bytes_needed=cpu_needed, cpu_memory_bytes=cpu_memory_bytes,
         gpu_resident_bytes=outside, gpu_window_bytes=window_bytes,
@@ -617,7 +637,7 @@ def estimate(
     cpu_memory_bytes: int, gradient_checkpointing: bool = False, window_size: int | str | None = None,
     auto_class: Any = None, decoder_seq_len: int | None = None, block_classes: Sequence[str] | None = None,
     grad_buffers: int = 2, offload_non_block: bool = True, chunked_loss: bool = True,
-    offload_activations: bool | str = "auto", loss_chunk_tokens: int | str = "auto",
+    offload_activations: bool | str = "auto", loss_chunk_tokens: int | str = "auto", host_memory: str = "exact",
 ) -> Estimate:
     """Estimates STRONGHOLD and plain-training memory for a config (built on the meta device).
 
@@ -628,8 +648,8 @@ def estimate(
     ``"model"`` or a class with ``from_config``; ``None`` tries them in that order
     (seq2seq first for encoder-decoder configs). The model is taken as loaded in ``dtype``
     (bf16 checkpoints are), so embeddings and norms are in it on the device too.
-    ``offload_non_block``, ``chunked_loss``, ``offload_activations`` and
-    ``loss_chunk_tokens`` are `StrongholdConfig`'s; ``offload_activations="auto"`` offloads when
+    ``offload_non_block``, ``chunked_loss``, ``offload_activations``, ``loss_chunk_tokens``
+    and ``host_memory`` are `StrongholdConfig`'s; ``offload_activations="auto"`` offloads when
     the GPU would not fit otherwise.
     """
     model = build_meta_model(model_config, auto_class)
@@ -644,6 +664,7 @@ def estimate(
         gpu_memory_bytes=parse_memory(gpu_memory_bytes), cpu_memory_bytes=parse_memory(cpu_memory_bytes),
         decoder_seq_len=decoder_seq_len, notes=[], grad_buffers=grad_buffers, offload_non_block=offload_non_block,
         chunked_loss=chunked_loss, offload_activations=offload_activations, loss_chunk_tokens=loss_chunk_tokens,
+        host_memory=host_memory,
     )
 
 
@@ -653,7 +674,7 @@ def estimate_for_model(
     gradient_checkpointing: bool | None = None, window_size: int | str | None = None,
     block_classes: Sequence[str] | None = None, decoder_seq_len: int | None = None, grad_buffers: int = 2,
     device: torch.device | str | int | None = None, offload_non_block: bool = True, chunked_loss: bool = True,
-    offload_activations: bool | str = "auto", loss_chunk_tokens: int | str = "auto",
+    offload_activations: bool | str = "auto", loss_chunk_tokens: int | str = "auto", host_memory: str = "exact",
 ) -> Estimate:
     """The same estimate from a live, already built model (call before moving it to the GPU).
 
@@ -691,7 +712,7 @@ def estimate_for_model(
         dtype=label, gradient_checkpointing=gradient_checkpointing, window_size=window_size,
         gpu_memory_bytes=gpu_memory_bytes, cpu_memory_bytes=cpu_memory_bytes, decoder_seq_len=decoder_seq_len,
         grad_buffers=grad_buffers, notes=notes, offload_non_block=offload_non_block, chunked_loss=chunked_loss,
-        offload_activations=offload_activations, loss_chunk_tokens=loss_chunk_tokens,
+        offload_activations=offload_activations, loss_chunk_tokens=loss_chunk_tokens, host_memory=host_memory,
     )
 
 
@@ -724,7 +745,8 @@ def _table(e: Estimate) -> str:
         + (", checkpointed activations offloaded" if e.offload_activations else ""),
         f"{'CPU RAM (STRONGHOLD)':<54}{'GiB':>10}",
         row("fp32 master weights (4 B/param)", e.cpu_master_bytes),
-        row(f"Adam state ({ADAM_STATE_BYTES} B/param)", e.cpu_adam_bytes),
+        row(f"Adam state ({ADAM_STATE_BYTES} B/param)" if e.host_memory == "exact"
+            else "Adam state, lean (8-bit moments, 2 B/param)", e.cpu_adam_bytes),
         row("fp32 gradient buffers (4 B/param)", e.cpu_grad_bytes),
         row("pinned images (fp32: the masters; frozen: stored bytes)" if c == 4
             else f"pinned {e.dtype} images ({c} B/param; frozen: stored bytes)", e.cpu_pinned_copy_bytes),
@@ -807,6 +829,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--offload_activations", type=_arg_type(_parse_auto_bool, "auto, true or false"),
                         default="auto", help="auto (default: when the GPU would not fit otherwise), true or false")
     parser.add_argument("--grad_buffers", type=int, default=2, help="K, gradient buffers in flight (default 2)")
+    parser.add_argument("--host_memory", default="exact", choices=["exact", "lean"],
+                        help="exact: fp32 Adam moments (default); lean: 8-bit moments (--optim adamw_8bit)")
     parser.add_argument("--check", action="store_true", help="exit with status 3 when STRONGHOLD does not fit")
     args = parser.parse_args(argv)
 
@@ -821,7 +845,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             gradient_checkpointing=args.gradient_checkpointing, window_size=args.window_size,
             auto_class=args.auto_class, decoder_seq_len=args.decoder_seq_len, grad_buffers=args.grad_buffers,
             offload_non_block=args.offload_non_block, chunked_loss=args.chunked_loss,
-            offload_activations=args.offload_activations,
+            offload_activations=args.offload_activations, host_memory=args.host_memory,
         )
     except (ValueError, OSError, KeyError) as err:
         parser.error(str(err))

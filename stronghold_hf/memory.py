@@ -113,9 +113,15 @@ class BlockLayout:
 
 
 def layout_block(fqn: str, named: list[tuple[str, torch.nn.Parameter]], param_dtype: torch.dtype | None,
-                 shards: int = 1) -> BlockLayout:
+                 shards: int = 1, align: int = GRAD_ALIGN) -> BlockLayout:
     """Lays a block out: trainable parameters in ``param_dtype`` (default: their own dtype) in
-    the trainable region, frozen ones in their stored dtype in the frozen region."""
+    the trainable region, frozen ones in their stored dtype in the frozen region.
+
+    Trainable parameters and shard boundaries fall on multiples of ``align`` elements (a
+    multiple of `GRAD_ALIGN`). Lean host memory passes the 8-bit moments' block size: every
+    piece a rank keeps then starts on a quantization block of its whole parameter, so the
+    ranks' blocks are the whole parameter's blocks and the state re-cuts exactly."""
+    assert align % GRAD_ALIGN == 0, align
     trainable_dtypes = {p.dtype for _, p in named if p.requires_grad}
     if param_dtype is None and len(trainable_dtypes) > 1:
         raise ValueError(
@@ -129,8 +135,8 @@ def layout_block(fqn: str, named: list[tuple[str, torch.nn.Parameter]], param_dt
     for k, (_, p) in enumerate(named):
         if p.requires_grad:
             grad_offsets[k] = grad_off
-            grad_off = align_up(grad_off + p.numel(), GRAD_ALIGN)
-    shard_numel = align_up(-(-grad_off // shards), GRAD_ALIGN) if grad_off else 0
+            grad_off = align_up(grad_off + p.numel(), align)
+    shard_numel = align_up(-(-grad_off // shards), align) if grad_off else 0
     frozen_offset = shards * shard_numel * c
     entries, byte_off = [], frozen_offset
     for k, (name, p) in enumerate(named):

@@ -50,7 +50,7 @@ from .discovery import UnitSpec
 from .distributed import DataParallel
 from .ledger import MemoryLedger
 from . import read_guard
-from .memory import BlockLayout, DeviceSlotPool, HostAllocator, element_size, layout_block, typed_view
+from .memory import GRAD_ALIGN, BlockLayout, DeviceSlotPool, HostAllocator, element_size, layout_block, typed_view
 from .transfer import TransferContext
 
 
@@ -80,7 +80,7 @@ class Unit:
 
     def __init__(self, spec: UnitSpec, *, device: torch.device, param_dtype: torch.dtype | None,
                  host: HostAllocator, transfer: TransferContext, pool: DeviceSlotPool | None, ledger: MemoryLedger,
-                 dp: DataParallel | None = None) -> None:
+                 dp: DataParallel | None = None, grad_align: int = GRAD_ALIGN) -> None:
         self.index = spec.index
         self.fqn = spec.fqn
         self.kind = spec.kind
@@ -96,7 +96,7 @@ class Unit:
         shards, rank = (dp.shards, dp.shard_rank) if dp is not None else (1, 0)
         # Sharded even in a group of one: the same code path (all-gather, reduce-scatter) runs.
         self.sharded = dp is not None and dp.sharded
-        self.layout: BlockLayout = layout_block(spec.fqn, list(spec.params), param_dtype, shards)
+        self.layout: BlockLayout = layout_block(spec.fqn, list(spec.params), param_dtype, shards, grad_align)
         lay = self.layout
         S = lay.shard_numel
         self.shard_lo = rank * S  # this rank's shard of the trainable region: [shard_lo, shard_lo + S)

@@ -34,7 +34,8 @@ from .grads import GradientQueue
 from .hooks import in_backward
 from .ledger import MemoryLedger
 from .distributed import DataParallel
-from .memory import DeviceSlotPool, HostAllocator, element_size
+from .memory import GRAD_ALIGN, DeviceSlotPool, HostAllocator, element_size
+from .optim import quant8
 from .schedule import Phase, WindowSchedule
 from .state_dict import install_state_dict_hooks
 from .stats import EngineStats
@@ -82,10 +83,12 @@ class WindowEngine:
             # Ranks start from rank 0's weights, as DDP does; unit weights go through the host
             # group before each rank keeps its shard of them.
             self.dp.broadcast_([p.data for s in specs for _, p in s.params])
+        # Lean host memory: pieces start on the 8-bit moments' blocks (memory.layout_block).
+        grad_align = quant8.BLOCK if config.host_memory == "lean" else GRAD_ALIGN
         self.units: list[Unit] = [
             Unit(s, device=device, param_dtype=unit_device_dtype(s, config.param_dtype), host=self.host,
                  transfer=self.transfer, pool=self.pool if s.kind != "resident" else None, ledger=self.ledger,
-                 dp=self.dp)
+                 dp=self.dp, grad_align=grad_align)
             for s in specs
         ]
         self.blocks = [u for u in self.units if u.kind == "block"]
@@ -144,10 +147,10 @@ class WindowEngine:
         stats = self.memory_stats()
         logger.info(
             "stronghold: %d blocks (%s) and %d units outside them, window_size=%d, %.1f MB per slot on %s, "
-            "%d offloaded parameters (%d trainable), host %.2f GB (%.1f B/offloaded param), %d parameters left on "
-            "the device", len(self.blocks), describe(block_specs), len(self.units) - len(self.blocks), self.window_size,
+            "%d offloaded parameters (%d trainable), host_memory=%s: host %.2f GB before optimizer state (%.1f "
+            "B/offloaded param), %d parameters left on the device", len(self.blocks), describe(block_specs), len(self.units) - len(self.blocks), self.window_size,
             stats["slot_bytes"] / 1e6, device, stats["offloaded_params"], stats["offloaded_trainable_params"],
-            (stats["pinned_host_bytes"] + stats["pageable_host_bytes"]) / 1e9, stats["host_bytes_per_param"],
+            config.host_memory, (stats["pinned_host_bytes"] + stats["pageable_host_bytes"]) / 1e9, stats["host_bytes_per_param"],
             sum(p.numel() for p in self.resident_parameters()),
         )
 

@@ -93,18 +93,21 @@ def test_exact_resume_with_the_same_world_size(tmp_path):
 
 
 def _full_adam_state(runs, when="adam") -> dict[tuple[str, str], dict[str, torch.Tensor]]:
-    """Every parameter's whole Adam state, put together from the ranks' pieces."""
+    """Every parameter's whole Adam state, put together from the ranks' pieces (fp32 moments,
+    or 8-bit codes and their blocks' absmax)."""
     full: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
     for run in runs:
         for i, (block, name, offset, count) in enumerate(run[when]["pieces"]):
             st = run[when]["state"][i]
-            entry = full.setdefault((block, name), {"step": st["step"], "exp_avg": {}, "exp_avg_sq": {}})
-            assert float(entry["step"]) == float(st["step"])
-            for key in ("exp_avg", "exp_avg_sq"):
-                entry[key][offset] = st[key].reshape(-1)
+            entry = full.setdefault((block, name), {"step": st["step"], **{k: {} for k in st if k != "step"}})
+            assert float(entry["step"]) == float(st["step"]) and entry.keys() == st.keys()
+            for key in st:
+                if key != "step":
+                    entry[key][offset] = st[key].reshape(-1)
     for entry in full.values():
-        for key in ("exp_avg", "exp_avg_sq"):
-            entry[key] = torch.cat([entry[key][o] for o in sorted(entry[key])])
+        for key in entry:
+            if key != "step":
+                entry[key] = torch.cat([entry[key][o] for o in sorted(entry[key])])
     return full
 
 
@@ -126,6 +129,19 @@ def test_resume_with_another_world_size_recuts_the_optimizer_state(tmp_path):
         for key, entry in reference.items():
             for part in ("exp_avg", "exp_avg_sq"):
                 assert torch.equal(full[key][part], entry[part]), (world, key, part)
+    # Lean: 8-bit moments per shard re-cut bit for bit too (codes by element, absmax by block).
+    lean = ("--family", "llama", "--lean")
+    written = _run(tmp_path / "lean2", 2, 3, "sharded", "--max_steps", "3", "--save_steps", "3", *lean)
+    reference = _full_adam_state(written)
+    assert sum("exp_avg_q" in e for e in reference.values()) >= 9  # each block's MLP weights
+    loaded = _run(tmp_path / "lean_as3", 3, 2, "sharded", "--max_steps", "4", "--resume",
+                  str(tmp_path / "lean2" / "checkpoint-3"), *lean)  # 3 ranks cut every parameter elsewhere
+    full = _full_adam_state(loaded, when="adam_at_start")
+    assert full.keys() == reference.keys()
+    for key, entry in reference.items():
+        for part in entry:
+            if part != "step":
+                assert torch.equal(full[key][part], entry[part]), (key, part)
     # A checkpoint from before the files said what they cover: refused under another layout, with the fix.
     import shutil
 

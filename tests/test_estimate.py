@@ -178,6 +178,22 @@ def test_the_first_versions_choices_do_not_fit_llama3_8b_on_24gb():
     assert round(e.gpu_resident_bytes / GiB, 1) == 17.6
 
 
+def test_lean_host_memory_costs_two_bytes_per_parameter_of_adam_state():
+    """Llama-3-8B, bf16: lean keeps 8-bit moments (2 B/param and an fp32 absmax per 256) for every
+    large tensor, 8 B/param for the norms; every other host byte stays."""
+    cfg = load_config(LLAMA3_8B[0], config_overrides=LLAMA3_8B[1])
+    kw = dict(seq_len=4096, batch_size=1, dtype="bf16", gpu_memory_bytes="24GB", cpu_memory_bytes="4TB",
+              gradient_checkpointing=True)
+    exact, lean = estimate(cfg, **kw), estimate(cfg, host_memory="lean", **kw)
+    assert exact.cpu_adam_bytes == 8 * exact.total_params
+    assert 2.03 <= lean.cpu_adam_bytes / lean.total_params <= 2.04
+    assert exact.cpu_bytes_needed - lean.cpu_bytes_needed == exact.cpu_adam_bytes - lean.cpu_adam_bytes
+    assert lean.cpu_bytes_per_param == pytest.approx(12.03, abs=0.01) and exact.cpu_bytes_per_param == 18
+    assert "Adam state, lean" in lean.table() and lean.gpu_bytes_needed == exact.gpu_bytes_needed
+    with pytest.raises(ValueError, match="host_memory"):
+        estimate(cfg, host_memory="tiny", **kw)
+
+
 def test_activation_offload_auto_turns_on_when_the_inputs_do_not_fit():
     cfg = load_config(LLAMA3_8B[0], config_overrides=LLAMA3_8B[1].replace("num_hidden_layers=32", "num_hidden_layers=32"))
     kw = dict(seq_len=32768, batch_size=1, dtype="bf16", cpu_memory_bytes="4TB", gradient_checkpointing=True)

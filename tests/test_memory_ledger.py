@@ -194,8 +194,9 @@ def test_reset_peak_memory_stats():
     assert engine.memory_stats()["device_peak_bytes"] == 0
 
 
+@pytest.mark.parametrize("host_memory", ["exact", "lean"])
 @pytest.mark.parametrize("vocab", [96, 4096])  # small: the embeddings are resident; large: they stream
-def test_estimator_agrees_with_the_ledger(vocab):
+def test_estimator_agrees_with_the_ledger(vocab, host_memory):
     """The fits/does-not-fit estimate matches what the engine really allocates: host bytes, and
     the device bytes the engine owns (window, gradient lanes, resident units)."""
     from stronghold_hf.estimate import estimate_for_model
@@ -204,9 +205,10 @@ def test_estimator_agrees_with_the_ledger(vocab):
         model = tiny_model("llama", num_hidden_layers=4, hidden_size=128, intermediate_size=256, vocab_size=vocab,
                            tie_word_embeddings=False)
         est = estimate_for_model(model, seq_len=16, batch_size=2, dtype="fp32" if param_dtype is None else "bf16",
-                                 gpu_memory_bytes=1 << 40, cpu_memory_bytes=1 << 40, window_size=3, grad_buffers=1)
-        engine = offload_model(model, StrongholdConfig(window_size=3, param_dtype=param_dtype, grad_buffers=1),
-                               device="cpu")
+                                 gpu_memory_bytes=1 << 40, cpu_memory_bytes=1 << 40, window_size=3, grad_buffers=1,
+                                 host_memory=host_memory)
+        engine = offload_model(model, StrongholdConfig(window_size=3, param_dtype=param_dtype, grad_buffers=1,
+                                                       host_memory=host_memory), device="cpu")
         assert ({u.kind for u in engine.units} >= {"streamed"}) == (vocab > 96)
         opt = engine.build_optimizer(lr=1e-3)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=param_dtype is not None):
@@ -217,6 +219,8 @@ def test_estimator_agrees_with_the_ledger(vocab):
         ledger_host = stats["pinned_host_bytes"] + stats["pageable_host_bytes"]
         estimated = est.cpu_bytes_needed - est.cpu_process_bytes
         assert abs(estimated - ledger_host) <= 0.05 * ledger_host, (param_dtype, estimated, ledger_host)
+        if host_memory == "lean":
+            assert any("exp_avg_q" in st for st in opt.cpu_optimizer.state.values())
         ledger_device = stats["device_peak_bytes"]
         assert abs(est.gpu_engine_bytes - ledger_device) <= 0.05 * ledger_device, (param_dtype, est.gpu_engine_bytes,
                                                                                    ledger_device)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import logging
 import os
 
 import pytest
@@ -416,23 +418,28 @@ def test_fit_check_reads_the_dataset_without_moving_the_rngs(tmp_path):
     assert torch.equal(ours[0], plain[0]) and ours[1] == plain[1]
 
 
-def test_start_line_says_stronghold_is_on(tmp_path):
-    import logging
-
-    records = []
+@contextlib.contextmanager
+def trainer_log():
+    """The messages transformers' Trainer logger writes at INFO inside the block (a list)."""
+    messages: list[str] = []
     handler = logging.Handler()
-    handler.emit = records.append
+    handler.emit = lambda record: messages.append(record.getMessage())
     trainer_logger = logging.getLogger("transformers.trainer")
     level = trainer_logger.level
     trainer_logger.addHandler(handler)
     trainer_logger.setLevel(logging.INFO)
     try:
-        StrongholdTrainer(model=tiny_model("gpt2"), args=StrongholdTrainingArguments(
-            output_dir=str(tmp_path), stronghold=True, stronghold_window_size="2", **COMMON), train_dataset=TinyDataset("gpt2"))
+        yield messages
     finally:
         trainer_logger.removeHandler(handler)
         trainer_logger.setLevel(level)
-    lines = [r.getMessage() for r in records if "STRONGHOLD is on" in r.getMessage()]
+
+
+def test_start_line_says_stronghold_is_on(tmp_path):
+    with trainer_log() as messages:
+        StrongholdTrainer(model=tiny_model("gpt2"), args=StrongholdTrainingArguments(
+            output_dir=str(tmp_path), stronghold=True, stronghold_window_size="2", **COMMON), train_dataset=TinyDataset("gpt2"))
+    lines = [m for m in messages if "STRONGHOLD is on" in m]
     assert len(lines) == 1
     assert "window_size=2 of 3 blocks" in lines[0] and "offloaded parameters" in lines[0] and "CPU Adam threads=" in lines[0]
 

@@ -40,9 +40,24 @@ ENV_CONFIG = "STRONGHOLD_CONFIG"
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
-#: ``--optim`` values with AdamW semantics. The engine always steps with its own exact AdamW
-#: (CPU Adam for offloaded blocks), so anything else would be silently replaced.
-SUPPORTED_OPTIMS = ("adamw_torch", "adamw_torch_fused")
+#: ``--optim`` values with AdamW semantics. The engine always steps with its own AdamW (CPU
+#: Adam for offloaded units), so anything else would be silently replaced. The 8-bit names
+#: select lean host memory: the same AdamW with blockwise 8-bit moments.
+EXACT_OPTIMS = ("adamw_torch", "adamw_torch_fused")
+LEAN_OPTIMS = ("adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit", "adamw_torch_8bit")
+SUPPORTED_OPTIMS = EXACT_OPTIMS + LEAN_OPTIMS
+
+
+def _optim_name(args: Any) -> str | None:
+    optim = getattr(args, "optim", None)
+    return str(getattr(optim, "value", optim)) if optim is not None else None
+
+
+def config_for_optim(config: StrongholdConfig, args: Any) -> StrongholdConfig:
+    """``config`` with ``host_memory="lean"`` when ``--optim`` names an 8-bit AdamW."""
+    if _optim_name(args) in LEAN_OPTIMS and config.host_memory != "lean":
+        return config.replace(host_memory="lean")
+    return config
 
 
 def _env_value(name: str) -> str | None:
@@ -125,14 +140,13 @@ def refuse_incompatible_options(args: Any, *, flag: str) -> None:
             "which conflicts with STRONGHOLD's working window. Use STRONGHOLD alone (data parallel "
             "still works under accelerate launch/torchrun), or drop it."
         )
-    optim = getattr(args, "optim", None)
-    optim = str(getattr(optim, "value", optim)) if optim is not None else None
+    optim = _optim_name(args)
     if optim is not None and optim not in SUPPORTED_OPTIMS:
         raise ValueError(
-            f"{flag} trains with its own exact AdamW (CPU Adam for the offloaded blocks); --optim {optim} "
-            f"is not supported. Use --optim {' or --optim '.join(SUPPORTED_OPTIMS)} (learning_rate, "
-            "weight_decay and adam_beta1/adam_beta2/adam_epsilon are honoured), or drop "
-            f"{flag} to train with {optim}."
+            f"{flag} trains with its own AdamW (CPU Adam for the offloaded units); --optim {optim} is not "
+            f"supported. Use --optim {', '.join(EXACT_OPTIMS)} (fp32 moments) or {', '.join(LEAN_OPTIMS)} (8-bit "
+            "moments, host_memory=\"lean\"); learning_rate, weight_decay and adam_beta1/adam_beta2/adam_epsilon are "
+            f"honoured. Or drop {flag} to train with {optim}."
         )
     if getattr(args, "torch_compile", False) or getattr(args, "torch_compile_backend", None) or getattr(
         args, "torch_compile_mode", None
@@ -188,7 +202,8 @@ class StrongholdArgumentsMixin:
         super().__post_init__()  # type: ignore[misc]
         # Always validate, even with the flag off: a typo in the config should not wait for the
         # day someone turns the flag on.
-        self._stronghold_resolved = resolve_stronghold_config(self.stronghold_config, self.stronghold_window_size)
+        self._stronghold_resolved = config_for_optim(
+            resolve_stronghold_config(self.stronghold_config, self.stronghold_window_size), self)
 
     def _fill_stronghold_from_environment(self) -> None:
         if self.stronghold is None:

@@ -46,7 +46,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from ..config import StrongholdConfig
 from ..optim.hybrid import StrongholdOptimizer, remap_cpu_state
 from ..window import WindowEngine, get_engine, offload_model
-from .arguments import ENV_FLAG, refuse_incompatible_options, settings_from_env
+from .arguments import ENV_FLAG, config_for_optim, refuse_incompatible_options, settings_from_env
 
 logger = logging.getLogger("stronghold_hf")
 _hf_logger = logging.getLogger("transformers.trainer")  # where Trainer logs its own "Saving ..." lines
@@ -77,6 +77,7 @@ def stronghold_settings(args) -> tuple[bool, StrongholdConfig]:
     # args=None: the Trainer class builds its own defaults later, which use none of the refused options.
     if on and args is not None:
         refuse_incompatible_options(args, flag=f"{ENV_FLAG}=1")
+        cfg = config_for_optim(cfg, args)
     return on, cfg
 
 
@@ -270,7 +271,8 @@ class _StrongholdTrainerMixin:
         _hf_logger.info(
             f"STRONGHOLD is on: window_size={engine.window_size} of {engine.num_blocks} blocks, "
             f"{mem['offloaded_params'] / 1e6:.1f} M offloaded parameters ({mem['offloaded_trainable_params'] / 1e6:.1f} M "
-            f"trainable), host {(mem['pinned_host_bytes'] + mem['pageable_host_bytes']) / 2**30:.2f} GiB before optimizer "
+            f"trainable), host_memory={engine.config.host_memory} ("
+            f"{'8-bit' if engine.config.host_memory == 'lean' else 'fp32'} Adam moments), host {(mem['pinned_host_bytes'] + mem['pageable_host_bytes']) / 2**30:.2f} GiB before optimizer "
             f"state ({mem['pinned_host_bytes'] / 2**30:.2f} GiB pinned), CPU Adam threads={engine.worker.num_threads}, "
             f"device {engine.device}"
         )
@@ -293,7 +295,7 @@ class _StrongholdTrainerMixin:
             window_size=None if window == "auto" else int(window),
             grad_buffers=cfg.grad_buffers, offload_non_block=cfg.offload_non_block, chunked_loss=cfg.chunked_loss,
             offload_activations=cfg.offload_activations, loss_chunk_tokens=cfg.loss_chunk_tokens,
-            **shape,
+            host_memory=cfg.host_memory, **shape,
         )
 
     def _adopt_activation_offload(self, est) -> None:

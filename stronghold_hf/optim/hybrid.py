@@ -35,6 +35,7 @@ from torch import nn
 
 from ..scaler import DynamicLossScaler
 from ..speculation import SpecRecord, undo_adamw_
+from . import quant8
 from .cpu_adam import CPUAdam
 
 _HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
@@ -214,7 +215,8 @@ class StrongholdOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ speculation
     @property
     def can_speculate(self) -> bool:
-        return isinstance(self.cpu_optimizer, CPUAdam)
+        # A speculative update is undone by inverting AdamW exactly; 8-bit moments cannot be.
+        return isinstance(self.cpu_optimizer, CPUAdam) and self.cpu_optimizer.state_bits == 32
 
     def _hyperparameters_changed(self) -> bool:
         return any(bool(self.param_groups[u][k] != inner[k]) for inner, u in zip(self._inner_groups, self._inner_user)
@@ -393,7 +395,13 @@ def build_optimizer(engine, params: Iterable | None = None, *, fp16_loss_scaling
             cpu_users.append(u)
     cpu_opt: torch.optim.Optimizer | None = None
     if cpu_groups and engine.config.offload_optimizer:
-        cpu_opt = CPUAdam(cpu_groups, **defaults)
+        lean = engine.config.host_memory == "lean"
+        cpu_opt = CPUAdam(cpu_groups, **defaults, state_bits=8 if lean else 32)
+        if lean:  # the whole parameter's size decides, so that every rank's piece agrees
+            whole = {id(m): e.numel for u in engine.units for m, e in zip(u.masters, u.layout.entries) if m is not None}
+            masters = [m for g in cpu_groups for m in g["params"]]
+            cpu_opt.set_state_bits([m for m in masters if whole[id(m)] < quant8.MIN_8BIT_NUMEL], 32)
+            cpu_opt.set_state_bits([m for m in masters if whole[id(m)] >= quant8.MIN_8BIT_NUMEL], 8)
     elif cpu_groups:
         cpu_opt = torch.optim.AdamW(cpu_groups, **defaults, foreach=False)
     device_opt = None
@@ -443,12 +451,7 @@ def remap_cpu_state(pieces: list[tuple[str, str, int, int]], shapes: list[torch.
                 found[j] += hi - lo
                 if st is None:
                     continue
-                step = st["step"]
-                out = flat.setdefault(j, {"step": step.clone() if isinstance(step, torch.Tensor) else step,
-                                          "exp_avg": torch.zeros(my_count, dtype=st["exp_avg"].dtype),
-                                          "exp_avg_sq": torch.zeros(my_count, dtype=st["exp_avg_sq"].dtype)})
-                for key in ("exp_avg", "exp_avg_sq"):
-                    out[key][lo - my_offset:hi - my_offset] = st[key].reshape(-1)[lo - offset:hi - offset]
+                _copy_state_range(flat, j, st, my_count, lo - offset, lo - my_offset, hi - lo, f"{block}.{name}")
                 covered[j] += hi - lo
         saved_pieces = saved_state = None  # let this file go before the next one loads
     missing = [f"{block}.{name}" for j, (block, name, _, count) in enumerate(pieces) if found[j] != count]
@@ -460,6 +463,38 @@ def remap_cpu_state(pieces: list[tuple[str, str, int, int]], shapes: list[torch.
         if covered[j] != count:
             raise ValueError(f"The checkpoint's optimizer state covers {covered[j]} of the {count} elements of "
                              f"{block}.{name} this rank keeps; it was written for another model.")
-        for key in ("exp_avg", "exp_avg_sq"):
-            out[key] = out[key].view(shapes[j])
+        for key in ("exp_avg", "exp_avg_sq"):  # fp32 moments have the parameter's shape; 8-bit ones stay flat
+            if key in out:
+                out[key] = out[key].view(shapes[j])
     return flat
+
+
+def _copy_state_range(flat: dict[int, dict[str, Any]], j: int, st: dict[str, Any], my_count: int, src: int, dst: int,
+                      count: int, name: str) -> None:
+    """Copies ``count`` elements' state from ``st`` (from element ``src``) into piece ``j``'s (at ``dst``).
+
+    Per-element tensors (fp32 moments, 8-bit codes) move element by element; the 8-bit
+    moments' absmax moves block by block, which is exact because lean layouts start every
+    piece on a block of its parameter (memory.layout_block), so both ranges start on one."""
+    out = flat.get(j)
+    if out is None:
+        step = st["step"]
+        out = flat[j] = {"step": step.clone() if isinstance(step, torch.Tensor) else step}
+        for key, value in st.items():
+            if key != "step":
+                size = quant8.num_blocks(my_count) if key in quant8.ABSMAX_KEYS else my_count
+                out[key] = torch.zeros(size, dtype=value.dtype)
+    elif set(out) != set(st):
+        raise ValueError(f"The checkpoint's optimizer state of {name} mixes 8-bit and fp32 moments across its files; "
+                         "it was written by another run.")
+    for key, value in st.items():
+        if key == "step":
+            continue
+        if key in quant8.ABSMAX_KEYS:
+            if src % quant8.BLOCK or dst % quant8.BLOCK:
+                raise ValueError(f"The checkpoint's 8-bit optimizer state of {name} is cut off its {quant8.BLOCK}-element "
+                                 "blocks; it was written with another layout than lean host memory's.")
+            nb = quant8.num_blocks(count)
+            out[key][dst // quant8.BLOCK:dst // quant8.BLOCK + nb] = value[src // quant8.BLOCK:src // quant8.BLOCK + nb]
+        else:
+            out[key][dst:dst + count] = value.reshape(-1)[src:src + count]

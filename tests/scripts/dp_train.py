@@ -1,6 +1,6 @@
 """Trains a tiny GPT-2 with the HF Trainer under torchrun (gloo) or alone; writes what it saw.
 
-    dp_train.py OUT_DIR PER_DEVICE_BATCH MODE [--max_steps N] [--save_steps N] [--resume DIR] [--family F]
+    dp_train.py OUT_DIR PER_DEVICE_BATCH MODE [--max_steps N] [--save_steps N] [--resume DIR] [--family F] [--lean]
 
 MODE: ``plain`` (Trainer, DDP when launched with several processes), ``sharded`` (STRONGHOLD,
 sharded CPU state) or ``replicated`` (STRONGHOLD, full CPU replicas). Writes
@@ -51,6 +51,7 @@ def main() -> None:
     ap.add_argument("--save_steps", type=int, default=0)
     ap.add_argument("--resume", default=None)
     ap.add_argument("--family", default="gpt2", help="llama: norms end each block, so ranks' shards mix decay groups")
+    ap.add_argument("--lean", action="store_true", help="host_memory='lean', and MLPs wide enough for 8-bit moments")
     opts = ap.parse_args()
     rank = int(os.environ.get("RANK", "0"))
     common = dict(
@@ -60,14 +61,15 @@ def main() -> None:
         save_strategy="steps" if opts.save_steps else "no", save_steps=opts.save_steps or 500,
         ddp_backend="gloo" if "RANK" in os.environ else None,
     )
-    model = tiny_model(opts.family, seed=rank)  # ranks start different: rank 0's weights must win
+    model = tiny_model(opts.family, seed=rank, **(dict(intermediate_size=128) if opts.lean else {}))  # ranks start different: rank 0's weights must win
     data = TinyDataset(opts.family, n=48, padded=False)
     if opts.mode == "plain":
         trainer = Trainer(model=model, args=TrainingArguments(**common), train_dataset=data)
     else:
         args = StrongholdTrainingArguments(
             **common, stronghold=True, stronghold_window_size="1",
-            stronghold_config={"shard_cpu_state": opts.mode == "sharded"},
+            stronghold_config={"shard_cpu_state": opts.mode == "sharded",
+                               "host_memory": "lean" if opts.lean else "exact"},
         )
         trainer = StrongholdTrainer(model=model, args=args, train_dataset=data)
     at_start = {}
