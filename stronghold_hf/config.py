@@ -166,6 +166,15 @@ class StrongholdConfig:
     Trainer also selects it for ``--optim adamw_8bit``, ``adamw_bnb_8bit``,
     ``paged_adamw_8bit`` and ``adamw_torch_8bit``."""
 
+    host_image: bool | Literal["auto"] = "auto"
+    """With bf16/fp16 compute, keep a pinned compute-dtype *image* of every trainable parameter
+    on the host (2 B/param): a fetch is then one copy, and CPU Adam writes the image in the
+    same pass as the update. ``False``: no image; a fetch converts the fp32 masters into a
+    bounded ring of pinned staging buffers and copies from there (``transfer.py``), which
+    saves 2 B/param of host RAM for a conversion per fetch. ``"auto"``: keep it unless the
+    host's available memory at ``offload_model`` would not hold the engine's host state with
+    it (a log line says so). With fp32 compute the master is the image and nothing changes."""
+
     nvme_path: str | None = None
     """Reserved for the NVMe tier of masters and optimizer state. Not implemented yet;
     setting it is refused rather than silently ignored."""
@@ -246,6 +255,9 @@ class StrongholdConfig:
             raise ValueError(
                 f"StrongholdConfig.offload_activations={self.offload_activations!r}; use \"auto\", True or False."
             )
+        if self.host_image not in (True, False, "auto") or (
+                isinstance(self.host_image, int) and not isinstance(self.host_image, bool)):
+            raise ValueError(f"StrongholdConfig.host_image={self.host_image!r}; use \"auto\", True or False.")
         if self.nvme_path is not None:
             raise ValueError(
                 "StrongholdConfig.nvme_path is not implemented yet (the NVMe tier is planned); leave it unset."

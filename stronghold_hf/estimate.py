@@ -16,8 +16,9 @@ untied head, in the stored dtype for embeddings and norms):
 
 * CPU, trainable parameters (every unit): fp32 masters 4 B, Adam ``exp_avg`` + ``exp_avg_sq``
   8 B, fp32 gradients 4 B, and the pinned image sent to the device when the device copy is
-  not fp32 (``c`` B; with fp32 the image *is* the master). Frozen parameters: their stored
-  bytes only. ``K`` (``grad_buffers``) pinned gradient staging buffers of the largest streamed
+  not fp32 (``c`` B; with fp32 the image *is* the master). With ``host_image=False`` (or
+  ``"auto"`` when the RAM would not hold it) two staging buffers of the largest unit's
+  compute-dtype copy replace the image. Frozen parameters: their stored bytes only. ``K`` (``grad_buffers``) pinned gradient staging buffers of the largest streamed
   unit, one of each resident unit. With activation offload, host buffers for the checkpointed
   inputs. Plus a fixed process allowance (`CPU_PROCESS_BYTES`). This is what the engine's
   memory ledger books (a test holds the two within 5%).
@@ -74,7 +75,9 @@ import torch
 from torch import nn
 
 from .config import DEFAULT_WINDOW_SIZE, parse_dtype, parse_window_size
+from . import memory
 from .discovery import build_block_specs, find_block_stacks
+from .transfer import FETCH_STAGING_BUFFERS  # host_image=False: the ring that replaces the image
 
 GiB = 2**30
 MiB = 2**20
@@ -130,21 +133,8 @@ def parse_memory(text: str | int) -> int:
 
 
 def available_cpu_memory_bytes() -> int | None:
-    """Available host RAM: psutil if installed, else ``MemAvailable`` of /proc/meminfo."""
-    try:
-        import psutil  # optional, not a dependency
-
-        return int(psutil.virtual_memory().available)
-    except ImportError:
-        pass
-    try:
-        with open("/proc/meminfo", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    """Available host RAM (`memory.available_host_bytes`: psutil, else /proc/meminfo)."""
+    return memory.available_host_bytes()
 
 
 # ---------------------------------------------------------------------------- model shape
@@ -167,6 +157,7 @@ class _Unit:
     grad_bytes: int  # its gradient buffer on the device: trainable in the device-copy dtype
     host_bytes: int  # masters, gradients, Adam state, the pinned image; frozen: stored bytes
     image_bytes: int  # of host_bytes, the pinned image (frozen parameters: their stored bytes)
+    trainable_image_bytes: int  # of image_bytes, the trainable parameters' compute-dtype copy (0 in fp32)
     lean_adam_bytes: int  # its Adam state with host_memory="lean" (8-bit moments of the large tensors)
 
 
@@ -223,7 +214,7 @@ def _count(model: nn.Module, block_classes: tuple[str, ...] | None, encoder_deco
             device_bytes=sum(p.numel() * dev[id(p)] for p in trainable) + frozen_bytes,
             grad_bytes=sum(p.numel() * dev[id(p)] for p in trainable),
             host_bytes=masters + (4 + ADAM_STATE_BYTES) * sum(p.numel() for p in trainable) + image + frozen_bytes,
-            image_bytes=image + frozen_bytes,
+            image_bytes=image + frozen_bytes, trainable_image_bytes=image,
             lean_adam_bytes=sum(_lean_adam_bytes(p.numel()) for p in trainable),
         ))
     block_params = sum(layer.params for layer in layers)
@@ -305,6 +296,7 @@ class Estimate:
     cpu_adam_bytes: int
     cpu_grad_bytes: int
     host_memory: str  # "exact" (fp32 Adam moments) or "lean" (8-bit)
+    host_image: bool  # the pinned compute-dtype image is kept (else a staging ring; no difference in fp32)
     cpu_pinned_copy_bytes: int
     cpu_grad_staging_bytes: int
     cpu_activation_bytes: int
@@ -355,8 +347,10 @@ class Estimate:
                 f"process {_gib(self.cpu_process_bytes)}) for {self.total_params / 1e9:.2f} B offloaded parameters, "
                 f"has {_gib(self.cpu_memory_bytes)}. Add CPU RAM, or train fewer or narrower layers "
                 f"(each trainable parameter costs {self.cpu_bytes_per_param:.1f} B of RAM; bf16 does not lower it"
-                + ("; host_memory=\"lean\" (--optim adamw_8bit) keeps 8-bit Adam moments, 6 B/param less)."
-                   if self.host_memory == "exact" else ").")
+                + ("; host_memory=\"lean\" (--optim adamw_8bit) keeps 8-bit Adam moments, 6 B/param less"
+                   if self.host_memory == "exact" else "")
+                + ("; host_image=False drops the pinned compute-dtype image, 2 B/param less" if self.host_image
+                   and self.dtype != "fp32" else "") + ")."
             )
         if self.gpu_fits is False:
             fixes = []
@@ -388,7 +382,7 @@ class Estimate:
     def cpu_bytes_per_param(self) -> float:
         """Host bytes of a trainable parameter: master, gradient, Adam state, image."""
         adam = ADAM_STATE_BYTES if self.host_memory == "exact" else self.cpu_adam_bytes / max(self.total_params, 1)
-        return 4 + adam + 4 + (0 if self.dtype == "fp32" else _NBYTES[self.dtype])
+        return 4 + adam + 4 + (0 if self.dtype == "fp32" or not self.host_image else _NBYTES[self.dtype])
 
 
 _NBYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -419,8 +413,10 @@ def _assemble(
     gradient_checkpointing: bool, window_size: int | str | None, gpu_memory_bytes: int | None,
     cpu_memory_bytes: int | None, decoder_seq_len: int | None, notes: list[str], grad_buffers: int = 2,
     offload_non_block: bool = True, chunked_loss: bool = True, offload_activations: bool | str = "auto",
-    loss_chunk_tokens: int | str = "auto", host_memory: str = "exact",
+    loss_chunk_tokens: int | str = "auto", host_memory: str = "exact", host_image: bool | str = "auto",
 ) -> Estimate:
+    if host_image not in (True, False, "auto"):
+        raise ValueError(f"host_image={host_image!r}; use \"auto\", True or False.")
     if host_memory not in ("exact", "lean"):
         raise ValueError(f"host_memory={host_memory!r}; use \"exact\" or \"lean\".")
     if seq_len < 1 or batch_size < 1:
@@ -445,6 +441,8 @@ def _assemble(
     adam = sum(u.lean_adam_bytes for u in units) if host_memory == "lean" else ADAM_STATE_BYTES * trainable
     grad = 4 * trainable
     pinned = sum(u.image_bytes for u in units)
+    image = sum(u.trainable_image_bytes for u in units)
+    ring = FETCH_STAGING_BUFFERS * max((u.trainable_image_bytes for u in units), default=0)
     lane = max((u.grad_bytes for u in streamed), default=0)
     staging = grad_buffers * lane + len([u for u in resident if u.trainable]) * max(
         (u.grad_bytes for u in resident), default=0)
@@ -520,6 +518,14 @@ def _assemble(
             max_w = cand
     activation_host = inputs_host if offload else 0
     cpu_needed = master + adam + grad + pinned + staging + activation_host + CPU_PROCESS_BYTES
+    # host_image="auto" drops the image when the RAM would not hold the state with it.
+    keep_image = host_image is True or (host_image == "auto" and (cpu_memory_bytes is None or cpu_needed <= cpu_memory_bytes))
+    if image and not keep_image:
+        pinned += ring - image
+        cpu_needed += ring - image
+        if host_image == "auto":
+            notes.append(f"host_image=\"auto\" drops the pinned {dtype} image ({_gib(image)}): fetches convert the "
+                         "fp32 masters through two staging buffers")
 
     total = counts.block_params + counts.resident_params
     plain_state = state_per_param * total + counts.buffer_bytes
@@ -540,7 +546,8 @@ def _assemble(
         num_blocks=n, block_params=counts.block_params, resident_params=counts.resident_params,
         total_params=total, largest_block_params=largest, offload_non_block=offload_non_block,
         chunked_loss=bool(use_chunks), offload_activations=offload,
-        cpu_master_bytes=master, cpu_adam_bytes=adam, cpu_grad_bytes=grad, host_memory=host_memory, cpu_pinned_copy_bytes=pinned,
+        cpu_master_bytes=master, cpu_adam_bytes=adam, cpu_grad_bytes=grad, host_memory=host_memory,
+        host_image=bool(keep_image or not image), cpu_pinned_copy_bytes=pinned,
         cpu_grad_staging_bytes=staging, cpu_activation_bytes=activation_host, cpu_process_bytes=CPU_PROCESS_BYTES,
         cpu_bytes_needed=cpu_needed, cpu_memory_bytes=cpu_memory_bytes,
         gpu_resident_bytes=outside, gpu_window_bytes=window_bytes,
@@ -638,6 +645,7 @@ def estimate(
     auto_class: Any = None, decoder_seq_len: int | None = None, block_classes: Sequence[str] | None = None,
     grad_buffers: int = 2, offload_non_block: bool = True, chunked_loss: bool = True,
     offload_activations: bool | str = "auto", loss_chunk_tokens: int | str = "auto", host_memory: str = "exact",
+    host_image: bool | str = "auto",
 ) -> Estimate:
     """Estimates STRONGHOLD and plain-training memory for a config (built on the meta device).
 
@@ -648,8 +656,9 @@ def estimate(
     ``"model"`` or a class with ``from_config``; ``None`` tries them in that order
     (seq2seq first for encoder-decoder configs). The model is taken as loaded in ``dtype``
     (bf16 checkpoints are), so embeddings and norms are in it on the device too.
-    ``offload_non_block``, ``chunked_loss``, ``offload_activations``, ``loss_chunk_tokens``
-    and ``host_memory`` are `StrongholdConfig`'s; ``offload_activations="auto"`` offloads when
+    ``offload_non_block``, ``chunked_loss``, ``offload_activations``, ``loss_chunk_tokens``,
+    ``host_memory`` and ``host_image`` are `StrongholdConfig`'s (``host_image="auto"`` drops
+    the image when the RAM would not hold it); ``offload_activations="auto"`` offloads when
     the GPU would not fit otherwise.
     """
     model = build_meta_model(model_config, auto_class)
@@ -664,7 +673,7 @@ def estimate(
         gpu_memory_bytes=parse_memory(gpu_memory_bytes), cpu_memory_bytes=parse_memory(cpu_memory_bytes),
         decoder_seq_len=decoder_seq_len, notes=[], grad_buffers=grad_buffers, offload_non_block=offload_non_block,
         chunked_loss=chunked_loss, offload_activations=offload_activations, loss_chunk_tokens=loss_chunk_tokens,
-        host_memory=host_memory,
+        host_memory=host_memory, host_image=host_image,
     )
 
 
@@ -675,6 +684,7 @@ def estimate_for_model(
     block_classes: Sequence[str] | None = None, decoder_seq_len: int | None = None, grad_buffers: int = 2,
     device: torch.device | str | int | None = None, offload_non_block: bool = True, chunked_loss: bool = True,
     offload_activations: bool | str = "auto", loss_chunk_tokens: int | str = "auto", host_memory: str = "exact",
+    host_image: bool | str = "auto",
 ) -> Estimate:
     """The same estimate from a live, already built model (call before moving it to the GPU).
 
@@ -713,6 +723,7 @@ def estimate_for_model(
         gpu_memory_bytes=gpu_memory_bytes, cpu_memory_bytes=cpu_memory_bytes, decoder_seq_len=decoder_seq_len,
         grad_buffers=grad_buffers, notes=notes, offload_non_block=offload_non_block, chunked_loss=chunked_loss,
         offload_activations=offload_activations, loss_chunk_tokens=loss_chunk_tokens, host_memory=host_memory,
+        host_image=host_image,
     )
 
 
@@ -749,7 +760,8 @@ def _table(e: Estimate) -> str:
             else "Adam state, lean (8-bit moments, 2 B/param)", e.cpu_adam_bytes),
         row("fp32 gradient buffers (4 B/param)", e.cpu_grad_bytes),
         row("pinned images (fp32: the masters; frozen: stored bytes)" if c == 4
-            else f"pinned {e.dtype} images ({c} B/param; frozen: stored bytes)", e.cpu_pinned_copy_bytes),
+            else f"pinned {e.dtype} images ({c} B/param; frozen: stored bytes)" if e.host_image
+            else f"pinned {e.dtype} staging, no image (frozen: stored bytes)", e.cpu_pinned_copy_bytes),
         row("pinned gradient staging (K buffers)", e.cpu_grad_staging_bytes),
         row("offloaded checkpointed activations", e.cpu_activation_bytes),
         row("process allowance (Python, torch, CUDA runtime)", e.cpu_process_bytes),
@@ -831,6 +843,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--grad_buffers", type=int, default=2, help="K, gradient buffers in flight (default 2)")
     parser.add_argument("--host_memory", default="exact", choices=["exact", "lean"],
                         help="exact: fp32 Adam moments (default); lean: 8-bit moments (--optim adamw_8bit)")
+    parser.add_argument("--host_image", type=_arg_type(_parse_auto_bool, "auto, true or false"), default="auto",
+                        help="keep the pinned bf16/fp16 image on the host (2 B/param): auto (default: unless the RAM "
+                        "would not hold it), true or false")
     parser.add_argument("--check", action="store_true", help="exit with status 3 when STRONGHOLD does not fit")
     args = parser.parse_args(argv)
 
@@ -846,6 +861,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             auto_class=args.auto_class, decoder_seq_len=args.decoder_seq_len, grad_buffers=args.grad_buffers,
             offload_non_block=args.offload_non_block, chunked_loss=args.chunked_loss,
             offload_activations=args.offload_activations, host_memory=args.host_memory,
+            host_image=args.host_image,
         )
     except (ValueError, OSError, KeyError) as err:
         parser.error(str(err))

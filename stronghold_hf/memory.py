@@ -150,6 +150,25 @@ def layout_block(fqn: str, named: list[tuple[str, torch.nn.Parameter]], param_dt
                        frozen_offset)
 
 
+def available_host_bytes() -> int | None:
+    """Host memory the system can still hand out: psutil if installed, else ``MemAvailable``
+    of /proc/meminfo (Linux); None if unknown."""
+    try:
+        import psutil  # optional, not a dependency
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def typed_view(flat_bytes: torch.Tensor, offset: int, numel: int, dtype: torch.dtype, shape) -> torch.Tensor:
     """``shape``-shaped ``dtype`` view of ``numel`` elements at byte ``offset`` of a uint8 buffer."""
     nbytes = numel * element_size(dtype)

@@ -15,6 +15,7 @@ _FIELDS = (
     "d2h_bytes",
     "h2d_s",
     "d2h_s",
+    "convert_s",  # fetches without a host image: fp32 masters converted to the compute dtype
     "blocked_s",
     "cpu_adam_s",
     "fetches_on_demand",

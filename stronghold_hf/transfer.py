@@ -134,6 +134,59 @@ def _run_copies(jobs: queue.SimpleQueue, delay_s: float) -> None:
         del dst, src, event, job
 
 
+#: Staging buffers of `FetchStaging`: one being filled while the copy from the other runs.
+FETCH_STAGING_BUFFERS = 2
+
+
+class FetchStaging:
+    """Fetches without a host image (``host_image=False``): a ring of pinned staging buffers
+    that the fp32 masters are converted into, in the compute dtype, right before the copy.
+
+    Each buffer holds the largest trainable shard of a unit. Before a buffer is refilled the
+    host waits for the copy that last read it, so the ring bounds the host memory however far
+    the window prefetches (a fetch past the ring waits for an older one to land). On a CPU
+    device the conversion writes the destination directly and no buffer is allocated: the
+    "device" is host memory already. Buffers are allocated at the first fetch.
+    """
+
+    def __init__(self, transfer: "TransferContext", allocate, buffer_bytes: int,
+                 buffers: int = FETCH_STAGING_BUFFERS) -> None:
+        self.transfer = transfer
+        self._allocate = allocate  # HostAllocator.allocate: pinned when allowed, booked in the ledger
+        self.buffer_bytes = buffer_bytes
+        self.num_buffers = buffers
+        self._buffers: list[torch.Tensor] = []
+        self._events: list = []
+        self._next = 0
+
+    def copy_converted(self, dst: torch.Tensor, master: torch.Tensor, dtype: torch.dtype, *, fetch: bool):
+        """Starts filling device ``dst`` (uint8) with ``master`` (fp32) converted to ``dtype``;
+        returns the copy's event."""
+        nbytes = master.numel() * torch.empty((), dtype=dtype).element_size()
+        t0 = time.perf_counter()
+        if self.transfer.mode == "sync":
+            dst[:nbytes].view(dtype).copy_(master)
+            self.transfer.stats.add("convert_s", time.perf_counter() - t0)
+            self.transfer.book_h2d(nbytes, fetch=fetch)
+            return _DONE
+        assert nbytes <= self.buffer_bytes, (nbytes, self.buffer_bytes)
+        if not self._buffers:
+            self._buffers = [self._allocate(self.buffer_bytes, transfer=True) for _ in range(self.num_buffers)]
+            self._events = [_DONE] * self.num_buffers
+        k = self._next
+        self._next = (k + 1) % self.num_buffers
+        self.transfer.host_wait(self._events[k])  # the copy that last read this buffer has landed
+        staged = self._buffers[k][:nbytes]
+        staged.view(dtype).copy_(master)
+        self.transfer.stats.add("convert_s", time.perf_counter() - t0)
+        self._events[k] = self.transfer.copy_h2d(dst[:nbytes], staged, fetch=fetch)
+        return self._events[k]
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(b.numel() for b in self._buffers)
+
+
 class TransferContext:
     """Owns the copy streams (or their CPU stand-ins) and books traffic in the ledger."""
 

@@ -51,7 +51,7 @@ from .distributed import DataParallel
 from .ledger import MemoryLedger
 from . import read_guard
 from .memory import GRAD_ALIGN, BlockLayout, DeviceSlotPool, HostAllocator, element_size, layout_block, typed_view
-from .transfer import TransferContext
+from .transfer import FetchStaging, TransferContext
 
 
 def _sharded_placeholder(shape: torch.Size) -> torch.Tensor:
@@ -80,7 +80,8 @@ class Unit:
 
     def __init__(self, spec: UnitSpec, *, device: torch.device, param_dtype: torch.dtype | None,
                  host: HostAllocator, transfer: TransferContext, pool: DeviceSlotPool | None, ledger: MemoryLedger,
-                 dp: DataParallel | None = None, grad_align: int = GRAD_ALIGN) -> None:
+                 dp: DataParallel | None = None, grad_align: int = GRAD_ALIGN,
+                 fetch_staging: FetchStaging | None = None) -> None:
         self.index = spec.index
         self.fqn = spec.fqn
         self.kind = spec.kind
@@ -103,19 +104,23 @@ class Unit:
 
         # ---- host buffers (pinned when allowed: what fetches copy; pageable: the rest)
         c = element_size(lay.grad_dtype) if lay.grad_dtype is not None else 0
-        self.image_trainable = host.allocate(S * c, transfer=True) if S else None  # uint8 [S * c]
+        # Without a host image (host_image=False) a fetch converts the masters through the
+        # staging ring instead; with fp32 compute the masters are the image and it always exists.
+        self.fetch_staging = fetch_staging if S and not lay.masters_in_image else None
+        keeps_image = S and self.fetch_staging is None
+        self.image_trainable = host.allocate(S * c, transfer=True) if keeps_image else None  # uint8 [S * c]
         self.image_frozen = host.allocate(lay.frozen_bytes, transfer=True) if lay.frozen_bytes else None
         if S and lay.masters_in_image:
             self.master_flat = self.image_trainable.view(torch.float32)  # fp32 [S]: the image is the master
         else:
             self.master_flat = host.allocate(4 * S, transfer=False).view(torch.float32) if S else None
         self.grad_flat = host.allocate(4 * S, transfer=False).view(torch.float32) if S else None  # fp32 [S]
-        shard_image = self.image_trainable.view(lay.grad_dtype) if S else None  # [S] compute dtype
+        shard_image = self.image_trainable.view(lay.grad_dtype) if keeps_image else None  # [S] compute dtype
         # Per parameter: the piece of it this rank keeps, (offset in the parameter, offset in the
         # shard, length); the whole parameter unless the state is sharded.
         self.pieces: list[tuple[int, int, int] | None] = []
         self.masters: list[nn.Parameter | None] = []  # what CPU Adam steps (the piece, fp32)
-        self.image_views: list[torch.Tensor | None] = []  # its compute-dtype image (copy-out target)
+        self.image_views: list[torch.Tensor | None] = []  # its compute-dtype image (copy-out target), if kept
         self.grad_views: list[torch.Tensor | None] = []  # its fp32 host gradient
         self.host_views: list[torch.Tensor] = []  # what the parameter's .data is while on the host
         with torch.no_grad():
@@ -142,8 +147,8 @@ class Unit:
                     shape = e.shape if not self.sharded else torch.Size([hi - lo])
                     master = self.master_flat[piece[1] : piece[1] + piece[2]].view(shape)
                     master.copy_(p.detach().reshape(-1)[piece[0] : piece[0] + piece[2]].view(shape))
-                    image = shard_image[piece[1] : piece[1] + piece[2]].view(shape)
-                    if image.data_ptr() != master.data_ptr():
+                    image = shard_image[piece[1] : piece[1] + piece[2]].view(shape) if keeps_image else None
+                    if image is not None and image.data_ptr() != master.data_ptr():
                         image.copy_(master)
                     self.pieces.append(piece)
                     self.masters.append(nn.Parameter(master, requires_grad=True))
@@ -169,7 +174,8 @@ class Unit:
         # machine, the pool and the ledger run as on a GPU (the ledger books the slot as device
         # memory and the fetch as traffic); only the memcpy and the allocation are skipped.
         # The simulated GPU-like mode and CUDA copy for real.
-        self.alias_host = transfer.mode == "sync" and not self.sharded
+        # Without a host image there is no compute-dtype copy to alias: the slot is real memory.
+        self.alias_host = transfer.mode == "sync" and not self.sharded and self.fetch_staging is None
         self._alias_views = self.image_views if self.alias_host else None
         with _engine_access():
             for p, view in zip(self.params, self.host_views):
@@ -260,7 +266,7 @@ class Unit:
                     changed |= self.layout.entries[k].trainable
                 elif p._version != self._host_versions[k]:
                     changed |= self.layout.entries[k].trainable
-        if changed and not self.layout.masters_in_image:
+        if changed and self.image_trainable is not None and not self.layout.masters_in_image:
             self.image_stale = True
         return changed
 
@@ -278,7 +284,7 @@ class Unit:
             return
         with torch.no_grad():
             for e, img, master in zip(self.layout.entries, self.image_views, self.masters):
-                if e.trainable and master is not None and img.data_ptr() != master.data_ptr():
+                if e.trainable and img is not None and master is not None and img.data_ptr() != master.data_ptr():
                     img.copy_(master)  # fp32 -> compute dtype
         self.image_stale = False
 
@@ -311,6 +317,9 @@ class Unit:
             events = []
             if self.image_trainable is not None:  # this rank's shard (everything, unsharded)
                 events.append(self.transfer.copy_h2d(self.slot_local, self.image_trainable, fetch=True))
+            elif self.fetch_staging is not None:  # no image: the masters, converted on the way
+                events.append(self.fetch_staging.copy_converted(self.slot_local, self.master_flat, self.layout.grad_dtype,
+                                                                fetch=True))
             if self.image_frozen is not None:
                 events.append(self.transfer.copy_h2d(self.slot[self.layout.frozen_offset :], self.image_frozen,
                                                      fetch=not events))
@@ -329,7 +338,7 @@ class Unit:
         are all-gathered. Called only where every rank uses the block ([Note: collective order])."""
         if self.state is Residency.FETCHING:
             self._wait_copies()
-            if self.sharded and self.image_trainable is not None:
+            if self.sharded and self.layout.shard_numel:
                 with record_function(f"stronghold.all_gather:{self.fqn}"):
                     self.dp.all_gather_(self.slot_trainable, self.slot_local)
             self.state = Residency.ON_DEVICE

@@ -34,13 +34,14 @@ from .grads import GradientQueue
 from .hooks import in_backward
 from .ledger import MemoryLedger
 from .distributed import DataParallel
+from . import memory
 from .memory import GRAD_ALIGN, DeviceSlotPool, HostAllocator, element_size
 from .optim import quant8
 from .schedule import Phase, WindowSchedule
 from .state_dict import install_state_dict_hooks
 from .stats import EngineStats
 from .stepping import StepCoordinator
-from .transfer import TransferContext
+from .transfer import FetchStaging, TransferContext
 from .unit import Residency, Unit
 from .workers import HostWorker
 
@@ -51,6 +52,41 @@ _DEVICE_ATTR = "_stronghold_compute_device"
 
 #: Set by `stronghold_hf.testing.simulated_device`: the pinning stand-in of the CPU test mode.
 _simulated_pinning = None
+
+
+def _trainable_compute_numel(spec, dtype: torch.dtype | None) -> tuple[int, int]:
+    """(trainable elements whose device copy is not fp32, its element size) of one unit."""
+    trainable = [p for _, p in spec.params if p.requires_grad]
+    if not trainable:
+        return 0, 0
+    c = element_size(dtype or trainable[0].dtype)
+    return (sum(p.numel() for p in trainable), c) if c != 4 else (0, 0)
+
+
+def keep_host_image(config: StrongholdConfig, specs, dtypes, shards: int) -> bool:
+    """``config.host_image`` resolved: ``"auto"`` keeps the pinned compute-dtype image unless
+    the host's available memory (plus the model's own parameters, which the host buffers
+    replace) would not hold the engine's host state with it. A log line says when it drops it."""
+    if config.host_image != "auto":
+        return bool(config.host_image)
+    image = sum(n * c for n, c in (_trainable_compute_numel(s, d) for s, d in zip(specs, dtypes))) // shards
+    if not image:
+        return True
+    available = memory.available_host_bytes()
+    if available is None:
+        return True
+    adam = 2.03 if config.host_memory == "lean" else 8
+    trainable = sum(p.numel() for s in specs for _, p in s.params if p.requires_grad) / shards
+    frozen = sum(p.numel() * p.element_size() for s in specs for _, p in s.params if not p.requires_grad)
+    state = trainable * (4 + 4 + adam) + frozen
+    freed = sum(p.numel() * p.element_size() for s in specs for _, p in s.params)  # replaced by the host buffers
+    if state + image <= 0.9 * (available + freed):
+        return True
+    logger.info(
+        "stronghold: host_image=\"auto\" drops the pinned compute-dtype image (%.2f GB): the host state needs "
+        "%.2f GB with it and %.2f GB are available; fetches convert the fp32 masters instead.",
+        image / 1e9, (state + image) / 1e9, (available + freed) / 1e9)
+    return False
 
 
 class WindowEngine:
@@ -85,12 +121,20 @@ class WindowEngine:
             self.dp.broadcast_([p.data for s in specs for _, p in s.params])
         # Lean host memory: pieces start on the 8-bit moments' blocks (memory.layout_block).
         grad_align = quant8.BLOCK if config.host_memory == "lean" else GRAD_ALIGN
+        dtypes = [unit_device_dtype(s, config.param_dtype) for s in specs]
+        self.host_image = keep_host_image(config, specs, dtypes, self.dp.shards if self.dp is not None else 1)
+        # Without the image, one ring serves every unit (sized below, allocated at the first fetch).
+        staging = None if self.host_image else FetchStaging(self.transfer, self.host.allocate, 0)
         self.units: list[Unit] = [
-            Unit(s, device=device, param_dtype=unit_device_dtype(s, config.param_dtype), host=self.host,
-                 transfer=self.transfer, pool=self.pool if s.kind != "resident" else None, ledger=self.ledger,
-                 dp=self.dp, grad_align=grad_align)
-            for s in specs
+            Unit(s, device=device, param_dtype=d, host=self.host, transfer=self.transfer,
+                 pool=self.pool if s.kind != "resident" else None, ledger=self.ledger, dp=self.dp,
+                 grad_align=grad_align, fetch_staging=staging)
+            for s, d in zip(specs, dtypes)
         ]
+        converted = [self._shard_bytes(u) for u in self.units if u.fetch_staging is not None]
+        self.fetch_staging = staging if converted else None
+        if self.fetch_staging is not None:
+            self.fetch_staging.buffer_bytes = max(converted)
         self.blocks = [u for u in self.units if u.kind == "block"]
         self._unit_of_param = {id(p): u for u in self.units for p in u.params}
         inline = config.host_worker == "inline" or (config.host_worker == "auto" and not self.transfer.is_async
@@ -147,10 +191,10 @@ class WindowEngine:
         stats = self.memory_stats()
         logger.info(
             "stronghold: %d blocks (%s) and %d units outside them, window_size=%d, %.1f MB per slot on %s, "
-            "%d offloaded parameters (%d trainable), host_memory=%s: host %.2f GB before optimizer state (%.1f "
+            "%d offloaded parameters (%d trainable), host_memory=%s, host_image=%s: host %.2f GB before optimizer state (%.1f "
             "B/offloaded param), %d parameters left on the device", len(self.blocks), describe(block_specs), len(self.units) - len(self.blocks), self.window_size,
             stats["slot_bytes"] / 1e6, device, stats["offloaded_params"], stats["offloaded_trainable_params"],
-            config.host_memory, (stats["pinned_host_bytes"] + stats["pageable_host_bytes"]) / 1e9, stats["host_bytes_per_param"],
+            config.host_memory, self.host_image, (stats["pinned_host_bytes"] + stats["pageable_host_bytes"]) / 1e9, stats["host_bytes_per_param"],
             sum(p.numel() for p in self.resident_parameters()),
         )
 
@@ -265,7 +309,8 @@ class WindowEngine:
         parameters whose master and optimizer state live on the host (by default every
         trainable parameter of the model). ``blocks_resident``, ``grads_in_flight``: right now.
         ``h2d_bytes``, ``d2h_bytes``, ``fetches``: cumulative. ``host_bytes_per_param``: host
-        bytes over offloaded parameters."""
+        bytes over offloaded parameters. ``host_image_bytes``: the pinned compute-dtype image
+        (``host_image``); ``fetch_staging_bytes``: the ring that replaces it when dropped."""
         self.transfer.collect_timings()
         out: dict[str, float] = dict(self.ledger.snapshot())
         opt_bytes = self.coordinator.optimizer_state_bytes()
@@ -293,6 +338,11 @@ class WindowEngine:
         queue = self.schedule.resident_queue
         out["resident_grad_bytes"] = queue.max_bytes * queue._num_lanes if queue is not None else 0
         out["grad_buffer_bytes"] = self.grad_queue.max_bytes
+        # The pinned compute-dtype image of trainable parameters (0 with fp32 compute, where the
+        # masters cross, or with host_image=False), and the staging ring that replaces it.
+        out["host_image_bytes"] = sum(u.image_trainable.numel() for u in self.units
+                                      if u.image_trainable is not None and not u.layout.masters_in_image)
+        out["fetch_staging_bytes"] = self.fetch_staging.allocated_bytes if self.fetch_staging is not None else 0
         return out
 
     def reset_peak_memory_stats(self) -> None:

@@ -194,6 +194,30 @@ def test_lean_host_memory_costs_two_bytes_per_parameter_of_adam_state():
         estimate(cfg, host_memory="tiny", **kw)
 
 
+def test_host_image_false_trades_the_image_for_two_staging_buffers():
+    """Llama-3-8B, bf16: the 2 B/param image goes, two buffers of the largest unit's bf16 copy
+    come; "auto" drops it only when the RAM would not hold the state with it."""
+    cfg = load_config(LLAMA3_8B[0], config_overrides=LLAMA3_8B[1])
+    kw = dict(seq_len=4096, batch_size=1, dtype="bf16", gpu_memory_bytes="24GB", gradient_checkpointing=True)
+    kept = estimate(cfg, cpu_memory_bytes="4TB", host_image=True, **kw)
+    dropped = estimate(cfg, cpu_memory_bytes="4TB", host_image=False, **kw)
+    largest = max(kept.gpu_slot_bytes, 2 * 128256 * 4096)  # the untied head is the largest unit
+    assert kept.cpu_bytes_needed - dropped.cpu_bytes_needed == 2 * kept.total_params - 2 * largest
+    assert dropped.cpu_bytes_per_param == 16 and kept.cpu_bytes_per_param == 18 and not dropped.host_image
+    assert "staging, no image" in dropped.table()
+    assert estimate(cfg, cpu_memory_bytes="4TB", **kw).host_image  # auto, plenty of RAM: kept
+    tight = estimate(cfg, cpu_memory_bytes=f"{(dropped.cpu_bytes_needed + kept.cpu_bytes_needed) // 2}B", **kw)
+    assert not tight.host_image and tight.cpu_fits and any("drops the pinned" in n for n in tight.notes)
+    short = estimate(cfg, cpu_memory_bytes="64GB", host_memory="lean", **kw)
+    assert not short.host_image and not short.cpu_fits
+    with pytest.raises(ValueError, match="does not fit"):
+        estimate(cfg, cpu_memory_bytes="64GB", host_image=True, **kw).raise_if_not_fits()
+    with pytest.raises(ValueError, match="host_image"):
+        estimate(cfg, cpu_memory_bytes="4TB", host_image="yes", **kw)
+    fp32 = estimate(cfg, **{**kw, "dtype": "fp32"}, cpu_memory_bytes="4TB", host_image=False)
+    assert fp32.cpu_bytes_needed == estimate(cfg, **{**kw, "dtype": "fp32"}, cpu_memory_bytes="4TB").cpu_bytes_needed
+
+
 def test_activation_offload_auto_turns_on_when_the_inputs_do_not_fit():
     cfg = load_config(LLAMA3_8B[0], config_overrides=LLAMA3_8B[1].replace("num_hidden_layers=32", "num_hidden_layers=32"))
     kw = dict(seq_len=32768, batch_size=1, dtype="bf16", cpu_memory_bytes="4TB", gradient_checkpointing=True)

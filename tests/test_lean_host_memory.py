@@ -9,9 +9,6 @@ ledger's bytes per parameter, resume, and the peak RSS of a child process measur
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,6 +17,7 @@ from transformers import HfArgumentParser
 from stronghold_hf import StrongholdConfig, StrongholdTrainer, StrongholdTrainingArguments, offload_model
 from stronghold_hf.optim import quant8
 from stronghold_hf.optim.cpu_adam import CPUAdam
+from child_rss import saved_bytes_per_unit
 from test_trainer import COMMON, TinyDataset, trainer_log
 from tiny_models import tiny_model
 
@@ -267,15 +265,6 @@ print(params, after - before)
 
 def test_lean_peak_rss_saves_six_bytes_per_parameter():
     """The optimizer state appears at the first step: its growth of peak RSS, child by child."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    growth = {}
-    for mode in ("exact", "lean"):
-        out = subprocess.run([sys.executable, "-c", _CHILD, mode], capture_output=True, text=True, env=env, timeout=600)
-        assert out.returncode == 0, out.stderr[-3000:]
-        params, kib = map(int, out.stdout.split()[-2:])
-        growth[mode] = kib * 1024
-    per_param = (growth["exact"] - growth["lean"]) / params
-    print(f"peak RSS growth of the first step, {params / 1e6:.1f} M params: exact {growth['exact'] / 2**20:.0f} MiB, "
-          f"lean {growth['lean'] / 2**20:.0f} MiB, saved {per_param:.2f} B/param")
+    params, per_param = saved_bytes_per_unit(_CHILD, "exact", "lean", "params, first step")
     assert params > 38e6
     assert per_param >= 0.7 * 6

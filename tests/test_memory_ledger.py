@@ -8,6 +8,8 @@ exist, that the forward/backward turn moves nothing, and what the host pays per 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -194,6 +196,19 @@ def test_reset_peak_memory_stats():
     assert engine.memory_stats()["device_peak_bytes"] == 0
 
 
+def _train_one_step(model, config):
+    engine = offload_model(model, config, device="cpu")
+    opt = engine.build_optimizer(lr=1e-3)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.param_dtype is not None):
+        model(**batch("llama", seed=0, seq=16)).loss.backward()
+    opt.step()
+    engine.synchronize()
+    stats = engine.memory_stats()
+    stats["streamed_units"] = sum(u.kind == "streamed" for u in engine.units)
+    engine.close()
+    return stats, opt
+
+
 @pytest.mark.parametrize("host_memory", ["exact", "lean"])
 @pytest.mark.parametrize("vocab", [96, 4096])  # small: the embeddings are resident; large: they stream
 def test_estimator_agrees_with_the_ledger(vocab, host_memory):
@@ -201,21 +216,19 @@ def test_estimator_agrees_with_the_ledger(vocab, host_memory):
     the device bytes the engine owns (window, gradient lanes, resident units)."""
     from stronghold_hf.estimate import estimate_for_model
 
-    for param_dtype in (None, "bf16"):
+    # host_image=False under the simulated device, where the fetch staging ring is real memory.
+    for param_dtype, host_image in ((None, True), ("bf16", True), ("bf16", False)):
         model = tiny_model("llama", num_hidden_layers=4, hidden_size=128, intermediate_size=256, vocab_size=vocab,
                            tie_word_embeddings=False)
         est = estimate_for_model(model, seq_len=16, batch_size=2, dtype="fp32" if param_dtype is None else "bf16",
                                  gpu_memory_bytes=1 << 40, cpu_memory_bytes=1 << 40, window_size=3, grad_buffers=1,
-                                 host_memory=host_memory)
-        engine = offload_model(model, StrongholdConfig(window_size=3, param_dtype=param_dtype, grad_buffers=1,
-                                                       host_memory=host_memory), device="cpu")
-        assert ({u.kind for u in engine.units} >= {"streamed"}) == (vocab > 96)
-        opt = engine.build_optimizer(lr=1e-3)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=param_dtype is not None):
-            model(**batch("llama", seed=0, seq=16)).loss.backward()
-        opt.step()
-        engine.synchronize()
-        stats = engine.memory_stats()
+                                 host_memory=host_memory, host_image=host_image)
+        with simulated_device() if not host_image else contextlib.nullcontext():
+            stats, opt = _train_one_step(model, StrongholdConfig(window_size=3, param_dtype=param_dtype, grad_buffers=1,
+                                                                 host_memory=host_memory, host_image=host_image))
+        assert (stats["streamed_units"] > 0) == (vocab > 96)
+        assert (stats["host_image_bytes"] > 0) == (param_dtype is not None and host_image)
+        assert (stats["fetch_staging_bytes"] > 0) == (not host_image)
         ledger_host = stats["pinned_host_bytes"] + stats["pageable_host_bytes"]
         estimated = est.cpu_bytes_needed - est.cpu_process_bytes
         assert abs(estimated - ledger_host) <= 0.05 * ledger_host, (param_dtype, estimated, ledger_host)

@@ -295,7 +295,7 @@ class _StrongholdTrainerMixin:
             window_size=None if window == "auto" else int(window),
             grad_buffers=cfg.grad_buffers, offload_non_block=cfg.offload_non_block, chunked_loss=cfg.chunked_loss,
             offload_activations=cfg.offload_activations, loss_chunk_tokens=cfg.loss_chunk_tokens,
-            host_memory=cfg.host_memory, **shape,
+            host_memory=cfg.host_memory, host_image=cfg.host_image, **shape,
         )
 
     def _adopt_activation_offload(self, est) -> None:

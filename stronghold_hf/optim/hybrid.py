@@ -418,7 +418,7 @@ def build_optimizer(engine, params: Iterable | None = None, *, fp16_loss_scaling
             if block.layout.masters_in_image:
                 continue
             for m, img in zip(block.masters, block.image_views):
-                if m is not None and id(m) in stepped:
+                if m is not None and img is not None and id(m) in stepped:  # no image: fetches convert
                     cpu_opt.register_copy_out(m, img)
     engine.coordinator.attach_optimizer(opt)
     return opt

@@ -1,0 +1,188 @@
+"""``host_image``: with bf16/fp16 compute, the pinned compute-dtype image is optional.
+
+Without it a fetch converts the fp32 masters through a bounded staging ring (transfer.py,
+`FetchStaging`), which saves the image's 2 B/param of host RAM. Training must not change by
+one bit: the image the kernel writes and the conversion a fetch does round the same masters
+the same way. Checked against the image path on several families, on the CPU device and
+under the simulated device (copies that land late, so a ring buffer refilled too early shows),
+with sharded state, speculation and writes between steps; then through the user's entry
+point, by the ledger, and as a child process's peak RSS measured from outside.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from transformers import HfArgumentParser
+
+from stronghold_hf import StrongholdConfig, StrongholdTrainingArguments, memory, offload_model
+from stronghold_hf.testing import simulated_device
+from child_rss import saved_bytes_per_unit
+from tiny_models import batch, tiny_model
+
+BF16 = torch.bfloat16
+
+
+def _train(model, family, steps=3, window_size=1, **config):
+    engine = offload_model(model, StrongholdConfig(window_size=window_size, param_dtype=BF16, **config), device="cpu")
+    opt = engine.build_optimizer(lr=1e-2, weight_decay=0.1)
+    losses = []
+    for step in range(steps):
+        with torch.autocast("cpu", dtype=BF16):
+            loss = model(**batch(family, seed=step)).loss
+        loss.backward()
+        engine.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    state = {k: v.clone() for k, v in engine.full_state_dict().items()}
+    stats = engine.memory_stats()
+    engine.close()
+    return losses, state, stats
+
+
+def _assert_identical(a, b):
+    assert a[0] == b[0]
+    for k, v in a[1].items():
+        assert torch.equal(b[1][k], v), k
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "t5"])  # RMSNorm: CPU autocast runs it on bf16 weights
+def test_fetches_without_an_image_train_bit_identically(family):
+    ref = tiny_model(family)
+    kept = _train(copy.deepcopy(ref), family, host_image=True)
+    dropped = _train(copy.deepcopy(ref), family, host_image=False)
+    _assert_identical(kept, dropped)
+    converted = sum(p.numel() for n, p in ref.named_parameters() if "layers" in n or ".h." in n or "block" in n)
+    assert kept[2]["host_image_bytes"] >= 2 * converted  # the blocks' bf16 image (padded)
+    assert dropped[2]["host_image_bytes"] == 0
+    host = lambda s: s["pinned_host_bytes"] + s["pageable_host_bytes"]  # noqa: E731
+    # The image and nothing else (64 B of allocator alignment per buffer); the CPU device needs no ring.
+    assert host(kept[2]) - host(dropped[2]) == pytest.approx(kept[2]["host_image_bytes"], abs=64 * 8)
+
+
+def test_the_ring_waits_for_copies_that_land_late():
+    """Simulated device: copies land milliseconds later, so refilling a ring buffer before the
+    copy that read it landed would fetch the wrong unit's weights."""
+    ref = tiny_model("llama", num_hidden_layers=6)
+    kept = _train(copy.deepcopy(ref), "llama", host_image=True)
+    with simulated_device(copy_delay_s=0.005):  # a window of 3 has more fetches in flight than the ring has buffers
+        dropped = _train(copy.deepcopy(ref), "llama", window_size=3, host_image=False)
+    _assert_identical(kept, dropped)
+    ring = dropped[2]["fetch_staging_bytes"]
+    assert 0 < ring <= 2 * (dropped[2]["slot_bytes"] + 4096)  # two buffers of the largest shard, not a copy per unit
+
+
+@pytest.mark.parametrize("config", [dict(speculative_step="on"), dict(host_memory="lean")], ids=["speculative", "lean"])
+def test_no_image_composes_with_speculation_and_lean(config):
+    ref = tiny_model("llama", intermediate_size=128)
+    _assert_identical(_train(copy.deepcopy(ref), "llama", steps=4, host_image=True, **config),
+                      _train(copy.deepcopy(ref), "llama", steps=4, host_image=False, **config))
+
+
+def test_no_image_with_sharded_state():
+    """A process group of one takes the sharded path: the ring fills this rank's shard, then
+    the all-gather runs."""
+    import torch.distributed as dist
+
+    from test_distributed import _port
+
+    ref = tiny_model("qwen2")
+    kept = _train(copy.deepcopy(ref), "qwen2", host_image=True)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1)
+    try:
+        dropped = _train(copy.deepcopy(ref), "qwen2", host_image=False, shard_cpu_state=True)
+    finally:
+        dist.destroy_process_group()
+    assert dropped[1].keys() == kept[1].keys()
+    for k, v in kept[1].items():
+        torch.testing.assert_close(dropped[1][k], v, rtol=1e-4, atol=1e-5, msg=lambda m: f"{k}: {m}")
+
+
+def test_writes_between_steps_reach_the_next_fetch():
+    """No image to go stale: a weight scaled between steps is what the next forward uses."""
+    outs = {}
+    for keep in (True, False):
+        model = tiny_model("llama")
+        engine = offload_model(model, StrongholdConfig(window_size=1, param_dtype=BF16, host_image=keep), device="cpu")
+        with torch.no_grad():
+            model.model.layers[1].mlp.down_proj.weight.mul_(3.0)
+        with torch.autocast("cpu", dtype=BF16):
+            outs[keep] = model(**batch("llama", seed=0)).loss.item()
+        engine.close()
+    assert outs[True] == outs[False]
+    untouched = tiny_model("llama")
+    with torch.autocast("cpu", dtype=BF16), torch.no_grad():
+        assert untouched(**batch("llama", seed=0)).loss.item() != pytest.approx(outs[False], abs=1e-6)
+
+
+def test_auto_drops_the_image_only_when_the_host_would_not_hold_it(monkeypatch, caplog):
+    def engine_with(available):
+        monkeypatch.setattr(memory, "available_host_bytes", lambda: available)
+        model = tiny_model("llama")
+        engine = offload_model(model, StrongholdConfig(window_size=1, param_dtype=BF16), device="cpu")
+        keep = engine.host_image
+        engine.close()
+        return keep
+
+    with caplog.at_level(logging.INFO, logger="stronghold_hf"):
+        assert engine_with(64 << 30) is True
+        assert engine_with(None) is True  # unknown: keep the faster path
+        assert not any("drops the pinned" in r.getMessage() for r in caplog.records)
+        assert engine_with(1 << 10) is False
+    assert any("drops the pinned" in r.getMessage() for r in caplog.records)
+    # fp32 compute: the masters are the image, nothing to drop whatever the RAM.
+    model = tiny_model("llama")
+    engine = offload_model(model, StrongholdConfig(window_size=1, host_image=False), device="cpu")
+    assert engine.memory_stats()["host_image_bytes"] == 0 and engine.fetch_staging is None
+    engine.close()
+
+
+def test_host_image_through_hf_argument_parser():
+    (args,) = HfArgumentParser(StrongholdTrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", "/tmp/unused", "--stronghold", "--use_cpu",
+         "--stronghold_config", '{"host_image": false, "param_dtype": "bfloat16"}'])
+    assert args.stronghold_config_resolved.host_image is False
+    with pytest.raises(ValueError, match="host_image"):
+        HfArgumentParser(StrongholdTrainingArguments).parse_args_into_dataclasses(
+            ["--output_dir", "/tmp/unused", "--stronghold", "--use_cpu", "--stronghold_config", '{"host_image": "yes"}'])
+
+
+# ------------------------------------------------------------------------------ measured from outside
+_CHILD = r"""
+import resource, sys
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from stronghold_hf import StrongholdConfig, offload_model
+
+torch.manual_seed(0)
+# 12 blocks of hidden 512 (4.2 M each: 50 M in the body) and a 2 M untied vocabulary.
+cfg = LlamaConfig(vocab_size=2000, hidden_size=512, intermediate_size=2048, num_hidden_layers=12,
+                  num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=False)
+model = LlamaForCausalLM(cfg)
+body = sum(p.numel() for p in model.model.layers.parameters())
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+engine = offload_model(model, StrongholdConfig(window_size=1, param_dtype=torch.bfloat16, host_worker="inline",
+                                               host_image=sys.argv[1] == "keep"))
+opt = engine.build_optimizer(lr=1e-4)
+ids = torch.randint(0, 2000, (1, 32))
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    loss = model(input_ids=ids, labels=ids).loss
+loss.backward()
+opt.step()
+engine.synchronize()
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(body, after - before)
+"""
+
+
+def test_dropping_the_image_saves_two_bytes_per_parameter_of_peak_rss():
+    """Peak RSS growth from offload_model through the first step, child by child. On the CPU
+    device the window's slots become real memory without an image (one W=1 window of bf16
+    blocks), which the saving pays for."""
+    body, per_param = saved_bytes_per_unit(_CHILD, "keep", "drop", "bf16 block params")
+    assert body > 37e6
+    assert per_param >= 0.7 * 2
