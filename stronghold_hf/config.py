@@ -175,6 +175,19 @@ class StrongholdConfig:
     host's available memory at ``offload_model`` would not hold the engine's host state with
     it (a log line says so). With fp32 compute the master is the image and nothing changes."""
 
+    host_grads: Literal["auto", "fp32", "compute"] = "auto"
+    """The dtype of the host gradients of units that compute in bf16. ``"compute"``: bf16, as
+    they arrive from the device (2 B/param instead of 4, and lossless while a step sees one
+    backward pass); the first time a unit's gradient would be accumulated (a second backward
+    before ``step()``, a gradient set by hand, a weight used twice whose uses flush apart) that
+    unit widens its host gradient to fp32 for good, so accumulation is exactly fp32's (a log
+    line says so). ``"fp32"``: fp32 from the start. ``"auto"``: the Trainer and the accelerate
+    plugin choose ``"compute"``, or ``"fp32"`` when ``gradient_accumulation_steps`` is above 1;
+    ``offload_model`` on its own takes it as ``"fp32"`` (a custom loop may step with its own
+    optimizer over ``model.parameters()``, which wants fp32 gradients; ask for ``"compute"``
+    with ``engine.build_optimizer``). fp32/fp16 compute and ``offload_optimizer=False`` keep
+    fp32 gradients."""
+
     nvme_path: str | None = None
     """Reserved for the NVMe tier of masters and optimizer state. Not implemented yet;
     setting it is refused rather than silently ignored."""
@@ -258,6 +271,8 @@ class StrongholdConfig:
         if self.host_image not in (True, False, "auto") or (
                 isinstance(self.host_image, int) and not isinstance(self.host_image, bool)):
             raise ValueError(f"StrongholdConfig.host_image={self.host_image!r}; use \"auto\", True or False.")
+        if self.host_grads not in ("auto", "fp32", "compute"):
+            raise ValueError(f"StrongholdConfig.host_grads={self.host_grads!r}; use \"auto\", \"fp32\" or \"compute\".")
         if self.nvme_path is not None:
             raise ValueError(
                 "StrongholdConfig.nvme_path is not implemented yet (the NVMe tier is planned); leave it unset."

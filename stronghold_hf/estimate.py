@@ -18,7 +18,9 @@ untied head, in the stored dtype for embeddings and norms):
   8 B, fp32 gradients 4 B, and the pinned image sent to the device when the device copy is
   not fp32 (``c`` B; with fp32 the image *is* the master). With ``host_image=False`` (or
   ``"auto"`` when the RAM would not hold it) two staging buffers of the largest unit's
-  compute-dtype copy replace the image. Frozen parameters: their stored bytes only. ``K`` (``grad_buffers``) pinned gradient staging buffers of the largest streamed
+  compute-dtype copy replace the image. With bf16 compute and ``host_grads`` ``"compute"``
+  (``"auto"`` without gradient accumulation) the gradients of bf16 units cost 2 B, not 4.
+  Frozen parameters: their stored bytes only. ``K`` (``grad_buffers``) pinned gradient staging buffers of the largest streamed
   unit, one of each resident unit. With activation offload, host buffers for the checkpointed
   inputs. Plus a fixed process allowance (`CPU_PROCESS_BYTES`). This is what the engine's
   memory ledger books (a test holds the two within 5%).
@@ -297,6 +299,7 @@ class Estimate:
     cpu_grad_bytes: int
     host_memory: str  # "exact" (fp32 Adam moments) or "lean" (8-bit)
     host_image: bool  # the pinned compute-dtype image is kept (else a staging ring; no difference in fp32)
+    host_grads: str  # "compute" (bf16 host gradients of bf16 units) or "fp32"
     cpu_pinned_copy_bytes: int
     cpu_grad_staging_bytes: int
     cpu_activation_bytes: int
@@ -346,11 +349,13 @@ class Estimate:
                 f"{_gib(self.cpu_pinned_copy_bytes + self.cpu_grad_staging_bytes + self.cpu_activation_bytes)} + "
                 f"process {_gib(self.cpu_process_bytes)}) for {self.total_params / 1e9:.2f} B offloaded parameters, "
                 f"has {_gib(self.cpu_memory_bytes)}. Add CPU RAM, or train fewer or narrower layers "
-                f"(each trainable parameter costs {self.cpu_bytes_per_param:.1f} B of RAM; bf16 does not lower it"
+                f"(each trainable parameter costs {self.cpu_bytes_per_param:.1f} B of RAM"
                 + ("; host_memory=\"lean\" (--optim adamw_8bit) keeps 8-bit Adam moments, 6 B/param less"
                    if self.host_memory == "exact" else "")
                 + ("; host_image=False drops the pinned compute-dtype image, 2 B/param less" if self.host_image
-                   and self.dtype != "fp32" else "") + ")."
+                   and self.dtype != "fp32" else "")
+                + ("; without gradient accumulation the host gradients stay bf16, 2 B/param less"
+                   if self.host_grads == "fp32" and self.dtype == "bf16" else "") + ")."
             )
         if self.gpu_fits is False:
             fixes = []
@@ -380,9 +385,10 @@ class Estimate:
 
     @property
     def cpu_bytes_per_param(self) -> float:
-        """Host bytes of a trainable parameter: master, gradient, Adam state, image."""
+        """Host bytes of a trainable parameter of a block: master, gradient, Adam state, image."""
         adam = ADAM_STATE_BYTES if self.host_memory == "exact" else self.cpu_adam_bytes / max(self.total_params, 1)
-        return 4 + adam + 4 + (0 if self.dtype == "fp32" or not self.host_image else _NBYTES[self.dtype])
+        grad = 2 if self.host_grads == "compute" else 4
+        return 4 + adam + grad + (0 if self.dtype == "fp32" or not self.host_image else _NBYTES[self.dtype])
 
 
 _NBYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -414,7 +420,12 @@ def _assemble(
     cpu_memory_bytes: int | None, decoder_seq_len: int | None, notes: list[str], grad_buffers: int = 2,
     offload_non_block: bool = True, chunked_loss: bool = True, offload_activations: bool | str = "auto",
     loss_chunk_tokens: int | str = "auto", host_memory: str = "exact", host_image: bool | str = "auto",
+    host_grads: str = "auto", gradient_accumulation_steps: int = 1,
 ) -> Estimate:
+    if host_grads not in ("auto", "fp32", "compute"):
+        raise ValueError(f"host_grads={host_grads!r}; use \"auto\", \"fp32\" or \"compute\".")
+    if gradient_accumulation_steps < 1:
+        raise ValueError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}.")
     if host_image not in (True, False, "auto"):
         raise ValueError(f"host_image={host_image!r}; use \"auto\", True or False.")
     if host_memory not in ("exact", "lean"):
@@ -439,9 +450,12 @@ def _assemble(
     trainable = sum(u.trainable for u in units)
     master = sum(4 * u.trainable for u in units)
     adam = sum(u.lean_adam_bytes for u in units) if host_memory == "lean" else ADAM_STATE_BYTES * trainable
-    grad = 4 * trainable
-    pinned = sum(u.image_bytes for u in units)
     image = sum(u.trainable_image_bytes for u in units)
+    # bf16 host gradients (unit.py, [Note: host gradients in the compute dtype]): 2 B instead of
+    # 4 for bf16 units, unless accumulation widens them to fp32.
+    bf16_grads = dtype == "bf16" and host_grads != "fp32" and gradient_accumulation_steps == 1
+    grad = 4 * trainable - (image if bf16_grads else 0)
+    pinned = sum(u.image_bytes for u in units)
     ring = FETCH_STAGING_BUFFERS * max((u.trainable_image_bytes for u in units), default=0)
     lane = max((u.grad_bytes for u in streamed), default=0)
     staging = grad_buffers * lane + len([u for u in resident if u.trainable]) * max(
@@ -547,7 +561,8 @@ def _assemble(
         total_params=total, largest_block_params=largest, offload_non_block=offload_non_block,
         chunked_loss=bool(use_chunks), offload_activations=offload,
         cpu_master_bytes=master, cpu_adam_bytes=adam, cpu_grad_bytes=grad, host_memory=host_memory,
-        host_image=bool(keep_image or not image), cpu_pinned_copy_bytes=pinned,
+        host_image=bool(keep_image or not image), host_grads="compute" if bf16_grads else "fp32",
+        cpu_pinned_copy_bytes=pinned,
         cpu_grad_staging_bytes=staging, cpu_activation_bytes=activation_host, cpu_process_bytes=CPU_PROCESS_BYTES,
         cpu_bytes_needed=cpu_needed, cpu_memory_bytes=cpu_memory_bytes,
         gpu_resident_bytes=outside, gpu_window_bytes=window_bytes,
@@ -645,7 +660,7 @@ def estimate(
     auto_class: Any = None, decoder_seq_len: int | None = None, block_classes: Sequence[str] | None = None,
     grad_buffers: int = 2, offload_non_block: bool = True, chunked_loss: bool = True,
     offload_activations: bool | str = "auto", loss_chunk_tokens: int | str = "auto", host_memory: str = "exact",
-    host_image: bool | str = "auto",
+    host_image: bool | str = "auto", host_grads: str = "auto", gradient_accumulation_steps: int = 1,
 ) -> Estimate:
     """Estimates STRONGHOLD and plain-training memory for a config (built on the meta device).
 
@@ -657,8 +672,9 @@ def estimate(
     (seq2seq first for encoder-decoder configs). The model is taken as loaded in ``dtype``
     (bf16 checkpoints are), so embeddings and norms are in it on the device too.
     ``offload_non_block``, ``chunked_loss``, ``offload_activations``, ``loss_chunk_tokens``,
-    ``host_memory`` and ``host_image`` are `StrongholdConfig`'s (``host_image="auto"`` drops
-    the image when the RAM would not hold it); ``offload_activations="auto"`` offloads when
+    ``host_memory``, ``host_image`` and ``host_grads`` are `StrongholdConfig`'s
+    (``host_image="auto"`` drops the image when the RAM would not hold it; ``host_grads="auto"``
+    keeps bf16 gradients when ``gradient_accumulation_steps`` is 1); ``offload_activations="auto"`` offloads when
     the GPU would not fit otherwise.
     """
     model = build_meta_model(model_config, auto_class)
@@ -673,7 +689,8 @@ def estimate(
         gpu_memory_bytes=parse_memory(gpu_memory_bytes), cpu_memory_bytes=parse_memory(cpu_memory_bytes),
         decoder_seq_len=decoder_seq_len, notes=[], grad_buffers=grad_buffers, offload_non_block=offload_non_block,
         chunked_loss=chunked_loss, offload_activations=offload_activations, loss_chunk_tokens=loss_chunk_tokens,
-        host_memory=host_memory, host_image=host_image,
+        host_memory=host_memory, host_image=host_image, host_grads=host_grads,
+        gradient_accumulation_steps=gradient_accumulation_steps,
     )
 
 
@@ -684,7 +701,7 @@ def estimate_for_model(
     block_classes: Sequence[str] | None = None, decoder_seq_len: int | None = None, grad_buffers: int = 2,
     device: torch.device | str | int | None = None, offload_non_block: bool = True, chunked_loss: bool = True,
     offload_activations: bool | str = "auto", loss_chunk_tokens: int | str = "auto", host_memory: str = "exact",
-    host_image: bool | str = "auto",
+    host_image: bool | str = "auto", host_grads: str = "auto", gradient_accumulation_steps: int = 1,
 ) -> Estimate:
     """The same estimate from a live, already built model (call before moving it to the GPU).
 
@@ -723,7 +740,7 @@ def estimate_for_model(
         gpu_memory_bytes=gpu_memory_bytes, cpu_memory_bytes=cpu_memory_bytes, decoder_seq_len=decoder_seq_len,
         grad_buffers=grad_buffers, notes=notes, offload_non_block=offload_non_block, chunked_loss=chunked_loss,
         offload_activations=offload_activations, loss_chunk_tokens=loss_chunk_tokens, host_memory=host_memory,
-        host_image=host_image,
+        host_image=host_image, host_grads=host_grads, gradient_accumulation_steps=gradient_accumulation_steps,
     )
 
 
@@ -758,7 +775,8 @@ def _table(e: Estimate) -> str:
         row("fp32 master weights (4 B/param)", e.cpu_master_bytes),
         row(f"Adam state ({ADAM_STATE_BYTES} B/param)" if e.host_memory == "exact"
             else "Adam state, lean (8-bit moments, 2 B/param)", e.cpu_adam_bytes),
-        row("fp32 gradient buffers (4 B/param)", e.cpu_grad_bytes),
+        row("fp32 gradient buffers (4 B/param)" if e.host_grads == "fp32"
+            else "gradient buffers (bf16 units 2 B/param, others 4)", e.cpu_grad_bytes),
         row("pinned images (fp32: the masters; frozen: stored bytes)" if c == 4
             else f"pinned {e.dtype} images ({c} B/param; frozen: stored bytes)" if e.host_image
             else f"pinned {e.dtype} staging, no image (frozen: stored bytes)", e.cpu_pinned_copy_bytes),
@@ -843,6 +861,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--grad_buffers", type=int, default=2, help="K, gradient buffers in flight (default 2)")
     parser.add_argument("--host_memory", default="exact", choices=["exact", "lean"],
                         help="exact: fp32 Adam moments (default); lean: 8-bit moments (--optim adamw_8bit)")
+    parser.add_argument("--host_grads", default="auto", choices=["auto", "fp32", "compute"],
+                        help="host gradients of bf16 units: auto (default: bf16 when --gradient_accumulation_steps "
+                        "is 1), fp32, or compute (bf16)")
+    parser.add_argument("--gradient_accumulation_steps", type=int, default=1,
+                        help="backward passes per step (default 1); above 1 host gradients are fp32")
     parser.add_argument("--host_image", type=_arg_type(_parse_auto_bool, "auto, true or false"), default="auto",
                         help="keep the pinned bf16/fp16 image on the host (2 B/param): auto (default: unless the RAM "
                         "would not hold it), true or false")
@@ -861,7 +884,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             auto_class=args.auto_class, decoder_seq_len=args.decoder_seq_len, grad_buffers=args.grad_buffers,
             offload_non_block=args.offload_non_block, chunked_loss=args.chunked_loss,
             offload_activations=args.offload_activations, host_memory=args.host_memory,
-            host_image=args.host_image,
+            host_image=args.host_image, host_grads=args.host_grads,
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
         )
     except (ValueError, OSError, KeyError) as err:
         parser.error(str(err))

@@ -106,6 +106,11 @@ class GradientQueue:
         return self._lanes
 
     @property
+    def staging_allocated_bytes(self) -> int:
+        """Host bytes of the lanes' staging buffers (0 before the first backward)."""
+        return sum(lane.staging.numel() + _NORM_BYTES for lane in self._lanes)
+
+    @property
     def busy(self) -> int:
         return sum(lane.state is not LaneState.FREE for lane in self._lanes)
 

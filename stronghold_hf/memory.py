@@ -289,6 +289,19 @@ class HostAllocator:
         self.ledger.host_alloc(booked, pinned=pinned)
         return out
 
+    def free(self, buf: torch.Tensor) -> None:
+        """Gives back one pageable buffer from `allocate` (its bytes go once nothing views it)."""
+        ptr = buf.untyped_storage().data_ptr()
+        with self._lock:
+            for i, (keep, booked, pinned) in enumerate(self._buffers):
+                if keep.untyped_storage().data_ptr() == ptr:
+                    assert not pinned, "free() is for pageable buffers"
+                    del self._buffers[i]
+                    break
+            else:
+                raise KeyError("HostAllocator.free: not a buffer of this allocator")
+        self.ledger.host_free(booked, pinned=False)
+
     def _try_pin(self, buf: torch.Tensor) -> bool:
         nbytes = buf.numel()
         with self._lock:

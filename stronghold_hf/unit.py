@@ -41,6 +41,7 @@ States and the only transitions (each method asserts where it starts)::
 from __future__ import annotations
 
 import enum
+import logging
 
 import torch
 from torch import nn
@@ -52,6 +53,8 @@ from .ledger import MemoryLedger
 from . import read_guard
 from .memory import GRAD_ALIGN, BlockLayout, DeviceSlotPool, HostAllocator, element_size, layout_block, typed_view
 from .transfer import FetchStaging, TransferContext
+
+logger = logging.getLogger("stronghold_hf")
 
 
 def _sharded_placeholder(shape: torch.Size) -> torch.Tensor:
@@ -81,7 +84,7 @@ class Unit:
     def __init__(self, spec: UnitSpec, *, device: torch.device, param_dtype: torch.dtype | None,
                  host: HostAllocator, transfer: TransferContext, pool: DeviceSlotPool | None, ledger: MemoryLedger,
                  dp: DataParallel | None = None, grad_align: int = GRAD_ALIGN,
-                 fetch_staging: FetchStaging | None = None) -> None:
+                 fetch_staging: FetchStaging | None = None, compute_grads: bool = False) -> None:
         self.index = spec.index
         self.fqn = spec.fqn
         self.kind = spec.kind
@@ -114,14 +117,20 @@ class Unit:
             self.master_flat = self.image_trainable.view(torch.float32)  # fp32 [S]: the image is the master
         else:
             self.master_flat = host.allocate(4 * S, transfer=False).view(torch.float32) if S else None
-        self.grad_flat = host.allocate(4 * S, transfer=False).view(torch.float32) if S else None  # fp32 [S]
+        # [Note: host gradients in the compute dtype] With bf16 compute and host_grads allowing
+        # it, the host gradient is bf16 [S]: what the device sends, exactly, at half the bytes.
+        # The first write that bf16 cannot hold exactly (an accumulation, a gradient set by
+        # hand) widens it to fp32 [S] for good (`_widen_grads`), so sums are fp32's.
+        self._host = host
+        grad_dtype = torch.bfloat16 if compute_grads and lay.grad_dtype == torch.bfloat16 else torch.float32
+        self.grad_flat = host.allocate(element_size(grad_dtype) * S, transfer=False).view(grad_dtype) if S else None
         shard_image = self.image_trainable.view(lay.grad_dtype) if keeps_image else None  # [S] compute dtype
         # Per parameter: the piece of it this rank keeps, (offset in the parameter, offset in the
         # shard, length); the whole parameter unless the state is sharded.
         self.pieces: list[tuple[int, int, int] | None] = []
         self.masters: list[nn.Parameter | None] = []  # what CPU Adam steps (the piece, fp32)
         self.image_views: list[torch.Tensor | None] = []  # its compute-dtype image (copy-out target), if kept
-        self.grad_views: list[torch.Tensor | None] = []  # its fp32 host gradient
+        self.grad_views: list[torch.Tensor | None] = []  # its host gradient (fp32, or bf16: see above)
         self.host_views: list[torch.Tensor] = []  # what the parameter's .data is while on the host
         with torch.no_grad():
             for e, p in zip(lay.entries, self.params):
@@ -152,6 +161,9 @@ class Unit:
                         image.copy_(master)
                     self.pieces.append(piece)
                     self.masters.append(nn.Parameter(master, requires_grad=True))
+                    if grad_dtype != torch.float32:  # .grad is the bf16 host gradient on fp32 values
+                        self.masters[-1].grad_dtype = None
+                        p.grad_dtype = None
                     self.image_views.append(image)
                     self.grad_views.append(self.grad_flat[piece[1] : piece[1] + piece[2]].view(shape))
                 if self.sharded:  # no rank holds the whole parameter between steps
@@ -386,7 +398,7 @@ class Unit:
                     elif g is gv:
                         self.grad_valid[k] = True
                     else:
-                        gv.copy_(g)
+                        self._host_grad_for(k, g).copy_(g)
                         self.grad_valid[k] = True
                     p.grad = None
         if not any(self.grad_valid):
@@ -468,6 +480,8 @@ class Unit:
         """Worker thread: adds (or copies) the staged shard of the gradient into the fp32 gradient.
 
         ``staged`` is this rank's shard of the gradient layout (the whole layout, unsharded)."""
+        if self.grad_flat.dtype != torch.float32 and (any(accumulate) or staged.dtype != self.grad_flat.dtype):
+            self._widen_grads("its gradient was accumulated")
         n_local = sum(piece is not None for piece in self.pieces)
         if len(touched) == n_local and len(set(accumulate)) <= 1:
             # The usual case: one flat pass over the whole shard.
@@ -589,10 +603,41 @@ class Unit:
                     master.grad = None
                     continue
                 if g is not gv:
+                    gv = self._host_grad_for(k, g)
                     gv.copy_(g)
                 master.grad = gv
                 any_grad = True
         return any_grad
+
+    def _host_grad_for(self, k: int, value: torch.Tensor) -> torch.Tensor:
+        """The host gradient of parameter ``k``, able to hold ``value`` exactly: a bf16 host
+        gradient given anything but bf16 widens first ([Note: host gradients in the compute dtype])."""
+        if self.grad_flat.dtype != torch.float32 and value.dtype != self.grad_flat.dtype:
+            self._widen_grads(f"a {value.dtype} gradient was set by hand")
+        return self.grad_views[k]
+
+    def _widen_grads(self, why: str) -> None:
+        """From now on this unit keeps fp32 host gradients: the bf16 values move over exactly,
+        and every ``.grad`` that pointed at the old buffer points at the new one."""
+        old = self.grad_flat
+        wide = self._host.allocate(4 * old.numel(), transfer=False).view(torch.float32)
+        wide.copy_(old)
+        self.grad_flat = wide
+        with torch.no_grad(), _engine_access():
+            for k, piece in enumerate(self.pieces):
+                if piece is None:
+                    continue
+                before, after = self.grad_views[k], wide[piece[1] : piece[1] + piece[2]].view(self.masters[k].shape)
+                if self.exposes_grads and self.params[k].grad is before:
+                    self.params[k].grad = after
+                if self.masters[k].grad is before:
+                    self.masters[k].grad = after
+                self.grad_views[k] = after
+        self._exposed_grad_versions = [0 if gv is None else gv._version for gv in self.grad_views] if (
+            self._exposed_grad_versions) else []
+        self._host.free(old)
+        logger.info("stronghold: %s keeps fp32 host gradients from now on (%s; host_grads=\"compute\" holds one "
+                    "backward's gradient in bf16).", self.fqn, why)
 
     # ------------------------------------------------------------------ whole values (state dict)
     def full_values(self) -> list[torch.Tensor]:

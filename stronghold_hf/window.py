@@ -123,12 +123,17 @@ class WindowEngine:
         grad_align = quant8.BLOCK if config.host_memory == "lean" else GRAD_ALIGN
         dtypes = [unit_device_dtype(s, config.param_dtype) for s in specs]
         self.host_image = keep_host_image(config, specs, dtypes, self.dp.shards if self.dp is not None else 1)
+        # bf16 host gradients need CPU Adam's kernels, which read them (unit.py, [Note: host
+        # gradients in the compute dtype]). "auto" arrives resolved from the Trainer and the
+        # accelerate plugin; on its own it means fp32, since the gradients may be read by an
+        # optimizer the user built over model.parameters(), which wants fp32 ones.
+        compute_grads = config.host_grads == "compute" and config.offload_optimizer
         # Without the image, one ring serves every unit (sized below, allocated at the first fetch).
         staging = None if self.host_image else FetchStaging(self.transfer, self.host.allocate, 0)
         self.units: list[Unit] = [
             Unit(s, device=device, param_dtype=d, host=self.host, transfer=self.transfer,
                  pool=self.pool if s.kind != "resident" else None, ledger=self.ledger, dp=self.dp,
-                 grad_align=grad_align, fetch_staging=staging)
+                 grad_align=grad_align, fetch_staging=staging, compute_grads=compute_grads)
             for s, d in zip(specs, dtypes)
         ]
         converted = [self._shard_bytes(u) for u in self.units if u.fetch_staging is not None]
@@ -310,7 +315,8 @@ class WindowEngine:
         trainable parameter of the model). ``blocks_resident``, ``grads_in_flight``: right now.
         ``h2d_bytes``, ``d2h_bytes``, ``fetches``: cumulative. ``host_bytes_per_param``: host
         bytes over offloaded parameters. ``host_image_bytes``: the pinned compute-dtype image
-        (``host_image``); ``fetch_staging_bytes``: the ring that replaces it when dropped."""
+        (``host_image``); ``fetch_staging_bytes``: the ring that replaces it when dropped;
+        ``grad_staging_bytes``: the pinned buffers gradients land in from the device."""
         self.transfer.collect_timings()
         out: dict[str, float] = dict(self.ledger.snapshot())
         opt_bytes = self.coordinator.optimizer_state_bytes()
@@ -343,6 +349,8 @@ class WindowEngine:
         out["host_image_bytes"] = sum(u.image_trainable.numel() for u in self.units
                                       if u.image_trainable is not None and not u.layout.masters_in_image)
         out["fetch_staging_bytes"] = self.fetch_staging.allocated_bytes if self.fetch_staging is not None else 0
+        out["grad_staging_bytes"] = sum(q.staging_allocated_bytes for q in (self.grad_queue, self.schedule.resident_queue)
+                                        if q is not None)
         return out
 
     def reset_peak_memory_stats(self) -> None:

@@ -362,6 +362,34 @@ def test_copy_out_equals_master_cast(dtype, kernel, chunk_numel):
     assert opt.unregister_copy_out(params[3]) is None
 
 
+@pytest.mark.parametrize("state_bits", [32, 8])
+@pytest.mark.parametrize("clip_coef", [1.0, 0.5])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_bf16_gradients_step_exactly_like_their_fp32_widening(kernel, clip_coef, state_bits):
+    """A host gradient kept in bf16 (StrongholdConfig.host_grads) is widened exactly, so the
+    step equals the step on the same values held in fp32, bit for bit, copy-out included."""
+    shapes = SHAPES + [(3000, 7)]  # 8-bit moments need 4096 elements or more
+    ours, ref = make_params(shapes=shapes), make_params(shapes=shapes)
+    opts = [CPUAdam(two_groups(ps), lr=1e-3, weight_decay=0.1, kernel=kernel, state_bits=state_bits)
+            for ps in (ours, ref)]
+    outs = [[torch.empty(p.shape, dtype=torch.bfloat16) for p in ps] for ps in (ours, ref)]
+    for opt, ps, out in zip(opts, (ours, ref), outs):
+        for p, d in zip(ps, out):
+            opt.register_copy_out(p, d)
+    for step in range(4):
+        grads = [g.to(torch.bfloat16) for g in grads_for(ours, step)]
+        for p, g in zip(ours, grads):
+            p.grad_dtype = None  # as the engine does for its masters
+            p.grad = g
+        for p, g in zip(ref, grads):
+            p.grad = g.float()
+        for opt in opts:
+            opt.step(clip_coef=clip_coef)
+    assert_equal(ours, ref)
+    assert_equal(outs[0], outs[1])
+    assert_state_equal(opts[0], ours, opts[1], ref)
+
+
 def test_copy_out_validation():
     params = make_params()
     opt = CPUAdam(params)

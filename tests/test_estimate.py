@@ -130,7 +130,13 @@ def test_tiny_gpt2_bf16_and_checkpointing():
     n = L * blk + res  # a bf16 checkpoint: everything is bf16 on the device, fp32 masters on the host
     assert e.cpu_pinned_copy_bytes == 2 * n
     assert e.cpu_grad_staging_bytes == 2 * blk * 2 + res * 2
-    assert e.cpu_bytes_needed == 18 * n + 2 * blk * 2 + res * 2 + 2 * GiB
+    # bf16 host gradients (one backward per step): 2 B each; fp32 with accumulation.
+    assert e.cpu_grad_bytes == 2 * n and e.host_grads == "compute"
+    assert e.cpu_bytes_needed == 16 * n + 2 * blk * 2 + res * 2 + 2 * GiB
+    for kw in (dict(host_grads="fp32"), dict(gradient_accumulation_steps=4)):
+        wide = estimate(tiny_gpt2(), seq_len=S, batch_size=B, dtype="bf16", gpu_memory_bytes=8 * GiB,
+                        cpu_memory_bytes=8 * GiB, gradient_checkpointing=True, window_size=1, **kw)
+        assert wide.cpu_bytes_needed == e.cpu_bytes_needed + 2 * n and wide.host_grads == "fp32"
     assert e.gpu_resident_bytes == 2 * res * 2 + _buffers(torch.bfloat16)  # the resident unit and its gradient
     assert e.gpu_window_bytes == 2 * blk * 2 and e.gpu_grad_buffer_bytes == 2 * blk * 2
     layer16 = S * B * H * (34 + 5 * A * S // H)
@@ -188,7 +194,8 @@ def test_lean_host_memory_costs_two_bytes_per_parameter_of_adam_state():
     assert exact.cpu_adam_bytes == 8 * exact.total_params
     assert 2.03 <= lean.cpu_adam_bytes / lean.total_params <= 2.04
     assert exact.cpu_bytes_needed - lean.cpu_bytes_needed == exact.cpu_adam_bytes - lean.cpu_adam_bytes
-    assert lean.cpu_bytes_per_param == pytest.approx(12.03, abs=0.01) and exact.cpu_bytes_per_param == 18
+    # The bf16 image kept (plenty of RAM) and bf16 gradients: 4 + 2.03 + 2 + 2 and 4 + 8 + 2 + 2.
+    assert lean.cpu_bytes_per_param == pytest.approx(10.03, abs=0.01) and exact.cpu_bytes_per_param == 16
     assert "Adam state, lean" in lean.table() and lean.gpu_bytes_needed == exact.gpu_bytes_needed
     with pytest.raises(ValueError, match="host_memory"):
         estimate(cfg, host_memory="tiny", **kw)
@@ -203,13 +210,16 @@ def test_host_image_false_trades_the_image_for_two_staging_buffers():
     dropped = estimate(cfg, cpu_memory_bytes="4TB", host_image=False, **kw)
     largest = max(kept.gpu_slot_bytes, 2 * 128256 * 4096)  # the untied head is the largest unit
     assert kept.cpu_bytes_needed - dropped.cpu_bytes_needed == 2 * kept.total_params - 2 * largest
-    assert dropped.cpu_bytes_per_param == 16 and kept.cpu_bytes_per_param == 18 and not dropped.host_image
+    assert dropped.cpu_bytes_per_param == 14 and kept.cpu_bytes_per_param == 16 and not dropped.host_image
     assert "staging, no image" in dropped.table()
     assert estimate(cfg, cpu_memory_bytes="4TB", **kw).host_image  # auto, plenty of RAM: kept
     tight = estimate(cfg, cpu_memory_bytes=f"{(dropped.cpu_bytes_needed + kept.cpu_bytes_needed) // 2}B", **kw)
     assert not tight.host_image and tight.cpu_fits and any("drops the pinned" in n for n in tight.notes)
+    # Lean, no image, bf16 gradients: 8.03 B/param of state, and two staging rings of the 1 GiB
+    # untied head: 66 GiB, just over a desktop's 64.
     short = estimate(cfg, cpu_memory_bytes="64GB", host_memory="lean", **kw)
-    assert not short.host_image and not short.cpu_fits
+    assert not short.host_image and short.cpu_bytes_per_param == pytest.approx(8.03, abs=0.01)
+    assert round(short.cpu_bytes_needed / GiB) == 66 and not short.cpu_fits
     with pytest.raises(ValueError, match="does not fit"):
         estimate(cfg, cpu_memory_bytes="64GB", host_image=True, **kw).raise_if_not_fits()
     with pytest.raises(ValueError, match="host_image"):

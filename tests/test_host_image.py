@@ -20,7 +20,7 @@ from transformers import HfArgumentParser
 
 from stronghold_hf import StrongholdConfig, StrongholdTrainingArguments, memory, offload_model
 from stronghold_hf.testing import simulated_device
-from child_rss import saved_bytes_per_unit
+from child_rss import BF16_LLAMA_CHILD, saved_bytes_per_unit
 from tiny_models import batch, tiny_model
 
 BF16 = torch.bfloat16
@@ -152,37 +152,13 @@ def test_host_image_through_hf_argument_parser():
 
 
 # ------------------------------------------------------------------------------ measured from outside
-_CHILD = r"""
-import resource, sys
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-from stronghold_hf import StrongholdConfig, offload_model
-
-torch.manual_seed(0)
-# 12 blocks of hidden 512 (4.2 M each: 50 M in the body) and a 2 M untied vocabulary.
-cfg = LlamaConfig(vocab_size=2000, hidden_size=512, intermediate_size=2048, num_hidden_layers=12,
-                  num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=False)
-model = LlamaForCausalLM(cfg)
-body = sum(p.numel() for p in model.model.layers.parameters())
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-engine = offload_model(model, StrongholdConfig(window_size=1, param_dtype=torch.bfloat16, host_worker="inline",
-                                               host_image=sys.argv[1] == "keep"))
-opt = engine.build_optimizer(lr=1e-4)
-ids = torch.randint(0, 2000, (1, 32))
-with torch.autocast("cpu", dtype=torch.bfloat16):
-    loss = model(input_ids=ids, labels=ids).loss
-loss.backward()
-opt.step()
-engine.synchronize()
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(body, after - before)
-"""
 
 
 def test_dropping_the_image_saves_two_bytes_per_parameter_of_peak_rss():
     """Peak RSS growth from offload_model through the first step, child by child. On the CPU
     device the window's slots become real memory without an image (one W=1 window of bf16
     blocks), which the saving pays for."""
-    body, per_param = saved_bytes_per_unit(_CHILD, "keep", "drop", "bf16 block params")
+    body, per_param = saved_bytes_per_unit(BF16_LLAMA_CHILD, '{"host_image": true}', '{"host_image": false}',
+                                           "bf16 block params")
     assert body > 37e6
     assert per_param >= 0.7 * 2

@@ -236,6 +236,14 @@ def test_trainer_lean_resume_matches_uninterrupted(tmp_path):
         assert torch.equal(b[k], v), k  # the quantized state resumed bit for bit
     saved = torch.load(ckpt / "optimizer.pt", weights_only=True)
     assert any(quant8.is_8bit(s) for s in saved["cpu"]["state"].values())
+    # The HF checkpoint is written from the fp32 masters and loads in plain HF, no engine.
+    from transformers import AutoModelForCausalLM
+
+    short = _trainer(tmp_path, "short", "adamw_8bit", max_steps=3, save_strategy="steps", save_steps=3)
+    short.train()
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "short" / "checkpoint-3")
+    for k, v in short.stronghold_engine.full_state_dict().items():
+        assert torch.equal(plain.state_dict()[k], v), k
 
 
 # ------------------------------------------------------------------------------ measured from outside

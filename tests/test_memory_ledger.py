@@ -137,13 +137,16 @@ def _host_bytes_per_param(stats, staging):
     return (stats["pinned_host_bytes"] + stats["pageable_host_bytes"] - staging) / stats["offloaded_params"]
 
 
-@pytest.mark.parametrize("family, param_dtype, budget", [("gpt2", None, 16.0), ("llama", "bf16", 18.0)])
-def test_host_bytes_per_parameter(family, param_dtype, budget):
-    """16 B/param with fp32 compute (master 4 + grad 4 + Adam 8), 18 with bf16 (+ the bf16 image)."""
+@pytest.mark.parametrize("family, param_dtype, host_grads, budget", [
+    ("gpt2", None, "auto", 16.0), ("llama", "bf16", "auto", 18.0), ("llama", "bf16", "compute", 16.0)])
+def test_host_bytes_per_parameter(family, param_dtype, host_grads, budget):
+    """16 B/param with fp32 compute (master 4 + grad 4 + Adam 8), 18 with bf16 and fp32 host
+    gradients (+ the bf16 image; offload_model's "auto"), 16 with bf16 gradients ("compute")."""
     kw = dict(n_layer=4, n_embd=128, n_head=2) if family == "gpt2" else dict(num_hidden_layers=4, hidden_size=128,
                                                                           intermediate_size=256)
     model = tiny_model(family, **kw)
-    engine = offload_model(model, StrongholdConfig(window_size=1, param_dtype=param_dtype), device="cpu")
+    engine = offload_model(model, StrongholdConfig(window_size=1, param_dtype=param_dtype, host_grads=host_grads),
+                           device="cpu")
     opt = engine.build_optimizer(lr=1e-3)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=param_dtype is not None):
         model(**batch(family, seed=0, seq=16)).loss.backward()
@@ -225,7 +228,8 @@ def test_estimator_agrees_with_the_ledger(vocab, host_memory):
                                  host_memory=host_memory, host_image=host_image)
         with simulated_device() if not host_image else contextlib.nullcontext():
             stats, opt = _train_one_step(model, StrongholdConfig(window_size=3, param_dtype=param_dtype, grad_buffers=1,
-                                                                 host_memory=host_memory, host_image=host_image))
+                                                                 host_memory=host_memory, host_image=host_image,
+                                                                 host_grads="compute"))
         assert (stats["streamed_units"] > 0) == (vocab > 96)
         assert (stats["host_image_bytes"] > 0) == (param_dtype is not None and host_image)
         assert (stats["fetch_staging_bytes"] > 0) == (not host_image)

@@ -82,6 +82,8 @@ def prepare_stronghold(
     mp = str(getattr(accelerator, "mixed_precision", "no"))
     if cfg.param_dtype is None and mp in ("bf16", "fp16") and accelerator.device.type == "cuda":  # see trainer.py
         cfg = cfg.replace(param_dtype=torch.bfloat16 if mp == "bf16" else torch.float16)
+    if cfg.host_grads == "auto":  # the engine's CPU Adam steps: bf16 host gradients unless they accumulate
+        cfg = cfg.replace(host_grads="fp32" if accelerator.gradient_accumulation_steps > 1 else "compute")
     engine = offload_model(model, cfg, device=accelerator.device)
     # accelerator.accumulate() sets sync_gradients before each micro-batch: a step follows the
     # backward only when it is True, which is when the engine may update during backward.

@@ -53,11 +53,18 @@ def _optim_name(args: Any) -> str | None:
     return str(getattr(optim, "value", optim)) if optim is not None else None
 
 
-def config_for_optim(config: StrongholdConfig, args: Any) -> StrongholdConfig:
-    """``config`` with ``host_memory="lean"`` when ``--optim`` names an 8-bit AdamW."""
+def config_for_training(config: StrongholdConfig, args: Any) -> StrongholdConfig:
+    """``config`` as the training arguments ``args`` ask: ``host_memory="lean"`` when
+    ``--optim`` names an 8-bit AdamW, and ``host_grads="auto"`` resolved to ``"fp32"`` when
+    ``gradient_accumulation_steps`` is above 1 (bf16 host gradients would widen at the first
+    accumulation anyway; fp32 from the start skips that), ``"compute"`` otherwise."""
+    changes: dict[str, Any] = {}
     if _optim_name(args) in LEAN_OPTIMS and config.host_memory != "lean":
-        return config.replace(host_memory="lean")
-    return config
+        changes["host_memory"] = "lean"
+    if config.host_grads == "auto":
+        steps = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
+        changes["host_grads"] = "fp32" if steps > 1 else "compute"
+    return config.replace(**changes) if changes else config
 
 
 def _env_value(name: str) -> str | None:
@@ -202,7 +209,7 @@ class StrongholdArgumentsMixin:
         super().__post_init__()  # type: ignore[misc]
         # Always validate, even with the flag off: a typo in the config should not wait for the
         # day someone turns the flag on.
-        self._stronghold_resolved = config_for_optim(
+        self._stronghold_resolved = config_for_training(
             resolve_stronghold_config(self.stronghold_config, self.stronghold_window_size), self)
 
     def _fill_stronghold_from_environment(self) -> None:

@@ -46,7 +46,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from ..config import StrongholdConfig
 from ..optim.hybrid import StrongholdOptimizer, remap_cpu_state
 from ..window import WindowEngine, get_engine, offload_model
-from .arguments import ENV_FLAG, config_for_optim, refuse_incompatible_options, settings_from_env
+from .arguments import ENV_FLAG, config_for_training, refuse_incompatible_options, settings_from_env
 
 logger = logging.getLogger("stronghold_hf")
 _hf_logger = logging.getLogger("transformers.trainer")  # where Trainer logs its own "Saving ..." lines
@@ -77,7 +77,7 @@ def stronghold_settings(args) -> tuple[bool, StrongholdConfig]:
     # args=None: the Trainer class builds its own defaults later, which use none of the refused options.
     if on and args is not None:
         refuse_incompatible_options(args, flag=f"{ENV_FLAG}=1")
-        cfg = config_for_optim(cfg, args)
+        cfg = config_for_training(cfg, args)
     return on, cfg
 
 
@@ -295,7 +295,8 @@ class _StrongholdTrainerMixin:
             window_size=None if window == "auto" else int(window),
             grad_buffers=cfg.grad_buffers, offload_non_block=cfg.offload_non_block, chunked_loss=cfg.chunked_loss,
             offload_activations=cfg.offload_activations, loss_chunk_tokens=cfg.loss_chunk_tokens,
-            host_memory=cfg.host_memory, host_image=cfg.host_image, **shape,
+            host_memory=cfg.host_memory, host_image=cfg.host_image, host_grads=cfg.host_grads,
+            gradient_accumulation_steps=self.args.gradient_accumulation_steps, **shape,
         )
 
     def _adopt_activation_offload(self, est) -> None:

@@ -59,6 +59,14 @@ __all__ = ["CPUAdam", "DEFAULT_CHUNK_NUMEL", "native_kernel_error"]
 DEFAULT_CHUNK_NUMEL = 1 << 19
 
 _OUT_KIND = {torch.bfloat16: 1, torch.float16: 2}
+_GRAD_BF16 = 16  # table flag of both kernels: the gradient is bf16 (kGradBf16)
+#: Gradient dtypes the kernels read: fp32, and bf16 (host gradients kept in the compute dtype,
+#: ``StrongholdConfig.host_grads``), widened exactly.
+GRAD_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _flags(d: Tensor | None, g: Tensor) -> int:
+    return (0 if d is None else _OUT_KIND[d.dtype]) | (_GRAD_BF16 if g.dtype == torch.bfloat16 else 0)
 
 
 # Every arithmetic step mirrors torch's fused kernel in order; -ffp-contract=off plus explicit
@@ -75,6 +83,8 @@ _NATIVE_SOURCE = r"""
 namespace {
 """ + ROUNDING_HELPERS + r"""
 struct Hyper { float grad_mul, decay, lerp_w, beta2, one_minus_beta2, eps; };
+constexpr int64_t kGradBf16 = 16;  // table flag: the gradient is bf16 (a host gradient kept in the compute dtype)
+constexpr int64_t kWiden = 2048;  // elements of a bf16 gradient widened at a time
 using RangeFn = void (*)(float*, const float*, float*, float*, uint16_t*, int64_t, const Hyper&, float, float);
 
 // p, g, m, v: fp32 [n]; out: bf16/fp16 bits [n] or unused. kOut: 0 none, 1 bf16, 2 fp16.
@@ -103,10 +113,11 @@ template <bool S, bool D> RangeFn pick2(bool w, int k) { return w ? pick3<S, D, 
 template <bool S> RangeFn pick1(bool d, bool w, int k) { return d ? pick2<S, true>(w, k) : pick2<S, false>(w, k); }
 }  // namespace
 
-extern "C" int sh_cpu_adam_abi() { return 2; }
+extern "C" int sh_cpu_adam_abi() { return 3; }
 
 // table: int64 [nt, 8] = numel, then the addresses of param, grad, exp_avg, exp_avg_sq (fp32
-// [numel]), out (bf16/fp16 [numel] or 0) and step (fp32 0-d), then the out kind (0/1/2).
+// [numel]; the grad bf16 when flagged), out (bf16/fp16 [numel] or 0) and step (fp32 0-d),
+// then the flags: the out kind (0/1/2) plus kGradBf16.
 // Scalars arrive as doubles and are rounded to fp32 here, as FusedAdamKernel.cpp does.
 extern "C" void sh_adamw_step(int64_t nt, const int64_t* table, double lr, double beta1, double beta2,
                               double weight_decay, double eps, double grad_mul, int32_t nthreads) {
@@ -137,18 +148,30 @@ extern "C" void sh_adamw_step(int64_t nt, const int64_t* table, double lr, doubl
       const int64_t* e = table + 8 * t;
       const int64_t s = std::max(lo, base), end = std::min(hi, base + e[0]), off = s - base;
       if (s >= end) continue;
-      const int kind = int(e[7]);
+      const int kind = int(e[7]) & 3;
       RangeFn fn = scale ? pick1<true>(dec, small_w, kind) : pick1<false>(dec, small_w, kind);
       uint16_t* out = kind ? reinterpret_cast<uint16_t*>(e[5]) + off : nullptr;
-      fn(reinterpret_cast<float*>(e[1]) + off, reinterpret_cast<const float*>(e[2]) + off,
-         reinterpret_cast<float*>(e[3]) + off, reinterpret_cast<float*>(e[4]) + off, out, end - s, h,
-         coefs[2 * t], coefs[2 * t + 1]);
+      float* p = reinterpret_cast<float*>(e[1]) + off;
+      float* m = reinterpret_cast<float*>(e[3]) + off;
+      float* v = reinterpret_cast<float*>(e[4]) + off;
+      if (!(e[7] & kGradBf16)) {
+        fn(p, reinterpret_cast<const float*>(e[2]) + off, m, v, out, end - s, h, coefs[2 * t], coefs[2 * t + 1]);
+        continue;
+      }
+      // A bf16 gradient is widened (exactly) a cache-sized piece at a time, then stepped as fp32.
+      const uint16_t* g16 = reinterpret_cast<const uint16_t*>(e[2]) + off;
+      alignas(64) float g[kWiden];
+      for (int64_t i = 0; i < end - s; i += kWiden) {
+        const int64_t n = std::min(kWiden, end - s - i);
+        widen_bf16(g16 + i, n, g);
+        fn(p + i, g, m + i, v + i, out ? out + i : nullptr, n, h, coefs[2 * t], coefs[2 * t + 1]);
+      }
     }
   }
 }
 """
 
-_NATIVE = NativeLibrary("cpu_adam", _NATIVE_SOURCE, abi=("sh_cpu_adam_abi", 2), signatures={
+_NATIVE = NativeLibrary("cpu_adam", _NATIVE_SOURCE, abi=("sh_cpu_adam_abi", 3), signatures={
     "sh_adamw_step": [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_double] * 6 + [ctypes.c_int32]})
 _fallback_warned = threading.Event()  # warn once per process about kernel="auto" falling back
 
@@ -471,10 +494,10 @@ class CPUAdam(torch.optim.Optimizer):
             g = p.grad
             if g is None:
                 continue
-            if g.layout != torch.strided or g.dtype != torch.float32 or g.device.type != "cpu" or g.shape != p.shape:
-                raise ValueError(f"CPUAdam param group {gi}, parameter {pi}: grad must be a dense fp32 CPU tensor of "
-                                 f"shape {tuple(p.shape)}, got {g.layout} {g.dtype} {tuple(g.shape)} on {g.device}; "
-                                 "put an fp32 gradient in the master's .grad.")
+            if g.layout != torch.strided or g.dtype not in GRAD_DTYPES or g.device.type != "cpu" or g.shape != p.shape:
+                raise ValueError(f"CPUAdam param group {gi}, parameter {pi}: grad must be a dense fp32 or bf16 CPU "
+                                 f"tensor of shape {tuple(p.shape)}, got {g.layout} {g.dtype} {tuple(g.shape)} on "
+                                 f"{g.device}; put an fp32 (or bf16) gradient in the master's .grad.")
             items.append((p, g if g.is_contiguous() else g.contiguous(), self._state_for(p), self._copy_out.get(p)))
         if not items:
             return
@@ -488,13 +511,13 @@ class CPUAdam(torch.optim.Optimizer):
             table = array.array("q")  # int64 [n, 8], see sh_adamw_step
             for p, g, st, d in items:
                 table.extend((p.numel(), p.data_ptr(), g.data_ptr(), st["exp_avg"].data_ptr(), st["exp_avg_sq"].data_ptr(),
-                              0 if d is None else d.data_ptr(), st["step"].data_ptr(), 0 if d is None else _OUT_KIND[d.dtype]))
+                              0 if d is None else d.data_ptr(), st["step"].data_ptr(), _flags(d, g)))
             table8 = array.array("q")  # int64 [n, 10], see sh_adamw8_step
             for p, g, st, d in items8:
                 table8.extend((p.numel(), p.data_ptr(), g.data_ptr(), st["exp_avg_q"].data_ptr(),
                                st["exp_avg_absmax"].data_ptr(), st["exp_avg_sq_q"].data_ptr(),
                                st["exp_avg_sq_absmax"].data_ptr(), 0 if d is None else d.data_ptr(),
-                               st["step"].data_ptr(), 0 if d is None else _OUT_KIND[d.dtype]))
+                               st["step"].data_ptr(), _flags(d, g)))
             if all(g is p.grad for p, g, _, _ in items + items8):  # no contiguous() copies: the tables stay valid
                 with self._lock:
                     self._tables[gi] = (key, group["params"], table, items, table8, items8)
@@ -538,6 +561,9 @@ class CPUAdam(torch.optim.Optimizer):
         if gmul != 1.0:  # see [Note: the fused kernel writes the unscaled gradient back]
             self._step_torch_chunked(items, torch.tensor(1.0 / gmul, dtype=torch.float32), hyper)  # a divisor
             return
+        if any(g.dtype != torch.float32 for _, g, _, _ in items):  # bf16 gradients: widened chunk by chunk
+            self._step_torch_chunked(items, None, hyper, widen=True)
+            return
         # grad_scale=None (not 1.0) keeps the gradient read-only. Copy-out is a separate pass:
         # chunking it to copy from cache measured no faster here (docs/performance.md), and
         # one call per group means one OpenMP region per tensor instead of several.
@@ -548,7 +574,7 @@ class CPUAdam(torch.optim.Optimizer):
         if pairs:
             torch._foreach_copy_(*map(list, zip(*pairs)))
 
-    def _step_torch_chunked(self, items, grad_scale: Tensor | None, hyper: dict[str, Any]) -> None:
+    def _step_torch_chunked(self, items, grad_scale: Tensor | None, hyper: dict[str, Any], widen: bool = False) -> None:
         """``_fused_adamw_`` over batches of <= chunk_numel elements (big tensors split, small
         ones packed), each followed by its copy-out while the params are still in cache, for
         a scaled gradient.
@@ -557,11 +583,12 @@ class CPUAdam(torch.optim.Optimizer):
         FusedAdamKernel.cpp stores ``grad / grad_scale`` into the gradient it is handed, so
         each chunk of the gradient is first copied into a per-thread fp32 scratch and the
         kernel gets that. DRAM traffic is unchanged (the copy reads the gradient once, the
-        kernel then works in cache); the cost is the in-cache copy and a call per chunk.
+        kernel then works in cache); the cost is the in-cache copy and a call per chunk. A bf16
+        gradient takes the same scratch (``widen``, or any scaled step): the copy widens it.
         """
         limit = self._chunk_numel
         scratch = None
-        if grad_scale is not None:
+        if grad_scale is not None or widen or any(g.dtype != torch.float32 for _, g, _, _ in items):
             scratch = getattr(self._tls, "scratch", None)
             if scratch is None or scratch.numel() < limit:
                 scratch = self._tls.scratch = torch.empty(limit, dtype=torch.float32)  # fp32 [chunk_numel]

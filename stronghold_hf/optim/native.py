@@ -19,10 +19,17 @@ import tempfile
 import threading
 from pathlib import Path
 
-#: fp32 -> bf16/fp16 bits exactly as torch rounds, shared with the 8-bit kernel (quant8.py).
+#: fp32 -> bf16/fp16 bits exactly as torch rounds, and bf16 -> fp32, shared with the 8-bit
+#: kernel (quant8.py).
 ROUNDING_HELPERS = r"""
 inline uint32_t bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 inline float from_bits(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+
+// bf16 bits -> fp32, exact (a gradient kept in bf16 on the host is read through this).
+inline float from_bf16(uint16_t h) { return from_bits(uint32_t(h) << 16); }
+inline void widen_bf16(const uint16_t* __restrict src, int64_t n, float* __restrict dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = from_bf16(src[i]);
+}
 
 // c10 round_to_nearest_even: what param.to(torch.bfloat16) computes.
 inline uint16_t to_bf16(float f) {

@@ -339,11 +339,12 @@ void dequantize(const uint8_t* q, int64_t n, float scale, const float* c, float*
 }
 }  // namespace
 
-extern "C" int sh_adamw8_abi() { return 3; }
+extern "C" int sh_adamw8_abi() { return 4; }
 
 // table: int64 [nt, 10] = numel, then the addresses of param and grad (fp32 [numel]), the
 // first moment's codes (uint8 [numel]) and absmax (fp32 [blocks]), the second's, out
-// (bf16/fp16 [numel] or 0), step (fp32 0-d), and the out kind (0/1/2). map_m, map_v: the
+// (bf16/fp16 [numel] or 0), step (fp32 0-d), and the flags: the out kind (0/1/2), plus 16
+// when the gradient is bf16 (widened exactly, block by block). map_m, map_v: the
 // signed and the unsigned map's constants (quant8.map_constants, fp32 [64]).
 extern "C" void sh_adamw8_step(int64_t nt, const int64_t* table, double lr, double beta1, double beta2,
                                double weight_decay, double eps, double grad_mul, const float* map_m,
@@ -370,11 +371,16 @@ extern "C" void sh_adamw8_step(int64_t nt, const int64_t* table, double lr, doub
     const int64_t b = blk - first[t], lo = b * kBlock, n = std::min(kBlock, e[0] - lo);
     float* p = reinterpret_cast<float*>(e[1]) + lo;
     const float* g = reinterpret_cast<const float*>(e[2]) + lo;
+    float g_wide[kBlock];
+    if (e[9] & 16) {
+      widen_bf16(reinterpret_cast<const uint16_t*>(e[2]) + lo, n, g_wide);
+      g = g_wide;
+    }
     uint8_t* mq = reinterpret_cast<uint8_t*>(e[3]) + lo;
     float* ma = reinterpret_cast<float*>(e[4]) + b;
     uint8_t* vq = reinterpret_cast<uint8_t*>(e[5]) + lo;
     float* va = reinterpret_cast<float*>(e[6]) + b;
-    const int kind = int(e[9]);
+    const int kind = int(e[9]) & 3;
     uint16_t* out = kind ? reinterpret_cast<uint16_t*>(e[7]) + lo : nullptr;
     const float ns = neg_step[t], bc = bc2[t];
     float m[kBlock], v[kBlock];
@@ -410,7 +416,7 @@ _NATIVE = NativeLibrary(
     "cpu_adam8",
     "#include <algorithm>\n#include <cmath>\n#include <cstdint>\n#include <cstring>\n#include <omp.h>\n#include <vector>\n"
     "#if defined(__AVX2__)\n#include <immintrin.h>\n#endif\nnamespace {\n" + ROUNDING_HELPERS + _SOURCE_TAIL,
-    abi=("sh_adamw8_abi", 3),
+    abi=("sh_adamw8_abi", 4),
     signatures={"sh_adamw8_step": [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_double] * 6 + [ctypes.c_void_p] * 2
                 + [ctypes.c_int32]})
 
