@@ -15,7 +15,7 @@ Output, JSON lines:
   a summary line with ``convert_vs_h2d`` (>= 1: the conversion hides behind the copy) and the
   paired ``step_ratio_no_image_vs_image``.
 
-    python benchmarks/bench_fetch.py                 # 64 M-element unit (a 1.3 B-model block)
+    python benchmarks/bench_fetch.py                 # 64 M-element unit; bf16 steps at seq 64 (bf16 matmuls are slow on CPUs)
     python benchmarks/bench_fetch.py --numel 218e6   # a Llama-3-8B block
 """
 
@@ -100,7 +100,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--steps", type=int, default=6)
     args = ap.parse_args()
     numel = int(args.numel)

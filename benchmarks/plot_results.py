@@ -10,6 +10,7 @@ Every input file is read line by line, and each line is classified by its ``benc
   cpu_tokens_per_s.png    bar chart of tokens/s per variant of each CPU run (one group per file)
   memory_sweeps.png       device bytes against vocabulary, sequence length and depth, the
                           engine next to plain training (bench_memory rows with ``sweep``)
+  lean_loss_curves.png    train loss of exact and lean host memory (bench_lean rows)
 
 matplotlib is not a dependency of stronghold_hf (``pip install matplotlib``, or the ``plots``
 extra). A plot with no data is skipped with a message.
@@ -161,6 +162,27 @@ def plot_memory_sweeps(plt, lines, out_dir: str) -> str | None:
     return _save(fig, out_dir, "memory_sweeps.png")
 
 
+def plot_lean_loss_curves(plt, lines, out_dir: str) -> str | None:
+    """Train-loss curves of exact and lean host memory, one panel per run length (bench_lean.py)."""
+    rows = [obj for _, obj in lines if obj.get("bench") == "lean" and "train_loss" in obj]
+    lengths = sorted({r["max_steps"] for r in rows})
+    if not lengths:
+        return None
+    fig, axes = plt.subplots(1, len(lengths), figsize=(4.6 * len(lengths), 3.6), squeeze=False)
+    colors = {"exact": "tab:blue", "lean": "tab:orange"}
+    for ax, steps in zip(axes[0], lengths):
+        for r in (r for r in rows if r["max_steps"] == steps):
+            ax.plot(r["steps"], r["train_loss"], "-", color=colors.get(r["mode"]),
+                    label=f"{r['mode']} ({r['optim']}): eval loss {r['eval_loss']:.4f}")
+        ax.set_xlabel("step")
+        ax.set_ylabel("train loss")
+        ax.set_title(f"run_clm embedded default, {steps} steps", fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("fp32 vs 8-bit Adam moments on the host (bench_lean.py)", fontsize=9)
+    return _save(fig, out_dir, "lean_loss_curves.png")
+
+
 def _save(fig, out_dir: str, name: str) -> str:
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, name)
@@ -180,7 +202,8 @@ def main(argv=None) -> int:
     plt = _require_matplotlib()
     lines = read_lines(args.files)
     for name, fn in (("throughput_vs_size", plot_throughput_vs_size), ("max_model_size", plot_max_model),
-                     ("cpu_tokens_per_s", plot_cpu_bars), ("memory_sweeps", plot_memory_sweeps)):
+                     ("cpu_tokens_per_s", plot_cpu_bars), ("memory_sweeps", plot_memory_sweeps),
+                     ("lean_loss_curves", plot_lean_loss_curves)):
         path = fn(plt, lines, args.out)
         print(f"{name}: {path}" if path else f"{name}: skipped (no matching lines in the inputs)")
     return 0

@@ -18,15 +18,17 @@
 #                                    first_block_ready_fraction, forward_stall_fraction, miss rate
 #   bench_max_model.py --quick  60   largest trainable model under a 32 GB cap
 #   bench_train.py --quick      70   HF Trainer: plain vs --stronghold (auto, 1, 2), FSDP2 offload
+#   bench_fetch.py              30   only if 30 s are left: fp32->bf16 conversion against the H2D copy it feeds
 #   bench_step.py (bf16)        rest only if at least 60 s of the 8 minutes are left
-#   total                       <= 485 + the optional bf16 run, capped at 490
+#   total                       <= 485 + the optional runs, capped at 490
 # A piece that fails or times out is recorded and the script goes on: one broken piece must
 # not cost the others their (expensive) device time. The exit status is non-zero if any
 # piece failed.
 #
 # Output (which the device tool collects from $OUT):
 #   env.txt  gpu_tests.txt  bench_memory_cuda.jsonl  bench_estimate_cuda.jsonl  bench_step_cuda.jsonl
-#   bench_max_model.jsonl  bench_train_cuda.jsonl  bench_step_cuda_bf16.jsonl  stderr.log  summary.txt
+#   bench_max_model.jsonl  bench_train_cuda.jsonl  bench_fetch_cuda.jsonl  bench_step_cuda_bf16.jsonl
+#   stderr.log  summary.txt
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -126,6 +128,17 @@ run_piece "bench_max_model quick 32GB" 60 "$OUT_DIR/bench_max_model.jsonl" \
 run_piece "bench_train cuda quick" 70 "$OUT_DIR/bench_train_cuda.jsonl" \
     python benchmarks/bench_train.py --device cuda --quick --model_size gpt2-small-like --worker_timeout 40 \
     --time_budget_s 50
+
+# ---------------------------------------------------------------------------- optional bench_fetch (30 s)
+# host_image=False: fp32 -> bf16 conversion of a Llama-3-8B block (218 M elements) against the pinned
+# copy it feeds, and a bf16 Llama's step with the image kept and dropped (bench_fetch.py).
+# Only when 30 s of the 490 are left, so the worst case stays as it was.
+if [ $((490 - (SECONDS - START))) -ge 30 ]; then
+    run_piece "bench_fetch cuda" 30 "$OUT_DIR/bench_fetch_cuda.jsonl" \
+        python benchmarks/bench_fetch.py --numel 218e6 --repeats 3 --steps 4
+else
+    log "bench_fetch cuda: skipped, under 30 s left"
+fi
 
 # ---------------------------------------------------------------------------- optional bf16 step
 LEFT=$((490 - (SECONDS - START)))
