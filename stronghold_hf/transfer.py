@@ -162,7 +162,7 @@ class FetchStaging:
     def copy_converted(self, dst: torch.Tensor, master: torch.Tensor, dtype: torch.dtype, *, fetch: bool):
         """Starts filling device ``dst`` (uint8) with ``master`` (fp32) converted to ``dtype``;
         returns the copy's event."""
-        nbytes = master.numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = master.numel() * dtype.itemsize
         t0 = time.perf_counter()
         if self.transfer.mode == "sync":
             dst[:nbytes].view(dtype).copy_(master)

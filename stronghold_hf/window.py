@@ -63,22 +63,27 @@ def _trainable_compute_numel(spec, dtype: torch.dtype | None) -> tuple[int, int]
     return (sum(p.numel() for p in trainable), c) if c != 4 else (0, 0)
 
 
-def keep_host_image(config: StrongholdConfig, specs, dtypes, shards: int) -> bool:
+def keep_host_image(config: StrongholdConfig, specs, dtypes, shards: int, compute_grads: bool) -> bool:
     """``config.host_image`` resolved: ``"auto"`` keeps the pinned compute-dtype image unless
     the host's available memory (plus the model's own parameters, which the host buffers
-    replace) would not hold the engine's host state with it. A log line says when it drops it."""
+    replace) would not hold the engine's host state with it. The state is counted as the
+    estimator counts it (estimate.py). A log line says when it drops the image."""
     if config.host_image != "auto":
         return bool(config.host_image)
+    from .estimate import ADAM_STATE_BYTES, _lean_adam_bytes
+
     image = sum(n * c for n, c in (_trainable_compute_numel(s, d) for s, d in zip(specs, dtypes))) // shards
     if not image:
         return True
     available = memory.available_host_bytes()
     if available is None:
         return True
-    adam = 2.03 if config.host_memory == "lean" else 8
-    trainable = sum(p.numel() for s in specs for _, p in s.params if p.requires_grad) / shards
+    trainable = [p for s in specs for _, p in s.params if p.requires_grad]
+    adam = sum(_lean_adam_bytes(p.numel()) if config.host_memory == "lean" else ADAM_STATE_BYTES * p.numel()
+               for p in trainable)
+    grads = 4 * sum(p.numel() for p in trainable) - (image * shards if compute_grads else 0)  # bf16 units: 2 B
     frozen = sum(p.numel() * p.element_size() for s in specs for _, p in s.params if not p.requires_grad)
-    state = trainable * (4 + 4 + adam) + frozen
+    state = (4 * sum(p.numel() for p in trainable) + adam + grads) / shards + frozen
     freed = sum(p.numel() * p.element_size() for s in specs for _, p in s.params)  # replaced by the host buffers
     if state + image <= 0.9 * (available + freed):
         return True
@@ -122,12 +127,13 @@ class WindowEngine:
         # Lean host memory: pieces start on the 8-bit moments' blocks (memory.layout_block).
         grad_align = quant8.BLOCK if config.host_memory == "lean" else GRAD_ALIGN
         dtypes = [unit_device_dtype(s, config.param_dtype) for s in specs]
-        self.host_image = keep_host_image(config, specs, dtypes, self.dp.shards if self.dp is not None else 1)
         # bf16 host gradients need CPU Adam's kernels, which read them (unit.py, [Note: host
         # gradients in the compute dtype]). "auto" arrives resolved from the Trainer and the
         # accelerate plugin; on its own it means fp32, since the gradients may be read by an
         # optimizer the user built over model.parameters(), which wants fp32 ones.
         compute_grads = config.host_grads == "compute" and config.offload_optimizer
+        self.host_image = keep_host_image(config, specs, dtypes, self.dp.shards if self.dp is not None else 1,
+                                          compute_grads)
         # Without the image, one ring serves every unit (sized below, allocated at the first fetch).
         staging = None if self.host_image else FetchStaging(self.transfer, self.host.allocate, 0)
         self.units: list[Unit] = [
