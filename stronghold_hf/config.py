@@ -189,8 +189,21 @@ class StrongholdConfig:
     fp32 gradients."""
 
     nvme_path: str | None = None
-    """Reserved for the NVMe tier of masters and optimizer state. Not implemented yet;
-    setting it is refused rather than silently ignored."""
+    """A directory on a fast local disk for the NVMe tier (``nvme.py``): the CPU optimizer's
+    Adam moments of every offloaded unit live in a file there (8 B/param exact, about 2 lean)
+    instead of host RAM, read ahead in update order through a ring of host buffers and
+    written back behind each update; training is bit-identical to keeping them in RAM. The
+    engine makes (and removes) its own subdirectory; the file is scratch, never a checkpoint.
+    Needs the engine's CPU Adam (``offload_optimizer=True``). ``None``: moments in RAM. The
+    fp32 masters stay in RAM."""
+
+    nvme_ring_buffers: int = 4
+    """Host buffers between the NVMe tier and CPU Adam, each the size of the largest unit's
+    moments: one being updated, one being written back, the rest read ahead (at least 2)."""
+
+    nvme_io_threads: int = 4
+    """Threads issuing the NVMe tier's reads and writes (several requests in flight is what an
+    NVMe drive needs to reach its bandwidth)."""
 
     def __post_init__(self) -> None:
         ws = self.window_size
@@ -274,9 +287,16 @@ class StrongholdConfig:
         if self.host_grads not in ("auto", "fp32", "compute"):
             raise ValueError(f"StrongholdConfig.host_grads={self.host_grads!r}; use \"auto\", \"fp32\" or \"compute\".")
         if self.nvme_path is not None:
-            raise ValueError(
-                "StrongholdConfig.nvme_path is not implemented yet (the NVMe tier is planned); leave it unset."
-            )
+            if not isinstance(self.nvme_path, (str, os.PathLike)) or not str(self.nvme_path):
+                raise ValueError(f"StrongholdConfig.nvme_path={self.nvme_path!r}; use a directory path or None.")
+            object.__setattr__(self, "nvme_path", os.fspath(self.nvme_path))
+            if not self.offload_optimizer:
+                raise ValueError("StrongholdConfig.nvme_path needs offload_optimizer=True: the NVMe tier holds the "
+                                 "state of the engine's CPU Adam.")
+        for name, least in (("nvme_ring_buffers", 2), ("nvme_io_threads", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"StrongholdConfig.{name}={value!r}; use an int >= {least}.")
 
     # ------------------------------------------------------------------ construction
     @classmethod

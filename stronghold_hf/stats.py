@@ -24,6 +24,7 @@ _FIELDS = (
     "first_block_ready_s",
     "speculative_update_s",
     "rollback_s",
+    "nvme_wait_s",  # updates waiting for their Adam state to arrive from the NVMe tier
     "speculated_blocks",
     "speculation_hits",
     "speculation_misses",

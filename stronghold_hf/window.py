@@ -322,7 +322,9 @@ class WindowEngine:
         ``h2d_bytes``, ``d2h_bytes``, ``fetches``: cumulative. ``host_bytes_per_param``: host
         bytes over offloaded parameters. ``host_image_bytes``: the pinned compute-dtype image
         (``host_image``); ``fetch_staging_bytes``: the ring that replaces it when dropped;
-        ``grad_staging_bytes``: the pinned buffers gradients land in from the device."""
+        ``grad_staging_bytes``: the pinned buffers gradients land in from the device.
+        ``nvme_ring_bytes``, ``nvme_file_bytes``, ``nvme_read_bytes``, ``nvme_written_bytes``:
+        the NVMe tier's host ring, its file on disk, and its traffic (0 without ``nvme_path``)."""
         self.transfer.collect_timings()
         out: dict[str, float] = dict(self.ledger.snapshot())
         opt_bytes = self.coordinator.optimizer_state_bytes()
@@ -357,6 +359,13 @@ class WindowEngine:
         out["fetch_staging_bytes"] = self.fetch_staging.allocated_bytes if self.fetch_staging is not None else 0
         out["grad_staging_bytes"] = sum(q.staging_allocated_bytes for q in (self.grad_queue, self.schedule.resident_queue)
                                         if q is not None)
+        # The NVMe tier (nvme.py): its ring of host buffers (counted in pageable_host_bytes), the
+        # file on disk (not host memory), and the bytes read and written so far.
+        nvme = getattr(self.coordinator.optimizer, "nvme", None)
+        out["nvme_ring_bytes"] = nvme.ring_bytes if nvme is not None else 0
+        out["nvme_file_bytes"] = nvme.file_bytes if nvme is not None else 0
+        out["nvme_read_bytes"] = nvme.read_bytes if nvme is not None else 0
+        out["nvme_written_bytes"] = nvme.written_bytes if nvme is not None else 0
         return out
 
     def reset_peak_memory_stats(self) -> None:
@@ -521,6 +530,9 @@ class WindowEngine:
         self.schedule.reset_holds()
         self.evict_all()
         self.shutdown_workers()
+        nvme = getattr(self.coordinator.optimizer, "nvme", None)
+        if nvme is not None:
+            nvme.close()  # the swap file is scratch: removed with the engine
         for h in self._handles:
             h.remove()
         self._handles.clear()

@@ -402,6 +402,12 @@ class CPUAdam(torch.optim.Optimizer):
                 state.update(fresh)
         return state
 
+    def state_moved(self) -> None:
+        """Some state tensors were replaced by others (the NVMe tier points them at a ring
+        buffer for one update, and away after it): forget the address tables built from them."""
+        with self._lock:
+            self._tables.clear()
+
     # --- copy-out ---------------------------------------------------------------------------
 
     def register_copy_out(self, param: Tensor, dest: Tensor) -> None:

@@ -23,10 +23,15 @@ engine waits for unit ``i``'s update only when it next needs unit ``i`` (its pre
 next forward), so update, host-to-device copy and forward pipeline across units. Clipping and the fp16 overflow
 verdict are known before any update starts, because `WindowEngine.clip_grad_norm_` (or the
 overflow check inside ``step``) ran after the whole backward.
+
+With ``StrongholdConfig(nvme_path=...)`` the CPU Adam moments live on disk (``nvme.py``):
+``step()`` tells the tier the order of the updates it queued, and every update (and undo)
+runs inside ``nvme.bound(unit)``, which brings the unit's moments into a ring buffer.
 """
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 from typing import Any, Iterable
 
@@ -83,6 +88,16 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         self._inner_user = list(inner_user)
         super().__init__([dict(g) for g in user_groups], defaults)
         self.last_step_skipped = False
+        #: The NVMe tier holding the CPU Adam moments (``nvme.NvmeTier``), or None: in RAM.
+        self.nvme = None
+
+    def _state_of(self, block):
+        """Inside: the CPU optimizer's state of ``block`` is in memory (always, without a tier)."""
+        return self.nvme.bound(block.index) if self.nvme is not None else contextlib.nullcontext()
+
+    def _not_updating(self, block) -> None:
+        if self.nvme is not None:
+            self.nvme.drop(block.index)
 
     def _collect_inner_groups(self) -> list[dict[str, Any]]:
         return [*(self.cpu_optimizer.param_groups if self.cpu_optimizer is not None else []),
@@ -124,6 +139,7 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         # Plan every block first, then queue the CPU work in one go: the worker starts on block 0
         # while this thread moves on, instead of contending for the GIL with the planning loop.
         plan: list[tuple[Any, str, Any, str]] = []  # (block, label, task, counter)
+        state_order: list[int] = []  # the units whose state the planned tasks read, in order (NVMe tier)
         hits = misses = 0
         for block in engine.update_order:  # the order the next forward needs them: the first is updated first
             groups = self.block_groups.get(block.index)
@@ -152,15 +168,19 @@ class StrongholdOptimizer(torch.optim.Optimizer):
                 misses += 1
                 plan.append((block, "the rollback of a speculative update", partial(self.undo_speculation, block, record),
                              "rollback_s"))
+                state_order.append(block.index)
             if found_inf or all(g is None for _, g in grads):
                 continue
             plan.append((block, "the CPU optimizer update",
                          partial(self._update_block, block, groups, grads, clip_coef * inv_scale), "cpu_adam_s"))
+            state_order.append(block.index)
             self._release_grads(block)
         if self.device_optimizer is not None and not found_inf:
             # Before the CPU work: on a GPU it is a few asynchronous launches; on a CPU-only
             # device it would otherwise compete with the worker for the same cores.
             self.device_optimizer.step()
+        if self.nvme is not None:
+            self.nvme.expect(state_order)  # reads start now, ahead of the updates
         coordinator.begin_updates()
         # Block 0 first, on this thread: the next forward needs it before anything else, and
         # handing it to the worker would add the worker's wake-up to the forward's wait. The
@@ -195,9 +215,11 @@ class StrongholdOptimizer(torch.optim.Optimizer):
     def _update_block(self, block, groups: list[int], grads, grad_mul: float) -> None:
         """Host worker: one block's update with ``grad * grad_mul`` (clip coefficient x 1/scale)."""
         if not block.load_master_grads(grads):
+            self._not_updating(block)
             return
         if isinstance(self.cpu_optimizer, CPUAdam):
-            self.cpu_optimizer.step_groups(groups, inv_loss_scale=grad_mul)
+            with self._state_of(block):
+                self.cpu_optimizer.step_groups(groups, inv_loss_scale=grad_mul)
             return
         if grad_mul != 1.0:
             for m in block.masters:
@@ -252,17 +274,19 @@ class StrongholdOptimizer(torch.optim.Optimizer):
     def undo_speculation(self, block, record: SpecRecord) -> None:
         """Host worker: inverts a speculative update exactly from what it applied."""
         if not record.applied:
+            self._not_updating(block)
             return
         grads = dict(record.grads)
-        for gi, hyper in zip(record.groups, record.hyper):
-            params, used, states = [], [], []
-            for m in self.cpu_optimizer.param_groups[gi]["params"]:
-                k = block.master_index[id(m)]
-                if k in grads:
-                    params.append(m.data)
-                    used.append(grads[k])
-                    states.append(self.cpu_optimizer.state.get(m, {}))
-            undo_adamw_(params, used, states, hyper, record.grad_mul)
+        with self._state_of(block):
+            for gi, hyper in zip(record.groups, record.hyper):
+                params, used, states = [], [], []
+                for m in self.cpu_optimizer.param_groups[gi]["params"]:
+                    k = block.master_index[id(m)]
+                    if k in grads:
+                        params.append(m.data)
+                        used.append(grads[k])
+                        states.append(self.cpu_optimizer.state.get(m, {}))
+                undo_adamw_(params, used, states, hyper, record.grad_mul)
         block.image_stale = not block.layout.masters_in_image  # the copy-out holds the undone values
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -281,7 +305,9 @@ class StrongholdOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         self.engine.coordinator.synchronize()
-        cpu_state = self.cpu_optimizer.state_dict() if self.cpu_optimizer is not None else None
+        # With the NVMe tier the moments are read-only maps of its file (saved before the next step).
+        with self.nvme.materialized() if self.nvme is not None else contextlib.nullcontext():
+            cpu_state = self.cpu_optimizer.state_dict() if self.cpu_optimizer is not None else None
         return {
             "stronghold_format": 1,
             "cpu": cpu_state,
@@ -303,6 +329,8 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         self.engine.coordinator.synchronize()
         if self.cpu_optimizer is not None and state_dict["cpu"] is not None:
             self.cpu_optimizer.load_state_dict(state_dict["cpu"])
+            if self.nvme is not None:
+                self.nvme.absorb()  # the loaded moments go to disk, their RAM back
         if self.device_optimizer is not None and state_dict["device"] is not None:
             self.device_optimizer.load_state_dict(state_dict["device"])
         if self.scaler is not None and state_dict.get("scaler"):
@@ -420,8 +448,22 @@ def build_optimizer(engine, params: Iterable | None = None, *, fp16_loss_scaling
             for m, img in zip(block.masters, block.image_views):
                 if m is not None and img is not None and id(m) in stepped:  # no image: fetches convert
                     cpu_opt.register_copy_out(m, img)
+    if engine.config.nvme_path is not None:
+        opt.nvme = _nvme_tier(engine, cpu_opt, block_groups)
     engine.coordinator.attach_optimizer(opt)
     return opt
+
+
+def _nvme_tier(engine, cpu_opt, block_groups: dict[int, list[int]]):
+    from ..nvme import NvmeTier
+
+    if not isinstance(cpu_opt, CPUAdam):
+        raise ValueError("StrongholdConfig.nvme_path needs the engine's CPU Adam (offload_optimizer=True).")
+    units = [(u.index, u.fqn, [p for gi in block_groups[u.index] for p in cpu_opt.param_groups[gi]["params"]])
+             for u in engine.update_order if u.index in block_groups]
+    cfg = engine.config
+    return NvmeTier(cfg.nvme_path, cpu_opt, units, ring_buffers=cfg.nvme_ring_buffers, io_threads=cfg.nvme_io_threads,
+                    ledger=engine.ledger, stats=engine.stats)
 
 
 def remap_cpu_state(pieces: list[tuple[str, str, int, int]], shapes: list[torch.Size],

@@ -1,0 +1,660 @@
+"""The NVMe tier: Adam moments on disk, streamed through a ring of host buffers in update order.
+
+Once the device holds only the window, host RAM is the wall: the CPU optimizer's two Adam
+moments are 8 of the 16 host bytes per parameter (2 of about 10 in lean mode). With
+``StrongholdConfig(nvme_path=DIR)`` they live in one file under ``DIR`` instead, one region
+per unit, and host RAM keeps a *ring* of ``nvme_ring_buffers`` buffers, each the size of the
+largest unit's state. It is the window again, one level down (host over disk): the schedule
+already knows the order the updates run in (``engine.update_order``), so when
+``optimizer.step()`` plans the updates it hands that order to `NvmeTier.expect`; the tier
+reads the next units' state ahead into free buffers while the host worker updates the
+current one, and writes each one back behind it. Every unit's update is bracketed by
+`NvmeTier.bound` (``optim/hybrid.py``), which waits for its read (or reads it then, when the
+unit was not expected: a speculative update, an undo), points the CPU optimizer's state
+tensors at the buffer, and starts the write-back when the update is done.
+
+States of a ring buffer, and the only transitions::
+
+    FREE --prefetch/acquire--> READING --read done--> READY --acquire--> BOUND
+    BOUND --release--> WRITING --write done--> FREE
+    READY --drop/steal--> FREE   (a unit expected but not updated, or one a late acquire needs)
+
+Between updates a parameter's moments in ``optimizer.state`` are empty tensors of the right
+dtype (the bytes are on disk); ``optimizer.state_dict()`` maps them read-only from the file
+(`NvmeTier.materialized`), so a checkpoint is written without holding the state in RAM.
+
+I/O: `os.preadv` / `os.pwritev` (they release the GIL) on a small thread pool, in chunks
+of `IO_CHUNK`, at page-aligned offsets into page-aligned buffers, with ``O_DIRECT`` where
+the file system takes it, so the page cache does not quietly hold the state again; where it
+does not (tmpfs), buffered I/O followed by ``posix_fadvise(DONTNEED)``. No ``mmap`` while
+training: it would page the state back into resident memory. The ring is not page-locked:
+only the CPU reads it (``O_DIRECT`` pins the pages of each request itself).
+
+The file is scratch, never a checkpoint: it is preallocated (a full disk is an error before
+the first step, naming the bytes needed and free), lives in a directory of this engine's own
+(``stronghold-<host>-<pid>-<token>``, locked with ``flock`` while the engine lives; a
+directory whose lock nobody holds was left by a killed run and is removed, with a log line),
+and is deleted by ``engine.close()`` or at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import enum
+import errno
+import fcntl
+import logging
+import os
+import shutil
+import socket
+import threading
+import time
+import uuid
+import warnings
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .ledger import MemoryLedger
+from .optim import quant8
+
+logger = logging.getLogger("stronghold_hf")
+
+PAGE = 4096
+#: Bytes per I/O request: large enough to stream, small enough that a unit's read spreads
+#: over the pool's threads (several requests in flight is what an NVMe drive wants).
+IO_CHUNK = 8 << 20
+SWAP_PREFIX = "stronghold-"
+_LOCK_NAME = "lock"
+_FILE_NAME = "adam_state.bin"
+
+
+def _page_up(n: int) -> int:
+    return -(-n // PAGE) * PAGE
+
+
+def _format_bytes(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+# ---------------------------------------------------------------------------- layout
+@dataclass(frozen=True, slots=True)
+class StatePiece:
+    """One moment tensor of one parameter: where it lies in its unit's region."""
+
+    param: Tensor  # the fp32 master the CPU optimizer steps
+    key: str  # its key in ``optimizer.state[param]``
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # from the region's start, page-aligned (the same in the file and in a ring buffer)
+    nbytes: int
+    fill: int  # the byte a fresh (never stepped) state holds: the code of 0.0, or 0
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """One unit's moments in the file: ``[start, start + nbytes)``, page-aligned."""
+
+    unit: int
+    fqn: str
+    start: int
+    nbytes: int
+    pieces: tuple[StatePiece, ...]
+
+
+def moment_tensors(param: Tensor, eight_bit: bool) -> list[tuple[str, torch.dtype, tuple[int, ...], int]]:
+    """``(key, dtype, shape, fill byte)`` of the moments CPU Adam keeps for ``param``."""
+    if not eight_bit:
+        return [("exp_avg", torch.float32, tuple(param.shape), 0), ("exp_avg_sq", torch.float32, tuple(param.shape), 0)]
+    fresh = quant8.new_state(torch.empty(1))  # what a never-stepped 8-bit state holds, per key
+    n, nb = param.numel(), quant8.num_blocks(param.numel())
+    out = []
+    for codes, absmax in zip(quant8.CODE_KEYS, quant8.ABSMAX_KEYS):
+        out.append((codes, torch.uint8, (n,), int(fresh[codes][0])))
+        out.append((absmax, torch.float32, (nb,), 0))
+    return out
+
+
+def lay_out_regions(units: list[tuple[int, str, list[Tensor]]], eight_bit) -> list[Region]:
+    """Regions for ``(unit index, fqn, masters)`` in that order; ``eight_bit(param)`` says
+    which moments a parameter has."""
+    regions, start = [], 0
+    for index, fqn, params in units:
+        pieces, offset = [], 0
+        for p in params:
+            for key, dtype, shape, fill in moment_tensors(p, eight_bit(p)):
+                nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+                pieces.append(StatePiece(p, key, dtype, shape, offset, nbytes, fill))
+                offset += _page_up(nbytes)
+        if pieces:
+            regions.append(Region(index, fqn, start, offset, tuple(pieces)))
+            start += offset
+    return regions
+
+
+def state_file_bytes(regions: list[Region]) -> int:
+    return sum(r.nbytes for r in regions)
+
+
+# ---------------------------------------------------------------------------- the directory
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as err:
+        if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+
+
+def _dir_bytes(path: str) -> int:
+    total = 0
+    for name in os.listdir(path):
+        with contextlib.suppress(OSError):
+            total += os.stat(os.path.join(path, name)).st_blocks * 512
+    return total
+
+
+def remove_stale_directories(root: str) -> list[str]:
+    """Removes the swap directories under ``root`` whose lock no process holds (left by a
+    killed run); returns their paths. Live ones (another engine's) are left alone."""
+    removed = []
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if not name.startswith(SWAP_PREFIX) or not os.path.isdir(path):
+            continue
+        try:
+            fd = os.open(os.path.join(path, _LOCK_NAME), os.O_RDWR)
+        except FileNotFoundError:
+            fd = None  # killed between mkdir and the lock: nobody owns it
+        try:
+            if fd is not None and not _try_lock(fd):
+                continue
+            size = _dir_bytes(path)
+            shutil.rmtree(path, ignore_errors=True)
+            logger.warning("stronghold: removed the stale NVMe swap directory %s (%s) left by a run that ended "
+                           "without cleaning up.", path, _format_bytes(size))
+            removed.append(path)
+        finally:
+            if fd is not None:
+                os.close(fd)
+    return removed
+
+
+def _remove_directory(path: str, lock_fd: int) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        os.close(lock_fd)
+
+
+class SwapDirectory:
+    """This engine's own directory under ``root``: created exclusively, locked while it lives,
+    removed by `remove` or at interpreter exit."""
+
+    def __init__(self, root: str) -> None:
+        root = os.path.abspath(os.path.expanduser(root))
+        try:
+            os.makedirs(root, exist_ok=True)
+        except OSError as err:
+            raise ValueError(f"StrongholdConfig.nvme_path={root!r} cannot be created ({err.strerror}); "
+                             "point it at a writable directory on a fast local disk.") from None
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise ValueError(f"StrongholdConfig.nvme_path={root!r} is not writable; "
+                             "point it at a writable directory on a fast local disk.")
+        remove_stale_directories(root)
+        self.root = root
+        self.path = os.path.join(root, f"{SWAP_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        os.mkdir(self.path)  # exclusive: two engines never share a directory
+        lock_fd = os.open(os.path.join(self.path, _LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        if not _try_lock(lock_fd):
+            raise RuntimeError(f"stronghold: could not lock {self.path}")
+        self._finalizer = weakref.finalize(self, _remove_directory, self.path, lock_fd)
+
+    def file(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def remove(self) -> None:
+        self._finalizer()
+
+    @property
+    def removed(self) -> bool:
+        return not self._finalizer.alive
+
+
+# ---------------------------------------------------------------------------- the file
+def _close_fd(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+class StateFile:
+    """One preallocated file read and written in page-aligned chunks on an I/O thread pool."""
+
+    def __init__(self, path: str, nbytes: int, *, io_threads: int) -> None:
+        self.path = path
+        self.nbytes = nbytes
+        free = shutil.disk_usage(os.path.dirname(path)).free
+        if nbytes > free:
+            raise ValueError(self._full_message(free))
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
+        self.direct = hasattr(os, "O_DIRECT")
+        try:
+            fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0), 0o600)
+        except OSError as err:
+            if err.errno != errno.EINVAL:
+                raise
+            self.direct = False  # the file system does not take O_DIRECT (tmpfs)
+            fd = os.open(path, flags, 0o600)
+        self.fd = fd
+        self._finalizer = weakref.finalize(self, _close_fd, fd)
+        self._preallocate(nbytes)
+        if self.direct and not self._direct_works():
+            os.close(fd)
+            self._finalizer.detach()
+            self.direct = False
+            self.fd = os.open(path, os.O_RDWR)
+            self._finalizer = weakref.finalize(self, _close_fd, self.fd)
+        self.pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="stronghold-nvme")
+        logger.info("stronghold: NVMe tier: %s of Adam state in %s (%s)", _format_bytes(nbytes), path,
+                    "O_DIRECT" if self.direct else "buffered I/O, pages dropped after use")
+
+    def _full_message(self, free: int) -> str:
+        return (f"StrongholdConfig.nvme_path: the Adam state needs {_format_bytes(self.nbytes)} "
+                f"({self.nbytes} bytes) in {os.path.dirname(os.path.dirname(self.path))}, which has "
+                f"{_format_bytes(free)} free. Free space there or point nvme_path at a larger disk.")
+
+    def _preallocate(self, nbytes: int) -> None:
+        if nbytes == 0:
+            return
+        try:
+            os.posix_fallocate(self.fd, 0, nbytes)
+        except OSError as err:
+            if err.errno == errno.ENOSPC:
+                free = shutil.disk_usage(os.path.dirname(self.path)).free
+                raise ValueError(self._full_message(free)) from None
+            if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+            os.ftruncate(self.fd, nbytes)  # no preallocation here: a full disk shows at the first write
+            logger.warning("stronghold: %s does not preallocate (%s); the swap file is sparse.",
+                           os.path.dirname(self.path), err.strerror)
+
+    def _direct_works(self) -> bool:
+        """Some file systems accept O_DIRECT at open and refuse it at the first request."""
+        probe = _aligned_empty(PAGE)
+        try:
+            os.preadv(self.fd, [memoryview(probe.numpy())], 0)
+            return True
+        except OSError as err:
+            if err.errno == errno.EINVAL:
+                return False
+            raise
+
+    def submit(self, write: bool, buf: Tensor, offset: int) -> list[Future]:
+        """Requests covering ``buf`` (uint8, page-aligned) at file ``offset``; one per chunk."""
+        view = memoryview(buf.numpy())
+        return [self.pool.submit(self._io, write, view[i: i + IO_CHUNK], offset + i)
+                for i in range(0, len(view), IO_CHUNK)]
+
+    def _io(self, write: bool, view: memoryview, offset: int) -> None:
+        done, n = 0, len(view)
+        while done < n:
+            if write:
+                k = os.pwritev(self.fd, [view[done:]], offset + done)
+            else:
+                k = os.preadv(self.fd, [view[done:]], offset + done)
+            if k <= 0:
+                raise OSError(errno.EIO, f"short {'write' if write else 'read'} at byte {offset + done} of {self.path}")
+            done += k
+        if not self.direct and hasattr(os, "posix_fadvise"):
+            # Reads: drop what was just read. Writes: start writing back (pages still dirty
+            # are dropped by the next call over them).
+            os.posix_fadvise(self.fd, offset, n, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        self._finalizer()
+
+
+def _aligned_empty(nbytes: int) -> Tensor:
+    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % PAGE
+    return raw[start: start + nbytes]
+
+
+# ---------------------------------------------------------------------------- the ring
+class BufferState(enum.Enum):
+    FREE = "free"
+    READING = "reading"
+    READY = "ready"
+    BOUND = "bound"
+    WRITING = "writing"
+
+
+class RingBuffer:
+    __slots__ = ("data", "state", "region", "io", "dropped")
+
+    def __init__(self, nbytes: int) -> None:
+        self.data = _aligned_empty(nbytes)
+        self.state = BufferState.FREE
+        self.region: Region | None = None
+        self.io: list[Future] = []
+        self.dropped = False  # freed when its read lands (a prefetch nobody wants any more)
+
+
+class NvmeTier:
+    """The Adam moments of a CPU optimizer's parameters, on disk, streamed through a ring."""
+
+    def __init__(self, root: str, optimizer, units: list[tuple[int, str, list[Tensor]]], *, ring_buffers: int,
+                 io_threads: int, ledger: MemoryLedger, stats=None) -> None:
+        if ring_buffers < 2:
+            raise ValueError(f"StrongholdConfig.nvme_ring_buffers={ring_buffers}; use at least 2.")
+        self.optimizer = optimizer
+        self.stats = stats
+        self.regions = {r.unit: r for r in lay_out_regions(units, optimizer.wants_8bit)}
+        self.directory = SwapDirectory(root)
+        self.file = StateFile(self.directory.file(_FILE_NAME), state_file_bytes(list(self.regions.values())),
+                              io_threads=io_threads)
+        largest = max((r.nbytes for r in self.regions.values()), default=PAGE)
+        self.ring = [RingBuffer(largest) for _ in range(min(ring_buffers, max(len(self.regions), 1)))]
+        self.ring_bytes = sum(b.data.numel() for b in self.ring)
+        self.ledger = ledger
+        ledger.host_alloc(self.ring_bytes, pinned=False)
+        self.read_bytes = 0
+        self.written_bytes = 0
+        self._cond = threading.Condition()
+        self._expected: collections.deque[int] = collections.deque()
+        self._holder: dict[int, RingBuffer] = {}  # unit -> the buffer holding (or filling) its state
+        self._error: BaseException | None = None
+        self._fresh = {id(p.param) for r in self.regions.values() for p in r.pieces}  # never written: fill, not read
+        self._closed = False
+        for region in self.regions.values():
+            self._unbind(region)
+
+    # ------------------------------------------------------------------ the stream
+    def expect(self, units: list[int]) -> None:
+        """The units the host worker will update next, in order: their reads start now, as
+        far ahead as the ring allows."""
+        with self._cond:
+            wanted = list(dict.fromkeys(u for u in units if u in self.regions))
+            for b in self.ring:  # read ahead for a step that did not come (an exception in between)
+                if b.state is BufferState.READY and b.region.unit not in wanted:
+                    self._free(b)
+            self._expected = collections.deque(u for u in wanted if u not in self._holder)
+            self._pump()
+
+    @contextlib.contextmanager
+    def bound(self, unit: int):
+        """``optimizer.state`` of ``unit``'s parameters points at its state in a ring buffer
+        inside the block; the state is written back after it."""
+        if unit not in self.regions:
+            yield
+            return
+        buf = self._acquire(unit)
+        try:
+            yield
+        finally:
+            self._release(unit, buf)
+
+    def drop(self, unit: int) -> None:
+        """``unit`` was expected but will not be updated: its read-ahead gives its buffer back."""
+        with self._cond:
+            with contextlib.suppress(ValueError):
+                self._expected.remove(unit)
+            buf = self._holder.get(unit)
+            if buf is not None and buf.state is BufferState.READY:
+                self._free(buf)
+            elif buf is not None and buf.state is BufferState.READING:
+                buf.dropped = True
+            self._pump()
+
+    def flush(self) -> None:
+        """Waits for every read and write in flight and gives back read-ahead nobody used; raises
+        an I/O error any of them met. Nothing may be bound (the updates have finished)."""
+        with self._cond:
+            self._expected.clear()
+            while any(b.state in (BufferState.READING, BufferState.WRITING) for b in self.ring):
+                for b in self.ring:
+                    if b.state is BufferState.READING:
+                        b.dropped = True
+                self._cond.wait()
+            for b in self.ring:
+                assert b.state is not BufferState.BOUND, "NvmeTier.flush while an update holds its state"
+                if b.state is BufferState.READY:
+                    self._free(b)
+            self._raise_error()
+
+    def _acquire(self, unit: int) -> RingBuffer:
+        t0 = time.perf_counter()
+        region = self.regions[unit]
+        with self._cond:
+            with contextlib.suppress(ValueError):
+                self._expected.remove(unit)
+            while True:
+                self._raise_error()
+                buf = self._holder.get(unit)
+                if buf is None:
+                    buf = self._free_buffer()
+                    if buf is not None:
+                        self._start_read(buf, region)
+                    else:
+                        self._cond.wait()
+                    continue
+                if buf.state is BufferState.READY:
+                    buf.state = BufferState.BOUND
+                    break
+                if buf.state is BufferState.BOUND:
+                    raise RuntimeError(f"stronghold: the Adam state of {region.fqn} is already in use by another update.")
+                buf.dropped = False
+                self._cond.wait()  # READING, or WRITING (the previous update of this unit)
+        self._bind(region, buf)
+        if self.stats is not None:
+            self.stats.add("nvme_wait_s", time.perf_counter() - t0)
+        return buf
+
+    def _release(self, unit: int, buf: RingBuffer) -> None:
+        region = self.regions[unit]
+        self._unbind(region)
+        with self._cond:
+            for piece in region.pieces:
+                self._fresh.discard(id(piece.param))
+            buf.state = BufferState.WRITING
+            buf.io = self.file.submit(True, buf.data[: region.nbytes], region.start)
+            self.written_bytes += region.nbytes
+            self._watch(buf)
+
+    # ------------------------------------------------------------------ buffers (under the lock)
+    def _pump(self) -> None:
+        """Starts reads ahead for expected units while keeping one buffer for a unit nobody
+        expected (a speculative update, an undo)."""
+        while self._expected:
+            ahead = sum(b.state in (BufferState.READING, BufferState.READY) for b in self.ring)
+            buf = next((b for b in self.ring if b.state is BufferState.FREE), None)
+            if buf is None or ahead >= len(self.ring) - 1:
+                return
+            unit = self._expected.popleft()
+            if unit not in self._holder:
+                self._start_read(buf, self.regions[unit])  # may land at once (fresh) and pump again
+
+    def _free_buffer(self) -> RingBuffer | None:
+        buf = next((b for b in self.ring if b.state is BufferState.FREE), None)
+        if buf is None:  # take a read-ahead back; its unit goes back to the front of the queue
+            buf = next((b for b in reversed(self.ring) if b.state is BufferState.READY), None)
+            if buf is not None:
+                self._expected.appendleft(buf.region.unit)
+                self._free(buf)
+        return buf
+
+    def _start_read(self, buf: RingBuffer, region: Region) -> None:
+        buf.region, buf.dropped = region, False
+        self._holder[region.unit] = buf
+        buf.state = BufferState.READING
+        if all(id(p.param) in self._fresh for p in region.pieces):
+            buf.io = []  # nothing on disk yet: _bind fills it
+        else:
+            buf.io = self.file.submit(False, buf.data[: region.nbytes], region.start)
+            self.read_bytes += region.nbytes
+        self._watch(buf)
+
+    def _watch(self, buf: RingBuffer) -> None:
+        pending = list(buf.io)
+        if not pending:
+            self._landed(buf, None)
+            return
+        remaining = [len(pending)]
+
+        def done(future: Future) -> None:
+            with self._cond:
+                remaining[0] -= 1
+                if future.exception() is not None and self._error is None:
+                    self._error = future.exception()
+                if remaining[0] == 0:
+                    self._landed(buf, self._error)
+                    self._cond.notify_all()
+
+        for f in pending:
+            f.add_done_callback(done)
+
+    def _landed(self, buf: RingBuffer, error) -> None:
+        buf.io = []
+        if buf.state is BufferState.WRITING or buf.dropped or error is not None:
+            self._free(buf)
+        else:
+            buf.state = BufferState.READY
+        self._pump()
+
+    def _free(self, buf: RingBuffer) -> None:
+        if buf.region is not None and self._holder.get(buf.region.unit) is buf:
+            del self._holder[buf.region.unit]
+        buf.region, buf.state, buf.dropped = None, BufferState.FREE, False
+        self._cond.notify_all()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            err = self._error
+            raise RuntimeError(f"stronghold: NVMe tier I/O on {self.file.path} failed: {err!r}") from err
+
+    # ------------------------------------------------------------------ optimizer.state
+    def _set(self, param: Tensor, values: dict[str, Tensor]) -> None:
+        # A new dict each time: a state_dict() taken earlier keeps the dicts it was given.
+        state = self.optimizer.state.get(param) or {"step": torch.tensor(0.0, dtype=torch.float32)}
+        self.optimizer.state[param] = {**state, **values}
+
+    def _bind(self, region: Region, buf: RingBuffer) -> None:
+        by_param: dict[int, dict[str, Tensor]] = {}
+        for piece in region.pieces:
+            raw = buf.data[piece.offset: piece.offset + piece.nbytes]
+            if id(piece.param) in self._fresh:
+                raw.fill_(piece.fill)
+            by_param.setdefault(id(piece.param), {})[piece.key] = raw.view(piece.dtype).view(piece.shape)
+        for piece in region.pieces:
+            if id(piece.param) in by_param:
+                self._set(piece.param, by_param.pop(id(piece.param)))
+        self.optimizer.state_moved()
+
+    def _unbind(self, region: Region) -> None:
+        by_param: dict[int, dict[str, Tensor]] = {}
+        for piece in region.pieces:
+            by_param.setdefault(id(piece.param), {})[piece.key] = torch.empty(0, dtype=piece.dtype)
+        for piece in region.pieces:
+            if id(piece.param) in by_param:
+                self._set(piece.param, by_param.pop(id(piece.param)))
+        self.optimizer.state_moved()
+
+    @contextlib.contextmanager
+    def materialized(self):
+        """Inside: ``optimizer.state`` holds every moment as a read-only map of the file (what
+        ``state_dict()`` saves); parameters never stepped have no state, as in plain AdamW."""
+        import numpy as np
+
+        self.flush()
+        saved = {}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            for region in self.regions.values():
+                for piece in region.pieces:
+                    p = piece.param
+                    if p not in saved:
+                        saved[p] = self.optimizer.state.get(p)
+                    if id(p) in self._fresh:
+                        self.optimizer.state.pop(p, None)
+                        continue
+                    mapped = np.memmap(self.file.path, dtype=np.uint8, mode="r", offset=region.start + piece.offset,
+                                       shape=(piece.nbytes,)) if piece.nbytes else np.empty(0, np.uint8)
+                    self._set(p, {piece.key: torch.from_numpy(mapped).view(piece.dtype).view(piece.shape)})
+        try:
+            yield
+        finally:
+            for p, state in saved.items():
+                if state is not None:
+                    self.optimizer.state[p] = state
+            self.optimizer.state_moved()
+
+    def absorb(self) -> None:
+        """After ``optimizer.load_state_dict``: writes the loaded moments (RAM tensors) to their
+        regions, one unit at a time through the ring, and gives their memory back."""
+        self.flush()
+        for region in self.regions.values():
+            loaded = [p for p in region.pieces if self._loaded(p)]
+            if not loaded:
+                for piece in region.pieces:  # not in the checkpoint: starts fresh
+                    self._fresh.add(id(piece.param))
+                self._unbind(region)
+                continue
+            values = {(id(p.param), p.key): self.optimizer.state[p.param][p.key] for p in loaded}
+            with self._cond:
+                for piece in region.pieces:
+                    self._fresh.add(id(piece.param))  # read nothing: the buffer is filled here
+                for piece in loaded:
+                    self._fresh.discard(id(piece.param))
+            buf = self._acquire_for_write(region)
+            for piece in region.pieces:
+                raw = buf.data[piece.offset: piece.offset + piece.nbytes]
+                value = values.get((id(piece.param), piece.key))
+                if value is None:
+                    raw.fill_(piece.fill)
+                else:
+                    raw.view(piece.dtype).view(piece.shape).copy_(value)
+            self._release(region.unit, buf)
+        self.flush()
+
+    def _loaded(self, piece: StatePiece) -> bool:
+        value = (self.optimizer.state.get(piece.param) or {}).get(piece.key)
+        if value is None or value.numel() == 0:
+            return False
+        if value.dtype != piece.dtype or tuple(value.shape) != piece.shape:
+            raise ValueError(f"stronghold: the loaded optimizer state {piece.key} of a parameter is {value.dtype} "
+                             f"{tuple(value.shape)}, the NVMe tier expects {piece.dtype} {piece.shape}.")
+        return True
+
+    def _acquire_for_write(self, region: Region) -> RingBuffer:
+        with self._cond:
+            while True:
+                self._raise_error()
+                buf = self._free_buffer()
+                if buf is not None:
+                    buf.region = region
+                    self._holder[region.unit] = buf
+                    buf.state = BufferState.BOUND
+                    return buf
+                self._cond.wait()
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def file_bytes(self) -> int:
+        return self.file.nbytes
+
+    def close(self) -> None:
+        """Waits for I/O, deletes the file and its directory, gives the ring back. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            self.flush()
+        self.file.close()
+        self.directory.remove()
+        self.ledger.host_free(self.ring_bytes, pinned=False)
+        self.ring = []

@@ -1,0 +1,265 @@
+"""The NVMe tier (nvme.py, ``StrongholdConfig(nvme_path=DIR)``): Adam moments on disk.
+
+A temporary directory plays the NVMe drive. Training must be bit-identical to keeping the
+moments in RAM (exact and lean, fp32 and bf16, speculation and its undo, accumulation,
+clipping, sharded state), through the user's entry points (``offload_model``, the Trainer
+from ``HfArgumentParser``, checkpoints that resume either way); the ledger shows the state
+gone from the host and the ring that replaces it, a child process's peak RSS shows it from
+outside; a full disk, a stale directory, I/O errors and cleanup behave as documented.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import HfArgumentParser
+
+from stronghold_hf import StrongholdConfig, StrongholdTrainer, StrongholdTrainingArguments, nvme, offload_model
+from child_rss import saved_bytes_per_unit
+from test_trainer import COMMON, TinyDataset
+from tiny_models import batch, tiny_model
+
+BF16 = torch.bfloat16
+
+
+def _train(model, family, steps=3, bf16=False, accumulate=1, max_norm=0.5, **config):
+    dtype = dict(param_dtype=BF16) if bf16 else {}
+    engine = offload_model(model, StrongholdConfig(window_size=1, **dtype, **config), device="cpu")
+    opt = engine.build_optimizer(lr=1e-2, weight_decay=0.1)
+    losses = []
+    for step in range(steps):
+        for micro in range(accumulate):
+            with torch.autocast("cpu", dtype=BF16, enabled=bf16):
+                loss = model(**batch(family, seed=step * accumulate + micro)).loss
+            loss.backward()
+        engine.clip_grad_norm_(max_norm)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    state = {k: v.clone() for k, v in engine.full_state_dict().items()}
+    stats = {**engine.memory_stats(), **engine.stats.as_dict()}
+    opt_state = opt.state_dict()["cpu"]["state"]
+    engine.close()
+    return losses, state, stats, opt_state
+
+
+def _assert_identical(ram, disk):
+    assert ram[0] == disk[0]
+    for k, v in ram[1].items():
+        assert torch.equal(disk[1][k], v), k
+    assert ram[3].keys() == disk[3].keys()  # the optimizer state saves the same entries, bit for bit
+    for i, st in ram[3].items():
+        for key, value in st.items():
+            assert torch.equal(disk[3][i][key], value), (i, key)
+
+
+@pytest.mark.parametrize("family,overrides,config", [
+    ("llama", {}, {}),
+    ("gpt2", dict(n_inner=128), dict(host_memory="lean")),  # 32 x 128 MLP weights: 8-bit moments
+    ("t5", {}, dict(bf16=True)),
+    ("llama", {}, dict(bf16=True, speculative_step="on", max_norm=1e3)),
+    ("qwen2", {}, dict(speculative_step="on", max_norm=1e-3)),  # every step clips: each guess is undone
+    ("bert", {}, dict(accumulate=2)),
+], ids=["llama-exact", "gpt2-lean", "t5-bf16", "llama-speculative", "qwen2-speculation-undone", "bert-accumulate"])
+def test_moments_on_disk_train_bit_identically(family, overrides, config, tmp_path):
+    ref = tiny_model(family, **overrides)
+    ram = _train(copy.deepcopy(ref), family, **config)
+    disk = _train(copy.deepcopy(ref), family, nvme_path=str(tmp_path), **config)
+    _assert_identical(ram, disk)
+    stats = disk[2]
+    if config.get("speculative_step") == "on":
+        assert stats["speculated_blocks"] > 0
+        assert (stats["speculation_misses"] > 0) == (config["max_norm"] < 1)
+    assert stats["nvme_file_bytes"] > 0 and stats["nvme_read_bytes"] > 0 and stats["nvme_written_bytes"] > 0
+    assert os.listdir(tmp_path) == []  # close() removed the engine's directory
+
+
+def test_the_ring_is_bounded_and_replaces_the_state_in_the_ledger(tmp_path):
+    ref = tiny_model("llama", num_hidden_layers=6, intermediate_size=128)
+    ram = _train(copy.deepcopy(ref), "llama")[2]
+    disk = _train(copy.deepcopy(ref), "llama", nvme_path=str(tmp_path), nvme_ring_buffers=3)[2]
+    trainable = ram["offloaded_trainable_params"]
+    moments = ram["optimizer_state_bytes"]
+    assert moments >= 8 * trainable  # two fp32 moments (and 4 B of step count per tensor)
+    assert disk["optimizer_state_bytes"] < 0.02 * moments  # only the step counts stay
+    assert disk["nvme_file_bytes"] >= 8 * trainable  # page-aligned regions on disk
+    # Three buffers, each the size of the largest unit's moments (page-aligned pieces).
+    largest_unit = max(u.layout.trainable_bytes for u in offload_model(copy.deepcopy(ref), StrongholdConfig(),
+                                                                     device="cpu").units) * 2
+    assert disk["nvme_ring_bytes"] <= 3 * (largest_unit + 4096 * 8)
+    assert disk["pageable_host_bytes"] - ram["pageable_host_bytes"] == pytest.approx(
+        disk["nvme_ring_bytes"] - (ram["optimizer_state_bytes"] - disk["optimizer_state_bytes"]), abs=4096)
+    # Three steps: every unit's state read (but the first time: nothing on disk yet) and written once a step.
+    assert disk["nvme_written_bytes"] == 3 * disk["nvme_file_bytes"]
+    assert disk["nvme_read_bytes"] == 2 * disk["nvme_file_bytes"]
+
+
+def test_sharded_state_on_disk(tmp_path):
+    """A process group of one takes the sharded path: each rank's shard has its own file."""
+    import torch.distributed as dist
+
+    from test_distributed import _port
+
+    ref = tiny_model("qwen2")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1)
+    try:
+        ram = _train(copy.deepcopy(ref), "qwen2", shard_cpu_state=True)
+        disk = _train(copy.deepcopy(ref), "qwen2", shard_cpu_state=True, nvme_path=str(tmp_path))
+    finally:
+        dist.destroy_process_group()
+    _assert_identical(ram, disk)
+
+
+# ------------------------------------------------------------------------------ the Trainer
+def _trainer(tmp_path, name, nvme_dir=None, **extra):
+    argv = ["--output_dir", str(tmp_path / name), "--stronghold", "--stronghold_window_size", "1"]
+    if nvme_dir is not None:
+        argv += ["--stronghold_config", json.dumps({"nvme_path": str(nvme_dir)})]
+    (args,) = HfArgumentParser(StrongholdTrainingArguments).parse_args_into_dataclasses(argv)
+    for k, v in {**COMMON, **extra}.items():
+        setattr(args, k, v)
+    return StrongholdTrainer(model=tiny_model("llama"), args=args, train_dataset=TinyDataset("llama", n=24))
+
+
+def test_trainer_checkpoints_resume_from_the_nvme_state(tmp_path):
+    swap = tmp_path / "nvme"
+    ram = _trainer(tmp_path, "ram", max_steps=6)
+    ram.train()
+    full = _trainer(tmp_path, "full", swap, max_steps=6, save_strategy="steps", save_steps=3)
+    full.train()
+    assert full.stronghold_engine.memory_stats()["nvme_file_bytes"] > 0
+    ckpt = tmp_path / "full" / "checkpoint-3"
+    resumed = _trainer(tmp_path, "resumed", swap, max_steps=6)
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    in_ram = _trainer(tmp_path, "in_ram", max_steps=6)  # the same HF checkpoint format: the RAM tier resumes it
+    in_ram.train(resume_from_checkpoint=str(ckpt))
+    expected = ram.stronghold_engine.full_state_dict()
+    for run in (full, resumed, in_ram):
+        for k, v in run.stronghold_engine.full_state_dict().items():
+            assert torch.equal(v, expected[k]), k
+    saved = torch.load(ckpt / "optimizer.pt", weights_only=True)["cpu"]["state"]
+    assert all(s["exp_avg"].numel() > 0 for s in saved.values())
+
+
+# ------------------------------------------------------------------------------ disk, directory, errors
+def test_a_full_disk_is_an_error_before_training(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 1000, 1000))
+    model = tiny_model("llama")
+    engine = offload_model(model, StrongholdConfig(window_size=1, nvme_path=str(tmp_path)), device="cpu")
+    with pytest.raises(ValueError, match=r"needs .* GB \(\d+ bytes\) in .*which has 0.00 GB free"):
+        engine.build_optimizer(lr=1e-3)
+    engine.close()
+
+
+def test_io_errors_surface_with_the_file_name(tmp_path, monkeypatch):
+    model = tiny_model("llama")
+    engine = offload_model(model, StrongholdConfig(window_size=1, nvme_path=str(tmp_path), host_worker="inline"),
+                           device="cpu")
+    opt = engine.build_optimizer(lr=1e-3)
+    model(**batch("llama", seed=0)).loss.backward()
+    opt.step()  # the first step reads nothing (fresh state) and writes every unit
+    opt.zero_grad()
+
+    def broken(write, view, offset):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(opt.nvme.file, "_io", broken)
+    model(**batch("llama", seed=1)).loss.backward()
+    with pytest.raises(RuntimeError, match="NVMe tier I/O on .*adam_state.bin failed"):
+        opt.step()
+        engine.synchronize()
+
+
+_KILLED_CHILD = r"""
+import os, sys
+import torch
+from stronghold_hf import StrongholdConfig, offload_model
+sys.path.insert(0, sys.argv[2])
+from tiny_models import batch, tiny_model
+model = tiny_model("llama")
+engine = offload_model(model, StrongholdConfig(window_size=1, nvme_path=sys.argv[1]), device="cpu")
+opt = engine.build_optimizer(lr=1e-3)
+model(**batch("llama", seed=0)).loss.backward()
+opt.step()
+engine.synchronize()
+os._exit(0)  # as a killed run: no close, no exit handlers
+"""
+
+
+def test_a_stale_directory_is_removed_and_a_live_one_kept(tmp_path, caplog):
+    tests_dir = os.path.dirname(__file__)
+    subprocess.run([sys.executable, "-c", _KILLED_CHILD, str(tmp_path), tests_dir], check=True, timeout=300,
+                   env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    (stale,) = os.listdir(tmp_path)
+    assert stale.startswith(nvme.SWAP_PREFIX)
+    live = offload_model(tiny_model("llama"), StrongholdConfig(window_size=1, nvme_path=str(tmp_path)), device="cpu")
+    live.build_optimizer(lr=1e-3)
+    (mine,) = os.listdir(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="stronghold_hf"):
+        other = offload_model(tiny_model("llama"), StrongholdConfig(window_size=1, nvme_path=str(tmp_path)),
+                              device="cpu")
+        other.build_optimizer(lr=1e-3)
+    assert stale not in os.listdir(tmp_path) and mine in os.listdir(tmp_path)  # two engines, two directories
+    assert len(os.listdir(tmp_path)) == 2
+    assert any("removed the stale NVMe swap directory" in r.getMessage() and stale in r.getMessage()
+               for r in caplog.records)
+    other.close()
+    live.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_bad_settings_are_refused_early():
+    with pytest.raises(ValueError, match="nvme_path needs offload_optimizer=True"):
+        StrongholdConfig(nvme_path="/tmp/x", offload_optimizer=False)
+    with pytest.raises(ValueError, match="nvme_ring_buffers=1; use an int >= 2"):
+        StrongholdConfig(nvme_ring_buffers=1)
+    with pytest.raises(ValueError, match="nvme_path=''"):
+        StrongholdConfig(nvme_path="")
+
+
+# ------------------------------------------------------------------------------ measured from outside
+_CHILD = r"""
+import json, resource, sys
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from stronghold_hf import StrongholdConfig, offload_model
+
+torch.manual_seed(0)
+# A 39 M-parameter body: 24 blocks of hidden 320 (1.6 M each), a 0.6 M untied vocabulary.
+cfg = LlamaConfig(vocab_size=2000, hidden_size=320, intermediate_size=1280, num_hidden_layers=24,
+                  num_attention_heads=5, num_key_value_heads=5, tie_word_embeddings=False)
+model = LlamaForCausalLM(cfg)
+body = sum(p.numel() for p in model.model.layers.parameters())
+engine = offload_model(model, StrongholdConfig(window_size=1, host_worker="inline", **json.loads(sys.argv[1])))
+opt = engine.build_optimizer(lr=1e-4)
+ids = torch.randint(0, 2000, (1, 32))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+for _ in range(2):
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+engine.synchronize()
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(body, after - before)
+"""
+
+
+def test_moments_on_disk_save_eight_bytes_per_parameter_of_peak_rss(tmp_path):
+    """Two steps (the second reads the state back): the RAM tier's growth of peak RSS against
+    the NVMe tier's, child by child."""
+    disk = json.dumps({"nvme_path": str(tmp_path)})
+    body, per_param = saved_bytes_per_unit(_CHILD, "{}", disk, "body params, two steps")
+    assert body > 38e6
+    assert per_param >= 0.7 * 8
+    assert os.listdir(tmp_path) == []  # the child's normal exit removed its files
