@@ -197,9 +197,11 @@ class StrongholdConfig:
     Needs the engine's CPU Adam (``offload_optimizer=True``). ``None``: moments in RAM. The
     fp32 masters stay in RAM."""
 
-    nvme_ring_buffers: int = 4
+    nvme_ring_buffers: int = 3
     """Host buffers between the NVMe tier and CPU Adam, each the size of the largest unit's
-    moments: one being updated, one being written back, the rest read ahead (at least 2)."""
+    moments: one being updated, one being written back, one read ahead (more read further
+    ahead; at least 2). Their size follows the largest unit: an untied LM head of a large vocabulary
+    (Llama-3's 525 M parameters) sets it."""
 
     nvme_io_threads: int = 4
     """Threads issuing the NVMe tier's reads and writes (several requests in flight is what an

@@ -306,6 +306,11 @@ class Estimate:
     cpu_process_bytes: int
     cpu_bytes_needed: int
     cpu_memory_bytes: int | None
+    # NVMe tier (StrongholdConfig(nvme_path=...)): the Adam moments on disk, a ring in RAM
+    nvme_adam: bool  # the moments are on disk (then cpu_adam_bytes counts none of them)
+    nvme_bytes_needed: int
+    nvme_memory_bytes: int | None
+    cpu_nvme_ring_bytes: int
     # GPU side (STRONGHOLD)
     gpu_resident_bytes: int  # outside the window: resident units and their gradients, or (offload_non_block=False) params + grads + AdamW
     gpu_window_bytes: int
@@ -325,6 +330,7 @@ class Estimate:
     # Verdicts
     cpu_fits: bool | None
     gpu_fits: bool | None
+    nvme_fits: bool | None
     fits: bool
     plain_fits: bool | None
     block_activation_bytes_checkpointed: int
@@ -347,7 +353,8 @@ class Estimate:
                 f"CPU RAM: needs {_gib(self.cpu_bytes_needed)} (fp32 masters {_gib(self.cpu_master_bytes)} + Adam "
                 f"{_gib(self.cpu_adam_bytes)} + gradients {_gib(self.cpu_grad_bytes)} + pinned buffers "
                 f"{_gib(self.cpu_pinned_copy_bytes + self.cpu_grad_staging_bytes + self.cpu_activation_bytes)} + "
-                f"process {_gib(self.cpu_process_bytes)}) for {self.total_params / 1e9:.2f} B offloaded parameters, "
+                + (f"NVMe ring {_gib(self.cpu_nvme_ring_bytes)} + " if self.nvme_adam else "")
+                + f"process {_gib(self.cpu_process_bytes)}) for {self.total_params / 1e9:.2f} B offloaded parameters, "
                 f"has {_gib(self.cpu_memory_bytes)}. Add CPU RAM, or train fewer or narrower layers "
                 f"(each trainable parameter costs {self.cpu_bytes_per_param:.1f} B of RAM"
                 + ("; host_memory=\"lean\" (--optim adamw_8bit) keeps 8-bit Adam moments, 6 B/param less"
@@ -355,8 +362,14 @@ class Estimate:
                 + ("; host_image=False drops the pinned compute-dtype image, 2 B/param less" if self.host_image
                    and self.dtype != "fp32" else "")
                 + ("; without gradient accumulation the host gradients stay bf16, 2 B/param less"
-                   if self.host_grads == "fp32" and self.dtype == "bf16" else "") + ")."
+                   if self.host_grads == "fp32" and self.dtype == "bf16" else "")
+                + ("; StrongholdConfig(nvme_path=DIR) on a fast local disk moves the Adam moments "
+                   f"({_gib(self.cpu_adam_bytes)}) there (estimate with --nvme_memory)" if not self.nvme_adam else "")
+                + ")."
             )
+        if self.nvme_fits is False:
+            problems.append(f"NVMe: the Adam moments need {_gib(self.nvme_bytes_needed)} on disk, which has "
+                            f"{_gib(self.nvme_memory_bytes)}. Free space or use a larger disk for nvme_path.")
         if self.gpu_fits is False:
             fixes = []
             if not self.gradient_checkpointing:
@@ -387,6 +400,7 @@ class Estimate:
     def cpu_bytes_per_param(self) -> float:
         """Host bytes of a trainable parameter of a block: master, gradient, Adam state, image."""
         adam = ADAM_STATE_BYTES if self.host_memory == "exact" else self.cpu_adam_bytes / max(self.total_params, 1)
+        adam = 0 if self.nvme_adam else adam
         grad = 2 if self.host_grads == "compute" else 4
         return 4 + adam + grad + (0 if self.dtype == "fp32" or not self.host_image else _NBYTES[self.dtype])
 
@@ -420,8 +434,11 @@ def _assemble(
     cpu_memory_bytes: int | None, decoder_seq_len: int | None, notes: list[str], grad_buffers: int = 2,
     offload_non_block: bool = True, chunked_loss: bool = True, offload_activations: bool | str = "auto",
     loss_chunk_tokens: int | str = "auto", host_memory: str = "exact", host_image: bool | str = "auto",
-    host_grads: str = "auto", gradient_accumulation_steps: int = 1,
+    host_grads: str = "auto", gradient_accumulation_steps: int = 1, nvme_memory_bytes: int | None = None,
+    nvme: bool | str = "auto", nvme_ring_buffers: int = 3,
 ) -> Estimate:
+    if nvme not in (True, False, "auto"):
+        raise ValueError(f"nvme={nvme!r}; use \"auto\", True or False.")
     if host_grads not in ("auto", "fp32", "compute"):
         raise ValueError(f"host_grads={host_grads!r}; use \"auto\", \"fp32\" or \"compute\".")
     if gradient_accumulation_steps < 1:
@@ -449,7 +466,8 @@ def _assemble(
     # resident unit, the activation buffers, the process itself.
     trainable = sum(u.trainable for u in units)
     master = sum(4 * u.trainable for u in units)
-    adam = sum(u.lean_adam_bytes for u in units) if host_memory == "lean" else ADAM_STATE_BYTES * trainable
+    unit_adam = [u.lean_adam_bytes if host_memory == "lean" else ADAM_STATE_BYTES * u.trainable for u in units]
+    adam = sum(unit_adam)
     image = sum(u.trainable_image_bytes for u in units)
     # bf16 host gradients (unit.py, [Note: host gradients in the compute dtype]): 2 B instead of
     # 4 for bf16 units, unless accumulation widens them to fp32.
@@ -531,15 +549,33 @@ def _assemble(
                 break
             max_w = cand
     activation_host = inputs_host if offload else 0
-    cpu_needed = master + adam + grad + pinned + staging + activation_host + CPU_PROCESS_BYTES
-    # host_image="auto" drops the image when the RAM would not hold the state with it.
-    keep_image = host_image is True or (host_image == "auto" and (cpu_memory_bytes is None or cpu_needed <= cpu_memory_bytes))
+    # The NVMe tier: the moments on disk, a ring of buffers of the largest unit's moments in RAM.
+    nvme_ring = min(nvme_ring_buffers, len(unit_adam)) * max(unit_adam, default=0)
+
+    def host_need(keep: bool, on_disk: bool) -> int:
+        image_or_ring = 0 if keep or not image else ring - image
+        moments = nvme_ring if on_disk else adam
+        return master + moments + grad + pinned + image_or_ring + staging + activation_host + CPU_PROCESS_BYTES
+
+    # What "auto" chooses, in order, the first that fits the RAM: everything in RAM; without
+    # the image (host_image="auto"); the moments on disk (with nvme_memory), image kept if it fits.
+    images = [True, False] if host_image == "auto" else [bool(host_image)]
+    disks = [True] if nvme is True else [False] if nvme is False or (nvme_memory_bytes is None) else [False, True]
+    choices = [(keep, disk) for disk in disks for keep in images]
+    keep_image, on_disk = next((c for c in choices if cpu_memory_bytes is None or host_need(*c) <= cpu_memory_bytes),
+                               choices[-1])
+    cpu_needed = host_need(keep_image, on_disk)
     if image and not keep_image:
         pinned += ring - image
-        cpu_needed += ring - image
         if host_image == "auto":
             notes.append(f"host_image=\"auto\" drops the pinned {dtype} image ({_gib(image)}): fetches convert the "
                          "fp32 masters through two staging buffers")
+    if on_disk and nvme == "auto":
+        notes.append(f"the Adam moments ({_gib(adam)}) go to the NVMe tier (StrongholdConfig(nvme_path=DIR)): the host "
+                     f"holds a ring of {min(nvme_ring_buffers, len(unit_adam))} buffers instead")
+    if on_disk and cpu_memory_bytes is not None and cpu_needed > cpu_memory_bytes:
+        notes.append(f"with the moments on disk the host still needs the fp32 masters ({_gib(master)}) and the "
+                     f"gradients ({_gib(grad)}); the NVMe tier does not move masters")
 
     total = counts.block_params + counts.resident_params
     plain_state = state_per_param * total + counts.buffer_bytes
@@ -553,6 +589,7 @@ def _assemble(
         notes.append("CPU RAM unknown: CPU check skipped")
     if gpu_fits is None:
         notes.append("GPU memory unknown: GPU check skipped")
+    nvme_fits = None if not on_disk or nvme_memory_bytes is None else adam <= nvme_memory_bytes
     fixed = window_bytes + lanes + outside + block_act + head
     return Estimate(
         model_name=model_name, seq_len=seq_len, batch_size=batch_size, dtype=dtype,
@@ -560,11 +597,13 @@ def _assemble(
         num_blocks=n, block_params=counts.block_params, resident_params=counts.resident_params,
         total_params=total, largest_block_params=largest, offload_non_block=offload_non_block,
         chunked_loss=bool(use_chunks), offload_activations=offload,
-        cpu_master_bytes=master, cpu_adam_bytes=adam, cpu_grad_bytes=grad, host_memory=host_memory,
+        cpu_master_bytes=master, cpu_adam_bytes=0 if on_disk else adam, cpu_grad_bytes=grad, host_memory=host_memory,
         host_image=bool(keep_image or not image), host_grads="compute" if bf16_grads else "fp32",
         cpu_pinned_copy_bytes=pinned,
         cpu_grad_staging_bytes=staging, cpu_activation_bytes=activation_host, cpu_process_bytes=CPU_PROCESS_BYTES,
         cpu_bytes_needed=cpu_needed, cpu_memory_bytes=cpu_memory_bytes,
+        nvme_adam=on_disk, nvme_bytes_needed=adam if on_disk else 0, nvme_memory_bytes=nvme_memory_bytes,
+        cpu_nvme_ring_bytes=nvme_ring if on_disk else 0,
         gpu_resident_bytes=outside, gpu_window_bytes=window_bytes,
         gpu_slot_bytes=max((u.device_bytes for u in streamed), default=0),
         gpu_grad_buffer_bytes=lanes, gpu_engine_bytes=window_bytes + lanes + (outside - counts.buffer_bytes
@@ -573,7 +612,8 @@ def _assemble(
         gpu_workspace_bytes=gpu_need - fixed, gpu_bytes_needed=gpu_need,
         gpu_memory_bytes=gpu_memory_bytes, max_window_size=max_w,
         plain_state_bytes=plain_state, plain_workspace_bytes=plain_ws, plain_gpu_bytes_needed=plain_need,
-        cpu_fits=cpu_fits, gpu_fits=gpu_fits, fits=cpu_fits is not False and gpu_fits is not False,
+        cpu_fits=cpu_fits, gpu_fits=gpu_fits, nvme_fits=nvme_fits,
+        fits=cpu_fits is not False and gpu_fits is not False and nvme_fits is not False,
         plain_fits=None if gpu_memory_bytes is None else plain_need <= gpu_memory_bytes,
         block_activation_bytes_checkpointed=ckpt, block_activation_bytes_full=full, notes=tuple(notes),
     )
@@ -661,6 +701,7 @@ def estimate(
     grad_buffers: int = 2, offload_non_block: bool = True, chunked_loss: bool = True,
     offload_activations: bool | str = "auto", loss_chunk_tokens: int | str = "auto", host_memory: str = "exact",
     host_image: bool | str = "auto", host_grads: str = "auto", gradient_accumulation_steps: int = 1,
+    nvme_memory_bytes: int | str | None = None, nvme: bool | str = "auto",
 ) -> Estimate:
     """Estimates STRONGHOLD and plain-training memory for a config (built on the meta device).
 
@@ -675,7 +716,9 @@ def estimate(
     ``host_memory``, ``host_image`` and ``host_grads`` are `StrongholdConfig`'s
     (``host_image="auto"`` drops the image when the RAM would not hold it; ``host_grads="auto"``
     keeps bf16 gradients when ``gradient_accumulation_steps`` is 1); ``offload_activations="auto"`` offloads when
-    the GPU would not fit otherwise.
+    the GPU would not fit otherwise. ``nvme_memory_bytes``: the NVMe tier's disk space; with it
+    (``nvme="auto"``) the Adam moments go to disk when the RAM would not hold them
+    (``nvme=True``: always, as an engine with ``nvme_path`` does).
     """
     model = build_meta_model(model_config, auto_class)
     label = _dtype_label(dtype)
@@ -691,6 +734,8 @@ def estimate(
         chunked_loss=chunked_loss, offload_activations=offload_activations, loss_chunk_tokens=loss_chunk_tokens,
         host_memory=host_memory, host_image=host_image, host_grads=host_grads,
         gradient_accumulation_steps=gradient_accumulation_steps,
+        nvme_memory_bytes=None if nvme_memory_bytes is None else parse_memory(nvme_memory_bytes),
+        nvme=nvme,
     )
 
 
@@ -702,6 +747,7 @@ def estimate_for_model(
     device: torch.device | str | int | None = None, offload_non_block: bool = True, chunked_loss: bool = True,
     offload_activations: bool | str = "auto", loss_chunk_tokens: int | str = "auto", host_memory: str = "exact",
     host_image: bool | str = "auto", host_grads: str = "auto", gradient_accumulation_steps: int = 1,
+    nvme_memory_bytes: int | None = None, nvme: bool | str = "auto", nvme_ring_buffers: int = 3,
 ) -> Estimate:
     """The same estimate from a live, already built model (call before moving it to the GPU).
 
@@ -741,6 +787,7 @@ def estimate_for_model(
         grad_buffers=grad_buffers, notes=notes, offload_non_block=offload_non_block, chunked_loss=chunked_loss,
         offload_activations=offload_activations, loss_chunk_tokens=loss_chunk_tokens, host_memory=host_memory,
         host_image=host_image, host_grads=host_grads, gradient_accumulation_steps=gradient_accumulation_steps,
+        nvme_memory_bytes=nvme_memory_bytes, nvme=nvme, nvme_ring_buffers=nvme_ring_buffers,
     )
 
 
@@ -773,8 +820,9 @@ def _table(e: Estimate) -> str:
         + (", checkpointed activations offloaded" if e.offload_activations else ""),
         f"{'CPU RAM (STRONGHOLD)':<54}{'GiB':>10}",
         row("fp32 master weights (4 B/param)", e.cpu_master_bytes),
-        row(f"Adam state ({ADAM_STATE_BYTES} B/param)" if e.host_memory == "exact"
-            else "Adam state, lean (8-bit moments, 2 B/param)", e.cpu_adam_bytes),
+        row("Adam state: on NVMe, a ring of buffers in RAM" if e.nvme_adam
+            else f"Adam state ({ADAM_STATE_BYTES} B/param)" if e.host_memory == "exact"
+            else "Adam state, lean (8-bit moments, 2 B/param)", e.cpu_nvme_ring_bytes if e.nvme_adam else e.cpu_adam_bytes),
         row("fp32 gradient buffers (4 B/param)" if e.host_grads == "fp32"
             else "gradient buffers (bf16 units 2 B/param, others 4)", e.cpu_grad_bytes),
         row("pinned images (fp32: the masters; frozen: stored bytes)" if c == 4
@@ -784,6 +832,9 @@ def _table(e: Estimate) -> str:
         row("offloaded checkpointed activations", e.cpu_activation_bytes),
         row("process allowance (Python, torch, CUDA runtime)", e.cpu_process_bytes),
         total("total", e.cpu_bytes_needed, e.cpu_memory_bytes, e.cpu_fits),
+        *([f"NVMe (STRONGHOLD, nvme_path)",
+           total(f"Adam moments ({'8-bit' if e.host_memory == 'lean' else 'fp32'})", e.nvme_bytes_needed,
+                 e.nvme_memory_bytes, e.nvme_fits)] if e.nvme_adam else []),
         f"GPU (STRONGHOLD, window_size={e.window_size})",
         row(f"window ({e.window_size + 1} units, largest {e.gpu_slot_bytes / MiB:.1f} MiB)", e.gpu_window_bytes),
         row("gradient buffers in flight (K)", e.gpu_grad_buffer_bytes),
@@ -869,6 +920,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--host_image", type=_arg_type(_parse_auto_bool, "auto, true or false"), default="auto",
                         help="keep the pinned bf16/fp16 image on the host (2 B/param): auto (default: unless the RAM "
                         "would not hold it), true or false")
+    parser.add_argument("--nvme_memory", type=memory, default=None,
+                        help="disk space for the NVMe tier (nvme_path), e.g. 2TB: the Adam moments go there when the "
+                        "RAM would not hold them")
     parser.add_argument("--check", action="store_true", help="exit with status 3 when STRONGHOLD does not fit")
     args = parser.parse_args(argv)
 
@@ -885,7 +939,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             offload_non_block=args.offload_non_block, chunked_loss=args.chunked_loss,
             offload_activations=args.offload_activations, host_memory=args.host_memory,
             host_image=args.host_image, host_grads=args.host_grads,
-            gradient_accumulation_steps=args.gradient_accumulation_steps,
+            gradient_accumulation_steps=args.gradient_accumulation_steps, nvme_memory_bytes=args.nvme_memory,
         )
     except (ValueError, OSError, KeyError) as err:
         parser.error(str(err))

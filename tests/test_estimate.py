@@ -228,6 +228,47 @@ def test_host_image_false_trades_the_image_for_two_staging_buffers():
     assert fp32.cpu_bytes_needed == estimate(cfg, **{**kw, "dtype": "fp32"}, cpu_memory_bytes="4TB").cpu_bytes_needed
 
 
+def test_nvme_tier_moves_the_moments_to_disk_when_the_ram_needs_it():
+    """Llama-3-8B, bf16, 64 GB of RAM: exact state does not fit; with an NVMe disk the moments
+    (8 B/param) go there and the host keeps a ring of three buffers of the largest unit's."""
+    cfg = load_config(LLAMA3_8B[0], config_overrides=LLAMA3_8B[1])
+    kw = dict(seq_len=4096, batch_size=1, dtype="bf16", gpu_memory_bytes="24GB", gradient_checkpointing=True,
+              cpu_memory_bytes="64GB")
+    ram = estimate(cfg, **kw)
+    assert not ram.cpu_fits and not ram.nvme_adam and ram.nvme_fits is None
+    with pytest.raises(ValueError, match=r"nvme_path=DIR\) on a fast local disk moves the Adam moments \(59.8"):
+        ram.raise_if_not_fits()
+    disk = estimate(cfg, nvme_memory_bytes="1TB", **kw)
+    head = 128256 * 4096  # the untied head: the largest unit
+    assert disk.nvme_adam and disk.nvme_bytes_needed == 8 * disk.total_params and disk.cpu_adam_bytes == 0
+    assert disk.cpu_nvme_ring_bytes == 3 * 8 * head
+    assert not disk.host_image  # 64 GB hold masters, bf16 gradients and the ring, not the image too
+    assert disk.cpu_fits and disk.nvme_fits and disk.fits  # 62.5 GiB: a desktop fine-tunes 8B in full
+    assert disk.cpu_bytes_per_param == 4 + 2  # master, bf16 gradient
+    roomy = estimate(cfg, nvme_memory_bytes="1TB", **{**kw, "cpu_memory_bytes": "80GB"})
+    assert roomy.nvme_adam and roomy.host_image  # with the moments on disk the image fits again: kept
+    assert "Adam state: on NVMe" in disk.table() and "NVMe (STRONGHOLD, nvme_path)" in disk.table()
+    assert any("go to the NVMe tier" in n for n in disk.notes)
+    plenty = estimate(cfg, nvme_memory_bytes="1TB", **{**kw, "cpu_memory_bytes": "4TB"})
+    assert not plenty.nvme_adam  # "auto": RAM holds it, nothing goes to disk
+    small = estimate(cfg, nvme_memory_bytes="32GB", **kw)
+    assert small.nvme_fits is False and not small.fits
+    with pytest.raises(ValueError, match="the Adam moments need 59.8. GiB on disk, which has 32.00 GiB"):
+        small.raise_if_not_fits()
+    forced = estimate(cfg, nvme=True, **{**kw, "cpu_memory_bytes": "4TB"})  # an engine with nvme_path
+    assert forced.nvme_adam and forced.nvme_fits is None
+
+
+def test_nvme_tier_for_llama3_70b_names_what_still_holds_the_host():
+    """Llama-3-70B, bf16, 80 GB GPU, 256 GB RAM, 2 TB NVMe: the moments fit on disk, but the fp32
+    masters (263 GiB) stay in RAM (the tier moves moments only), so the host does not fit."""
+    cfg = load_config(LLAMA3_70B[0], config_overrides=LLAMA3_70B[1])
+    e = estimate(cfg, seq_len=4096, batch_size=1, dtype="bf16", gpu_memory_bytes="80GB", cpu_memory_bytes="256GB",
+                 gradient_checkpointing=True, nvme_memory_bytes="2TB")
+    assert e.gpu_fits and e.nvme_adam and e.nvme_fits and not e.cpu_fits
+    assert any("does not move masters" in n for n in e.notes)
+
+
 def test_activation_offload_auto_turns_on_when_the_inputs_do_not_fit():
     cfg = load_config(LLAMA3_8B[0], config_overrides=LLAMA3_8B[1].replace("num_hidden_layers=32", "num_hidden_layers=32"))
     kw = dict(seq_len=32768, batch_size=1, dtype="bf16", cpu_memory_bytes="4TB", gradient_checkpointing=True)

@@ -263,3 +263,14 @@ def test_moments_on_disk_save_eight_bytes_per_parameter_of_peak_rss(tmp_path):
     assert body > 38e6
     assert per_param >= 0.7 * 8
     assert os.listdir(tmp_path) == []  # the child's normal exit removed its files
+
+
+def test_the_trainer_fit_check_counts_the_ring_instead_of_the_moments(tmp_path, monkeypatch):
+    import stronghold_hf.estimate as est
+
+    monkeypatch.setattr(est, "available_cpu_memory_bytes", lambda: 1 << 10)  # a 1 KiB machine
+    with pytest.raises(ValueError, match=r"(?s)Adam 0.00 GiB.*NVMe ring .*GiB.*\)\.") as refused:
+        _trainer(tmp_path, "disk", tmp_path / "nvme")
+    assert "moves the Adam moments" not in str(refused.value)  # already on disk: not suggested again
+    with pytest.raises(ValueError, match=r"StrongholdConfig\(nvme_path=DIR\) on a fast local disk moves the Adam"):
+        _trainer(tmp_path, "ram")

@@ -296,7 +296,7 @@ class _StrongholdTrainerMixin:
             grad_buffers=cfg.grad_buffers, offload_non_block=cfg.offload_non_block, chunked_loss=cfg.chunked_loss,
             offload_activations=cfg.offload_activations, loss_chunk_tokens=cfg.loss_chunk_tokens,
             host_memory=cfg.host_memory, host_image=cfg.host_image, host_grads=cfg.host_grads,
-            gradient_accumulation_steps=self.args.gradient_accumulation_steps, **shape,
+            gradient_accumulation_steps=self.args.gradient_accumulation_steps, **_nvme_estimate_args(cfg), **shape,
         )
 
     def _adopt_activation_offload(self, est) -> None:
@@ -719,6 +719,18 @@ def _atomic_replace_dir(src: str, dst: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(src, dst)
+
+
+def _nvme_estimate_args(cfg) -> dict[str, Any]:
+    """With ``nvme_path`` the moments are on disk: the fit check counts the ring, and the disk's free space."""
+    if cfg.nvme_path is None:
+        return dict(nvme=False)
+    import shutil
+
+    probe = cfg.nvme_path
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:  # created at the first step
+        probe = os.path.dirname(probe)
+    return dict(nvme=True, nvme_memory_bytes=shutil.disk_usage(probe).free, nvme_ring_buffers=cfg.nvme_ring_buffers)
 
 
 class StrongholdTrainer(_StrongholdTrainerMixin, Trainer):
