@@ -367,6 +367,13 @@ class NvmeTier:
         self.written_bytes = 0
         self._cond = threading.Condition()
         self._expected: collections.deque[int] = collections.deque()
+        # [Note: reading ahead across steps] Once every read of a step is issued, the same
+        # order is queued again: the next step's first units come in during the forward and
+        # backward in between, so its first update does not wait for the disk. Nothing else
+        # writes the state between steps (load_state_dict and state_dict flush first), and
+        # `expect` gives back what the next step turns out not to update.
+        self._standing: list[int] = []
+        self._refilled = True
         self._holder: dict[int, RingBuffer] = {}  # unit -> the buffer holding (or filling) its state
         self._error: BaseException | None = None
         self._fresh = {id(p.param) for r in self.regions.values() for p in r.pieces}  # never written: fill, not read
@@ -384,6 +391,7 @@ class NvmeTier:
                 if b.state is BufferState.READY and b.region.unit not in wanted:
                     self._free(b)
             self._expected = collections.deque(u for u in wanted if u not in self._holder)
+            self._standing, self._refilled = wanted, False
             self._pump()
 
     @contextlib.contextmanager
@@ -416,6 +424,7 @@ class NvmeTier:
         an I/O error any of them met. Nothing may be bound (the updates have finished)."""
         with self._cond:
             self._expected.clear()
+            self._refilled = True
             while any(b.state in (BufferState.READING, BufferState.WRITING) for b in self.ring):
                 for b in self.ring:
                     if b.state is BufferState.READING:
@@ -425,6 +434,13 @@ class NvmeTier:
                 assert b.state is not BufferState.BOUND, "NvmeTier.flush while an update holds its state"
                 if b.state is BufferState.READY:
                     self._free(b)
+            self._raise_error()
+
+    def wait_for_writes(self) -> None:
+        """Returns once every write-back in flight has reached the file (read-ahead keeps going)."""
+        with self._cond:
+            while any(b.state is BufferState.WRITING for b in self.ring):
+                self._cond.wait()
             self._raise_error()
 
     def _acquire(self, unit: int) -> RingBuffer:
@@ -470,6 +486,9 @@ class NvmeTier:
     def _pump(self) -> None:
         """Starts reads ahead for expected units while keeping one buffer for a unit nobody
         expected (a speculative update, an undo)."""
+        if not self._expected and not self._refilled:
+            self._refilled = True
+            self._expected = collections.deque(self._standing)
         while self._expected:
             ahead = sum(b.state in (BufferState.READING, BufferState.READY) for b in self.ring)
             buf = next((b for b in self.ring if b.state is BufferState.FREE), None)

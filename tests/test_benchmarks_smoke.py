@@ -73,3 +73,18 @@ def test_bench_dp_host_bytes_fall_with_world():
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["host_ratio_vs_world1"]["2"] == pytest.approx(0.5, abs=0.05)
+
+
+def test_bench_nvme_smoke(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_nvme.py"), "--nvme_path", str(tmp_path), "--disk_mb", "16",
+         "--layers", "2", "--hidden", "64", "--seq", "16", "--steps", "2"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.strip()]
+    assert [r["part"] for r in rows] == ["disk", "engine", "engine", "summary"]
+    assert rows[0]["read_gb_per_s"] > 0 and rows[0]["write_gb_per_s"] > 0
+    summary = rows[-1]
+    assert summary["state_bytes_per_step"] > 0 and summary["ratio_of_disk_bound"] > 0
+    assert list(tmp_path.iterdir()) == []  # the benchmark's files are gone too

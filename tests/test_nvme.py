@@ -96,9 +96,11 @@ def test_the_ring_is_bounded_and_replaces_the_state_in_the_ledger(tmp_path):
     assert disk["nvme_ring_bytes"] <= 3 * (largest_unit + 4096 * 8)
     assert disk["pageable_host_bytes"] - ram["pageable_host_bytes"] == pytest.approx(
         disk["nvme_ring_bytes"] - (ram["optimizer_state_bytes"] - disk["optimizer_state_bytes"]), abs=4096)
-    # Three steps: every unit's state read (but the first time: nothing on disk yet) and written once a step.
+    # Three steps: every unit's state written once a step, and read once a step but the first
+    # (nothing on disk yet), plus the next step's first units read ahead (at most ring - 1 of them).
     assert disk["nvme_written_bytes"] == 3 * disk["nvme_file_bytes"]
-    assert disk["nvme_read_bytes"] == 2 * disk["nvme_file_bytes"]
+    ahead = disk["nvme_read_bytes"] - 2 * disk["nvme_file_bytes"]
+    assert 0 <= ahead <= 2 * disk["nvme_ring_bytes"] / 3
 
 
 def test_sharded_state_on_disk(tmp_path):
