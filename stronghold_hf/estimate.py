@@ -474,7 +474,9 @@ def _assemble(
     bf16_grads = dtype == "bf16" and host_grads != "fp32" and gradient_accumulation_steps == 1
     grad = 4 * trainable - (image if bf16_grads else 0)
     pinned = sum(u.image_bytes for u in units)
-    ring = FETCH_STAGING_BUFFERS * max((u.trainable_image_bytes for u in units), default=0)
+    # Without the image: two staging buffers of the largest block (larger units cross in pieces).
+    ring = FETCH_STAGING_BUFFERS * max((u.trainable_image_bytes for u in units if u.kind == "block"),
+                                       default=max((u.trainable_image_bytes for u in units), default=0))
     lane = max((u.grad_bytes for u in streamed), default=0)
     staging = grad_buffers * lane + len([u for u in resident if u.trainable]) * max(
         (u.grad_bytes for u in resident), default=0)

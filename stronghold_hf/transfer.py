@@ -142,9 +142,12 @@ class FetchStaging:
     """Fetches without a host image (``host_image=False``): a ring of pinned staging buffers
     that the fp32 masters are converted into, in the compute dtype, right before the copy.
 
-    Each buffer holds the largest trainable shard of a unit. Before a buffer is refilled the
+    Each buffer holds the largest trainable shard of a block; a larger unit (a vocabulary-sized
+    embedding or head) goes through in pieces of that size, one buffer after the other, so
+    Llama-3-8B's 1 GiB untied head does not set the ring's size. Before a buffer is refilled the
     host waits for the copy that last read it, so the ring bounds the host memory however far
-    the window prefetches (a fetch past the ring waits for an older one to land). On a CPU
+    the window prefetches (a fetch past the ring waits for an older one to land). Copies run in
+    order on one stream, so the last piece's event says the whole unit landed. On a CPU
     device the conversion writes the destination directly and no buffer is allocated: the
     "device" is host memory already. Buffers are allocated at the first fetch.
     """
@@ -169,18 +172,24 @@ class FetchStaging:
             self.transfer.stats.add("convert_s", time.perf_counter() - t0)
             self.transfer.book_h2d(nbytes, fetch=fetch)
             return _DONE
-        assert nbytes <= self.buffer_bytes, (nbytes, self.buffer_bytes)
         if not self._buffers:
             self._buffers = [self._allocate(self.buffer_bytes, transfer=True) for _ in range(self.num_buffers)]
             self._events = [_DONE] * self.num_buffers
-        k = self._next
-        self._next = (k + 1) % self.num_buffers
-        self.transfer.host_wait(self._events[k])  # the copy that last read this buffer has landed
-        staged = self._buffers[k][:nbytes]
-        staged.view(dtype).copy_(master)
+        piece = max(self.buffer_bytes // dtype.itemsize, 1)  # elements per buffer
+        event = _DONE
+        for start in range(0, master.numel(), piece):
+            part = master[start: start + piece]
+            k = self._next
+            self._next = (k + 1) % self.num_buffers
+            self.transfer.host_wait(self._events[k])  # the copy that last read this buffer has landed
+            staged = self._buffers[k][: part.numel() * dtype.itemsize]
+            staged.view(dtype).copy_(part)
+            first = start * dtype.itemsize
+            # One fetch in the ledger, however many pieces.
+            event = self._events[k] = self.transfer.copy_h2d(dst[first: first + staged.numel()], staged,
+                                                             fetch=fetch and start == 0)
         self.transfer.stats.add("convert_s", time.perf_counter() - t0)
-        self._events[k] = self.transfer.copy_h2d(dst[:nbytes], staged, fetch=fetch)
-        return self._events[k]
+        return event
 
     @property
     def allocated_bytes(self) -> int:

@@ -144,8 +144,9 @@ class WindowEngine:
         ]
         converted = [self._shard_bytes(u) for u in self.units if u.fetch_staging is not None]
         self.fetch_staging = staging if converted else None
-        if self.fetch_staging is not None:
-            self.fetch_staging.buffer_bytes = max(converted)
+        if self.fetch_staging is not None:  # the largest block: larger units go through in pieces
+            blocks = [self._shard_bytes(u) for u in self.units if u.fetch_staging is not None and u.kind == "block"]
+            self.fetch_staging.buffer_bytes = max(blocks or converted)
         self.blocks = [u for u in self.units if u.kind == "block"]
         self._unit_of_param = {id(p): u for u in self.units for p in u.params}
         inline = config.host_worker == "inline" or (config.host_worker == "auto" and not self.transfer.is_async

@@ -76,6 +76,21 @@ def test_the_ring_waits_for_copies_that_land_late():
     assert 0 < ring <= 2 * (dropped[2]["slot_bytes"] + 4096)  # two buffers of the largest shard, not a copy per unit
 
 
+def test_units_larger_than_a_block_go_through_the_ring_in_pieces():
+    """A 64k-parameter untied vocabulary against 9k-parameter blocks: the ring is sized by a
+    block, the embedding and head cross in seven pieces each, and copies land late."""
+    ref = tiny_model("llama", vocab_size=2000, tie_word_embeddings=False)
+    kept = _train(copy.deepcopy(ref), "llama", window_size=2, host_image=True)
+    with simulated_device(copy_delay_s=0.002):
+        dropped = _train(copy.deepcopy(ref), "llama", window_size=2, host_image=False)
+    _assert_identical(kept, dropped)
+    block = sum(p.numel() for p in ref.model.layers[0].parameters()) * 2  # bf16 bytes
+    head = ref.lm_head.weight.numel() * 2
+    assert head > 6 * block
+    assert 0 < dropped[2]["fetch_staging_bytes"] <= 2 * (block + 4096 + 64 * 16)  # two block-sized buffers
+    assert dropped[2]["fetches"] == kept[2]["fetches"]  # a unit in pieces is still one fetch
+
+
 @pytest.mark.parametrize("config", [dict(speculative_step="on"), dict(host_memory="lean")], ids=["speculative", "lean"])
 def test_no_image_composes_with_speculation_and_lean(config):
     ref = tiny_model("llama", intermediate_size=128)
