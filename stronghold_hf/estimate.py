@@ -478,7 +478,9 @@ def _assemble(
     ring = FETCH_STAGING_BUFFERS * max((u.trainable_image_bytes for u in units if u.kind == "block"),
                                        default=max((u.trainable_image_bytes for u in units), default=0))
     lane = max((u.grad_bytes for u in streamed), default=0)
-    staging = grad_buffers * lane + len([u for u in resident if u.trainable]) * max(
+    # Pinned gradient staging holds the largest block's gradient; larger units cross in pieces.
+    block_lane = max((u.grad_bytes for u in streamed if u.kind == "block"), default=lane)
+    staging = grad_buffers * block_lane + len([u for u in resident if u.trainable]) * max(
         (u.grad_bytes for u in resident), default=0)
 
     # Activations, from the config's shape.

@@ -14,7 +14,10 @@ bounds its reduce-scatter outputs the same way). The ``K`` device buffers are al
 first use of a lane in a backward pass and kept until the pass ends
 (`release_device_buffers`), so the pass holds exactly ``K`` buffers of the largest unit's
 gradient, whatever the timing; its staging buffer lives as long as the engine. The ledger
-books both. (The resident unit has a queue of its own with one lane of its size: it keeps
+books both. A staging buffer holds the largest *block's* gradient: a larger unit (a
+vocabulary-sized embedding or head) crosses in pieces of half of it, two in flight, each next
+piece started by the fold once it has read the one before (`StagedGradient`), so Llama-3-8B's
+1 GiB head does not size every lane's pinned buffer. (The resident unit has a queue of its own with one lane of its size: it keeps
 its lane for the whole backward.)
 
 States of a lane::
@@ -72,13 +75,68 @@ class GradLane:
         assert self.device_buffer is not None
         return self.device_buffer[offset : offset + numel].view(shape)
 
-    def staged(self, numel: int) -> torch.Tensor:
-        """The staging buffer as ``[numel]`` of the lane's dtype (read only after the copy landed)."""
-        return self.staging[: numel * element_size(self.dtype)].view(self.dtype)
-
     def staged_norm(self) -> float:
         """The flush's squared norm (read only after the copy landed)."""
         return float(self.norm_host[0])
+
+
+class StagedGradient:
+    """One flush on its way to the host: the gradient (or this rank's shard) as pieces that
+    land in the lane's staging buffer, in order. Whole when it fits the staging buffer;
+    otherwise pieces of half of it, alternating halves, the first two started by `send` and
+    each next one by `landed` once the piece two before has been read."""
+
+    def __init__(self, transfer: TransferContext, src: torch.Tensor, staging: torch.Tensor) -> None:
+        self.transfer = transfer
+        self.src = src  # the device gradient (kept alive until every piece landed)
+        self.numel = src.numel()
+        size = element_size(src.dtype)
+        whole = self.numel * size <= staging.numel()
+        self.piece = self.numel if whole else max((staging.numel() // 2) // size // 64 * 64, 64)
+        self._halves = [staging[: self.piece * size].view(src.dtype)] if whole else [
+            staging[h * self.piece * size: (h + 1) * self.piece * size].view(src.dtype) for h in range(2)]
+        self._events: list = []
+        for i in range(min(len(self._halves), self.num_pieces)):
+            self._start(i)
+
+    @property
+    def num_pieces(self) -> int:
+        return max(-(-self.numel // self.piece), 1)
+
+    def _bounds(self, i: int) -> tuple[int, int]:
+        return i * self.piece, min((i + 1) * self.piece, self.numel)
+
+    def _start(self, i: int) -> None:
+        lo, hi = self._bounds(i)
+        dst = self._halves[i % len(self._halves)][: hi - lo]
+        self._events.append(self.transfer.copy_d2h(dst, self.src[lo:hi], continues=i > 0))
+
+    def landed(self):
+        """Worker thread: ``(offset, host piece)`` of each piece once it landed, in order. The
+        piece is valid until the loop asks for the next one."""
+        for i in range(self.num_pieces):
+            self.transfer.host_wait(self._events[i])
+            lo, hi = self._bounds(i)
+            yield lo, self._halves[i % len(self._halves)][: hi - lo]
+            if i + 2 < self.num_pieces:
+                self._start(i + 2)  # into the half just read
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.src.dtype
+
+
+class _InPlace:
+    """The CPU device's flush: the lane is host memory already, read where it is."""
+
+    def __init__(self, transfer: TransferContext, src: torch.Tensor) -> None:
+        self.src, self.dtype = src, src.dtype
+        self._event = transfer.book_d2h(src)
+        self._transfer = transfer
+
+    def landed(self):
+        self._transfer.host_wait(self._event)
+        yield 0, self.src
 
 
 class GradientQueue:
@@ -90,8 +148,8 @@ class GradientQueue:
         self.transfer = transfer
         self.ledger = ledger
         self.max_bytes = max_bytes  # device buffer: the largest unit's whole gradient
-        # Host staging: what one flush copies, the largest unit's gradient shard (all of it
-        # without sharded data parallelism).
+        # Host staging: what one flush copies at once, the largest block's gradient shard (all
+        # of it without sharded data parallelism); larger units cross in pieces.
         self.staging_bytes = max_bytes if staging_bytes is None else staging_bytes
         self._host = host
         self._lanes: list[GradLane] = []
@@ -146,11 +204,11 @@ class GradientQueue:
         return lane
 
     def send(self, lane: GradLane, send: torch.Tensor | None = None, *,
-             sq_norm: torch.Tensor | None = None) -> tuple[torch.Tensor, object]:
+             sq_norm: torch.Tensor | None = None) -> StagedGradient | _InPlace:
         """Starts copying ``send`` (the lane, or this rank's shard of it) to the host; returns the
-        staged host tensor and the copy's event. ``sq_norm`` (a device scalar) travels too, first
-        on the same stream, so the event covers it. The lane is IN_FLIGHT until `release`, which
-        the fold calls after ``host_wait(event)`` ([Note: lane lifetime])."""
+        flush, whose ``landed()`` the fold iterates. ``sq_norm`` (a device scalar) travels too,
+        first on the same stream, so the first piece's landing covers it. The lane is IN_FLIGHT
+        until `release`, which the fold calls after the last piece ([Note: lane lifetime])."""
         assert lane.state is LaneState.FILLING
         send = lane.device_buffer if send is None else send
         if sq_norm is not None:
@@ -158,12 +216,11 @@ class GradientQueue:
         if self.transfer.mode == "sync":
             # A CPU "device": the lane is host memory already and stays untouched until the
             # fold has read it (the lane is FREE only after), so the fold reads it in place.
-            staged, event = send, self.transfer.book_d2h(send)
+            flush = _InPlace(self.transfer, send)
         else:
-            staged = lane.staged(send.numel())
-            event = self.transfer.copy_d2h(staged, send)
+            flush = StagedGradient(self.transfer, send, lane.staging)
         lane.state = LaneState.IN_FLIGHT
-        return staged, event
+        return flush
 
     def release(self, lane: GradLane) -> None:
         """The fold has read the staged copy: the lane (and its device buffer) is free again."""

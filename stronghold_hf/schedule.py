@@ -563,13 +563,11 @@ class WindowSchedule:
         # needs it; see stepping.py).
         u.device_sq_norm = torch.linalg.vector_norm(send, dtype=torch.float32).square() if fresh else None
         partial_norm = self.coordinator.partial_norm if self.coordinator.speculating else None
-        staged, event = queue.send(lane, send, sq_norm=u.device_sq_norm if partial_norm is not None else None)
-        transfer = self.transfer
+        flush = queue.send(lane, send, sq_norm=u.device_sq_norm if partial_norm is not None else None)
 
-        def land_and_fold(u=u, lane=lane, staged=staged, event=event, t=local, a=accumulate) -> None:
+        def land_and_fold(u=u, lane=lane, flush=flush, t=local, a=accumulate) -> None:
             try:
-                transfer.host_wait(event)  # the device buffer may be reused only now
-                u.fold(staged, t, a)
+                u.fold(flush, t, a)  # piece by piece as they land; the device buffer is reusable after
                 if partial_norm is not None:
                     partial_norm.add(lane.staged_norm())
             finally:

@@ -266,11 +266,13 @@ class TransferContext:
             self.host_wait(event)
 
     # ------------------------------------------------------------------ device -> host
-    def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor):
+    def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor, *, continues: bool = False):
         """Starts copying device ``src`` into host ``dst`` after the compute work queued so far.
 
         The caller keeps ``src`` alive and ``dst`` unread until `host_wait` on the returned
-        event (see [Note: D2H lifetime])."""
+        event (see [Note: D2H lifetime]). ``continues=True``: a later piece of a copy started
+        before from the same source (any thread may issue it): it follows that copy on the copy
+        stream, which already waited for the compute that wrote ``src``, and is not timed."""
         self.ledger.count_d2h(src.numel() * src.element_size())
         self.stats.add("d2h_bytes", src.numel() * src.element_size())
         if self.mode == "sync":
@@ -280,6 +282,12 @@ class TransferContext:
             return _DONE
         if self.mode == "delayed":
             return self._d2h_thread.submit(dst, src)
+        if continues:
+            event = torch.cuda.Event()
+            with torch.cuda.stream(self.d2h_stream):
+                dst.copy_(src, non_blocking=True)
+                event.record(self.d2h_stream)
+            return event
         ready = self.compute_event()
         start, event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.d2h_stream):

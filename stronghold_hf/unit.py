@@ -476,27 +476,33 @@ class Unit:
         """Of ``touched``, the parameters this rank keeps a piece of."""
         return [k for k in touched if self.pieces[k] is not None]
 
-    def fold(self, staged: torch.Tensor, touched: list[int], accumulate: list[bool]) -> None:
-        """Worker thread: adds (or copies) the staged shard of the gradient into the fp32 gradient.
+    def fold(self, flush, touched: list[int], accumulate: list[bool]) -> None:
+        """Worker thread: adds (or copies) the flushed shard of the gradient into the host
+        gradient, piece by piece as ``flush.landed()`` (grads.py) yields them.
 
-        ``staged`` is this rank's shard of the gradient layout (the whole layout, unsharded)."""
-        if self.grad_flat.dtype != torch.float32 and (any(accumulate) or staged.dtype != self.grad_flat.dtype):
+        The flush is this rank's shard of the gradient layout (the whole layout, unsharded)."""
+        if self.grad_flat.dtype != torch.float32 and (any(accumulate) or flush.dtype != self.grad_flat.dtype):
             self._widen_grads("its gradient was accumulated")
         n_local = sum(piece is not None for piece in self.pieces)
-        if len(touched) == n_local and len(set(accumulate)) <= 1:
-            # The usual case: one flat pass over the whole shard.
-            if accumulate and accumulate[0]:
-                self.grad_flat.add_(staged)
-            else:
-                self.grad_flat.copy_(staged)
-            return
-        for k, acc in zip(touched, accumulate):
-            _, at, n = self.pieces[k]
-            src, dst = staged[at : at + n], self.grad_flat[at : at + n]
-            if acc:
-                dst.add_(src)
-            else:
-                dst.copy_(src)
+        whole = len(touched) == n_local and len(set(accumulate)) <= 1  # the usual case: one flat pass
+        for lo, staged in flush.landed():
+            hi = lo + staged.numel()
+            if whole:
+                if accumulate and accumulate[0]:
+                    self.grad_flat[lo:hi].add_(staged)
+                else:
+                    self.grad_flat[lo:hi].copy_(staged)
+                continue
+            for k, acc in zip(touched, accumulate):
+                _, at, n = self.pieces[k]
+                a, b = max(at, lo), min(at + n, hi)
+                if a >= b:
+                    continue
+                src, dst = staged[a - lo: b - lo], self.grad_flat[a:b]
+                if acc:
+                    dst.add_(src)
+                else:
+                    dst.copy_(src)
 
     def expose_grads(self) -> None:
         """After a backward: the masters' (and, unsharded, the parameters') ``.grad`` are the

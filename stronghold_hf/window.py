@@ -154,9 +154,11 @@ class WindowEngine:
         self.worker = HostWorker(config.resolved_cpu_threads(), inline=inline)
         streamed = [u for u in self.units if u.kind != "resident"]
         resident = [u for u in self.units if u.kind == "resident" and u.trainable]
+        # Pinned staging of the largest block's gradient shard: larger units cross in pieces (grads.py).
+        blocks = [self._shard_bytes(u) for u in streamed if u.kind == "block"]
         self.grad_queue = GradientQueue(config.grad_buffers, max(u.grad_nbytes_device for u in streamed), device=device,
                                         host=self.host, transfer=self.transfer, ledger=self.ledger,
-                                        staging_bytes=max(self._shard_bytes(u) for u in streamed))
+                                        staging_bytes=max(blocks or [self._shard_bytes(u) for u in streamed]))
         resident_queue = None
         if resident:
             # A resident unit keeps its lane for the whole backward: one lane each, of their size.

@@ -28,7 +28,11 @@ No tables in the kernel: both directions are arithmetic on per-decade constants
 built like CPUAdam's) quantizes and dequantizes 8 lanes at a time with AVX2 permutes instead
 of gathers (gathers made it 3x slower). Decoding is ``fma(k, step_d, first_d)`` in fp32, and
 the maps are *defined* as that value, so the torch reference (`step_reference`: the fallback,
-and what the tests hold the kernel to) and the kernel agree bit for bit.
+and what the tests hold the kernel to) and the kernel agree bit for bit. The vector codec
+finds a code's decade from the exponent of ``float(|code - 127|)`` (or ``code + 1``), and a
+value's from an estimate off its float bits plus one compare, instead of a compare per decade;
+it was checked equal to the scalar one for every float in [-1, 1] (a block whose 1 / absmax is
+not finite takes the scalar path).
 """
 
 from __future__ import annotations
@@ -234,7 +238,9 @@ inline uint8_t encode(float xn, const float* c) {
   const float ax = std::fabs(xn);
   int d = 0;
   for (int e = 1; e < kDecades; ++e) d += ax >= c[kFrom + e];
-  const float k = std::min(std::max(std::floor((ax - c[kLower + d]) * c[kPerUnit + d]), 0.0f), c[kLastK + d]);
+  // max(0, NaN) is 0: a NaN xn (0 * inf, where absmax is so small that 1 / absmax is inf) gets
+  // k = 0, code 128 / 1, as the reference's float -> int64 conversion makes it.
+  const float k = std::min(std::max(0.0f, std::floor((ax - c[kLower + d]) * c[kPerUnit + d])), c[kLastK + d]);
   const int j = int(c[kStart + d]) + int(k);
   int code = Signed ? (xn < 0.0f ? 126 - j : 128 + j) : 1 + j;
   if (ax < c[kZero]) code = Signed ? 127 : 0;
@@ -255,97 +261,288 @@ inline float decode(uint32_t code, const float* c) {
   return negative ? -mag : mag;
 }
 
-// q[i] = encode(x[i] * inv) for the block.
-template <bool Signed>
-void quantize(const float* x, int64_t n, float inv, const float* c, uint8_t* q) {
-  int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  const __m256 vinv = _mm256_set1_ps(inv), vone = _mm256_set1_ps(1.0f), vlo = _mm256_set1_ps(Signed ? -1.0f : 0.0f);
-  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)), zero = _mm256_setzero_ps();
-  const __m256 lower = _mm256_loadu_ps(c + kLower), per_unit = _mm256_loadu_ps(c + kPerUnit);
-  const __m256 last_k = _mm256_loadu_ps(c + kLastK);
-  const __m256i start = _mm256_cvttps_epi32(_mm256_loadu_ps(c + kStart));
-  const __m256 t_zero = _mm256_set1_ps(c[kZero]), t_one = _mm256_set1_ps(c[kOne]);
-  __m256 from[kDecades];
-  for (int e = 1; e < kDecades; ++e) from[e] = _mm256_set1_ps(c[kFrom + e]);
-  const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                             0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
-  for (; i + 8 <= n; i += 8) {
-    const __m256 xn = _mm256_min_ps(vone, _mm256_max_ps(vlo, _mm256_mul_ps(_mm256_loadu_ps(x + i), vinv)));
-    const __m256 ax = _mm256_and_ps(xn, absmask);
-    __m256i d = _mm256_setzero_si256();
-    for (int e = 1; e < kDecades; ++e)  // all-ones lanes are -1: subtracting them counts
-      d = _mm256_sub_epi32(d, _mm256_castps_si256(_mm256_cmp_ps(ax, from[e], _CMP_GE_OQ)));
-    const __m256 lo = _mm256_permutevar8x32_ps(lower, d), pu = _mm256_permutevar8x32_ps(per_unit, d);
-    __m256 k = _mm256_floor_ps(_mm256_mul_ps(_mm256_sub_ps(ax, lo), pu));
-    k = _mm256_min_ps(_mm256_max_ps(k, zero), _mm256_permutevar8x32_ps(last_k, d));
-    const __m256i j = _mm256_add_epi32(_mm256_permutevar8x32_epi32(start, d), _mm256_cvttps_epi32(k));
-    __m256i code;
-    if (Signed) {
-      const __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(xn, zero, _CMP_LT_OQ));
-      code = _mm256_blendv_epi8(_mm256_add_epi32(_mm256_set1_epi32(128), j),
-                                _mm256_sub_epi32(_mm256_set1_epi32(126), j), neg);
-    } else {
-      code = _mm256_add_epi32(_mm256_set1_epi32(1), j);
-    }
-    code = _mm256_blendv_epi8(code, _mm256_set1_epi32(Signed ? 127 : 0),
-                              _mm256_castps_si256(_mm256_cmp_ps(ax, t_zero, _CMP_LT_OQ)));
-    code = _mm256_blendv_epi8(code, _mm256_set1_epi32(255), _mm256_castps_si256(_mm256_cmp_ps(xn, t_one, _CMP_GE_OQ)));
-    const __m256i packed = _mm256_shuffle_epi8(code, low_bytes);
-    const uint32_t lo4 = uint32_t(_mm256_extract_epi32(packed, 0)), hi4 = uint32_t(_mm256_extract_epi32(packed, 4));
-    std::memcpy(q + i, &lo4, 4);
-    std::memcpy(q + i + 4, &hi4, 4);
-  }
-#endif
-  for (; i < n; ++i) q[i] = encode<Signed>(std::min(1.0f, std::max(Signed ? -1.0f : 0.0f, x[i] * inv)), c);
+// AdamW in fp32, the fp32 kernel's operations in its order, in two halves: the moments (m, v:
+// the old ones in, the new ones out), then the parameter from the new moments.
+struct Adam { float gmul, decay, w, b2, omb2, eps, neg_step, bc2; };
+inline void adam_moments(const Adam& h, float g, float& m, float& v) {
+  const float gi = g * h.gmul, m0 = m;
+  m = std::fma(h.w, gi - m0, m0);
+  v = std::fma(h.omb2 * gi, gi, v * h.b2);
+}
+inline float adam_param(const Adam& h, float p, float m, float v) {
+  return p * h.decay + h.neg_step * m / (std::sqrt(v) / h.bc2 + h.eps);
 }
 
-// x[i] = decode(q[i]) * scale for the block.
+#if defined(__AVX2__) && defined(__FMA__)
+// Forced: GCC otherwise calls some of the 8-lane helpers out of line, passing ymm registers.
+#define SH_INLINE inline __attribute__((always_inline))
+
+// ---- The vectorized codec. Same fp32 operations as encode/decode on the values that matter,
+// with the decade found without a compare per decade.
+//
+// Decoding: a magnitude's code counts u = 1, 2, ... up from the zero code (signed: |code - 127|;
+// unsigned: code + 1, the zero code being u = 1), and decade d holds u in [2^e, 2^(e+1)) with
+// e = d (signed) or d + 1 (unsigned). So e is the exponent of float(u), and k = u - 2^e its
+// interval: first/step are permuted by the exponent bits (whose low 3 bits are (e + 7) & 7)
+// with no compares. Lane e = 7 (signed) holds 1; lane e = 0 (unsigned) holds 0 and, through
+// k = 256 - 128 with step 1/128, the one code 255 (u = 256).
+struct DecodeLanes { __m256 first, step; };
+
+inline int decode_lane(int e) { return (e + 7) & 7; }
+
 template <bool Signed>
-void dequantize(const uint8_t* q, int64_t n, float scale, const float* c, float* x) {
+DecodeLanes decode_lanes(const float* c) {
+  alignas(32) float first[8], step[8];
+  for (int e = 0; e < 8; ++e) {
+    const int d = Signed ? e : e - 1, lane = decode_lane(e);
+    const bool mag = d >= 0 && d < kDecades;
+    first[lane] = mag ? c[kFirst + d] : (Signed ? 1.0f : 0.0f);
+    step[lane] = mag ? c[kStep + d] : (Signed ? 0.0f : 1.0f / 128.0f);
+  }
+  return {_mm256_load_ps(first), _mm256_load_ps(step)};
+}
+
+// 8 codes -> their values times scale.
+template <bool Signed>
+SH_INLINE __m256 decode8(const uint8_t* q, const DecodeLanes& t, __m256 scale) {
+  // Widened in-lane (a broadcast load and a byte shuffle): a cross-lane vpmovzxbd runs on one
+  // pipe only, which the kernel's permutes already keep busy.
+  int64_t eight;
+  std::memcpy(&eight, q, 8);
+  const __m256i code = _mm256_shuffle_epi8(_mm256_set1_epi64x(eight),
+                                           _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+                                                            4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1));
+  const __m256i s = _mm256_sub_epi32(code, _mm256_set1_epi32(Signed ? 127 : -1));  // unsigned: u = code + 1
+  const __m256 u = _mm256_cvtepi32_ps(Signed ? _mm256_abs_epi32(s) : s);
+  const __m256i lane = _mm256_srli_epi32(_mm256_castps_si256(u), 23);
+  __m256 pow2 = _mm256_and_ps(u, _mm256_castsi256_ps(_mm256_set1_epi32(int(0xFF800000u))));
+  if (!Signed) pow2 = _mm256_min_ps(pow2, _mm256_set1_ps(128.0f));  // the one code: k = 128
+  const __m256 k = _mm256_sub_ps(u, pow2);
+  const __m256 mag = _mm256_fmadd_ps(k, _mm256_permutevar8x32_ps(t.step, lane), _mm256_permutevar8x32_ps(t.first, lane));
+  if (!Signed) return _mm256_mul_ps(mag, scale);
+  // sign(code - 127) * scale: negative codes negate, the zero code (whose u = 0 lands in a
+  // decade's lane) zeroes. mag * -scale is -(mag * scale) exactly.
+  const __m256 sign = _mm256_cvtepi32_ps(_mm256_sign_epi32(_mm256_set1_epi32(1), s));
+  return _mm256_mul_ps(mag, _mm256_mul_ps(sign, scale));
+}
+
+// Encoding: one lane per class of |xn|: lane 0 is 0 and decade 0 (a code below the zero
+// threshold is decade 0's k = -1), lanes 1..6 decades 1..6, lane 7 the one code (signed
+// negative: -1, which the unsigned-saturating pack turns into code 0, as clamping does). The
+// lane is estimated from the float's exponent and top mantissa bits (an approximate log10, off
+// by at most one lane upwards: each estimated boundary lies within a class, between its
+// threshold and the next), then corrected by one compare with the lane's threshold.
+struct EncodeLanes { __m256 from, lower, per_unit; __m256i start1, last_k; };
+
+// log10-ish lane estimate from h = float bits >> 16: (h - kEstBase) * kEstSlope >> 16, saturated
+// at 0. One lane per decade (kEstSlope = 65536 / (128 * log2(10))); boundaries 10^-0.36 below the
+// decade edges, well inside every class's interval (see encode_lanes).
+constexpr int kEstBase = 13126, kEstSlope = 154;
+
+// The smallest float x in [lo, hi] with floor((x - lower) * per_unit) >= 1 (monotone in x).
+inline float first_at_one(float lower, float per_unit, float lo, float hi) {
+  uint32_t a = bits(lo), b = bits(hi);
+  while (a < b) {
+    const uint32_t mid = a + (b - a) / 2;
+    if (std::floor((from_bits(mid) - lower) * per_unit) >= 1.0f) b = mid; else a = mid + 1;
+  }
+  return from_bits(a);
+}
+
+template <bool Signed>
+EncodeLanes encode_lanes(const float* c) {
+  alignas(32) float from[8], lower[8], per_unit[8];
+  alignas(32) int32_t start1[8], last_k[8];
+  for (int d = 0; d < kDecades; ++d) {
+    from[d] = d ? c[kFrom + d] : 0.0f;
+    lower[d] = c[kLower + d];
+    per_unit[d] = c[kPerUnit + d];
+    start1[d] = int32_t(c[kStart + d]) + 1;  // j + 1: the code's distance from 127 (signed) or 0
+    last_k[d] = int32_t(c[kLastK + d]);
+  }
+  from[7] = c[kOne], lower[7] = 0.0f, per_unit[7] = 0.0f, start1[7] = Signed ? 128 : 255, last_k[7] = 0;
+  // Lane 0 from the zero threshold: k = -1 below it (exact: x - zero < 0 there), and decade 0's
+  // intervals above. Signed, decade 0 is one interval (any scale up to 1 / zero keeps k in
+  // [-1, 0]); unsigned, two, and per_unit is the float that puts k = 1 at decade 0's own split.
+  const float zero = c[kZero];
+  lower[0] = zero;
+  if (Signed) {
+    per_unit[0] = 1.0f / c[kFrom + 1];
+  } else {
+    const float split = first_at_one(c[kLower], c[kPerUnit], zero, c[kFrom + 1]);
+    float pu = 1.0f / (split - zero);
+    while (std::floor((split - zero) * pu) < 1.0f) pu = std::nextafter(pu, INFINITY);
+    while (std::floor((std::nextafter(split, 0.0f) - zero) * pu) >= 1.0f) pu = std::nextafter(pu, 0.0f);
+    per_unit[0] = pu;
+  }
+  return {_mm256_load_ps(from), _mm256_load_ps(lower), _mm256_load_ps(per_unit),
+          _mm256_load_si256(reinterpret_cast<const __m256i*>(start1)),
+          _mm256_load_si256(reinterpret_cast<const __m256i*>(last_k))};
+}
+
+// The codes of x * inv for 8 values, as int32 (signed: the code minus 127... see below).
+template <bool Signed>
+SH_INLINE __m256i encode8(const float* x, const EncodeLanes& t, __m256 inv) {
+  const __m256 xn = _mm256_mul_ps(_mm256_loadu_ps(x), inv);
+  // Unsigned: the second moment is never negative, so xn is its own magnitude.
+  const __m256 ax = Signed ? _mm256_and_ps(xn, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))) : xn;
+  const __m256i h = _mm256_srli_epi32(_mm256_castps_si256(ax), 16);
+  __m256i lane = _mm256_mulhi_epu16(_mm256_subs_epu16(h, _mm256_set1_epi32(kEstBase)), _mm256_set1_epi32(kEstSlope));
+  lane = _mm256_add_epi32(lane, _mm256_castps_si256(_mm256_cmp_ps(ax, _mm256_permutevar8x32_ps(t.from, lane), _CMP_LT_OQ)));
+  const __m256 r = _mm256_floor_ps(_mm256_mul_ps(_mm256_sub_ps(ax, _mm256_permutevar8x32_ps(t.lower, lane)),
+                                                 _mm256_permutevar8x32_ps(t.per_unit, lane)));
+  // j + 1 = start1 + min(k, last_k), both powers of two less one or so by lane (see encode_lanes):
+  // signed start1 = 2^lane, last_k = start1 - 1; unsigned both 2^(lane + 1) - 1. (Lane 7's k is 0.)
+  const __m256i pow2 = _mm256_sllv_epi32(_mm256_set1_epi32(Signed ? 1 : 2), lane);
+  const __m256i last_k = _mm256_sub_epi32(pow2, _mm256_set1_epi32(1)), start1 = Signed ? pow2 : last_k;
+  const __m256i j1 = _mm256_add_epi32(_mm256_min_epi32(_mm256_cvttps_epi32(r), last_k), start1);
+  if (!Signed) return j1;
+  return _mm256_add_epi32(_mm256_set1_epi32(127), _mm256_sign_epi32(j1, _mm256_castps_si256(xn)));
+}
+
+// q[0..32) = the codes of x[0..32) * inv: four encode8s packed with unsigned saturation.
+template <bool Signed>
+SH_INLINE void encode32(const float* x, const EncodeLanes& t, __m256 inv, uint8_t* q) {
+  const __m256i lo = _mm256_packus_epi32(encode8<Signed>(x, t, inv), encode8<Signed>(x + 8, t, inv));
+  const __m256i hi = _mm256_packus_epi32(encode8<Signed>(x + 16, t, inv), encode8<Signed>(x + 24, t, inv));
+  // The packs interleave 128-bit halves: dwords 0..7 hold bytes of x[0:4], x[8:12], x[16:20], x[24:28], x[4:8], ...
+  const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(lo, hi), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), bytes);
+}
+#endif
+
+// The codec's tables for both maps, built once per call.
+struct Codec {
+  const float* map_m;
+  const float* map_v;
+#if defined(__AVX2__) && defined(__FMA__)
+  DecodeLanes decode_m, decode_v;
+  EncodeLanes encode_m, encode_v;
+#endif
+};
+
+// 1 / absmax, or 0 for an absmax of 0, as quant8._quantize_blocks computes it.
+inline float inverse(float absmax) { return absmax > 0.0f ? 1.0f / absmax : 0.0f; }
+
+// Whether the vector codec may quantize x / absmax: it is exact where |x * inverse(absmax)| <= 1
+// + 8 ulp, as it is for a finite absmax with a finite inverse. Otherwise (an absmax of inf or NaN,
+// or so small that 1 / absmax is inf, making NaNs of 0 * inf) the scalar path, which keeps the
+// reference's codes for those.
+inline bool vector_quantizable(float absmax) { return absmax < INFINITY && inverse(absmax) < INFINITY; }
+
+// q[i] = the code of x[i] / absmax: x[i] * inverse(absmax) in fp32, clamped to the map's range (NaN
+// kept), as quant8._quantize_blocks computes it.
+template <bool Signed>
+void quantize(const float* x, int64_t n, float absmax, const Codec& cd, uint8_t* q) {
+  const float* c = Signed ? cd.map_m : cd.map_v;
+  const float inv = inverse(absmax);
   int64_t i = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-  const __m256 vscale = _mm256_set1_ps(scale), first = _mm256_loadu_ps(c + kFirst), step = _mm256_loadu_ps(c + kStep);
-  const __m256i start = _mm256_cvttps_epi32(_mm256_loadu_ps(c + kStart));
-  __m256i from_j[kDecades];
-  for (int e = 1; e < kDecades; ++e) from_j[e] = _mm256_set1_epi32(int(c[kStart + e]) - 1);
-  const __m256i zero_code = _mm256_set1_epi32(Signed ? 127 : 0), one_code = _mm256_set1_epi32(255);
-  const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(int(0x80000000u)));
-  for (; i + 8 <= n; i += 8) {
-    int64_t raw;
-    std::memcpy(&raw, q + i, 8);
-    const __m256i code = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(raw));
-    __m256i j;
-    __m256 neg = _mm256_setzero_ps();
-    if (Signed) {
-      const __m256i below = _mm256_cmpgt_epi32(_mm256_set1_epi32(127), code);
-      j = _mm256_blendv_epi8(_mm256_sub_epi32(code, _mm256_set1_epi32(128)),
-                             _mm256_sub_epi32(_mm256_set1_epi32(126), code), below);
-      neg = _mm256_and_ps(_mm256_castsi256_ps(below), sign);
-    } else {
-      j = _mm256_sub_epi32(code, _mm256_set1_epi32(1));
-    }
-    __m256i d = _mm256_setzero_si256();
-    for (int e = 1; e < kDecades; ++e) d = _mm256_sub_epi32(d, _mm256_cmpgt_epi32(j, from_j[e]));
-    const __m256 k = _mm256_cvtepi32_ps(_mm256_sub_epi32(j, _mm256_permutevar8x32_epi32(start, d)));
-    __m256 v = _mm256_fmadd_ps(k, _mm256_permutevar8x32_ps(step, d), _mm256_permutevar8x32_ps(first, d));
-    v = _mm256_or_ps(v, neg);
-    v = _mm256_blendv_ps(v, _mm256_setzero_ps(), _mm256_castsi256_ps(_mm256_cmpeq_epi32(code, zero_code)));
-    v = _mm256_blendv_ps(v, _mm256_set1_ps(1.0f), _mm256_castsi256_ps(_mm256_cmpeq_epi32(code, one_code)));
-    _mm256_storeu_ps(x + i, _mm256_mul_ps(v, vscale));
+  if (vector_quantizable(absmax)) {
+    const EncodeLanes& t = Signed ? cd.encode_m : cd.encode_v;
+    for (; i + 32 <= n; i += 32) encode32<Signed>(x + i, t, _mm256_set1_ps(inv), q + i);
   }
 #endif
-  for (; i < n; ++i) x[i] = decode<Signed>(q[i], c) * scale;
+  for (; i < n; ++i) q[i] = encode<Signed>(std::min(std::max(x[i] * inv, Signed ? -1.0f : 0.0f), 1.0f), c);
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// adam_moments and adam_param on 8 lanes.
+struct AdamVec {
+  __m256 gmul, decay, w, b2, omb2, eps, neg_step, bc2;
+  explicit AdamVec(const Adam& h)
+      : gmul(_mm256_set1_ps(h.gmul)), decay(_mm256_set1_ps(h.decay)), w(_mm256_set1_ps(h.w)), b2(_mm256_set1_ps(h.b2)),
+        omb2(_mm256_set1_ps(h.omb2)), eps(_mm256_set1_ps(h.eps)), neg_step(_mm256_set1_ps(h.neg_step)),
+        bc2(_mm256_set1_ps(h.bc2)) {}
+};
+SH_INLINE void adam_moments8(const AdamVec& h, __m256 g, __m256& m, __m256& v) {
+  const __m256 gi = _mm256_mul_ps(g, h.gmul);
+  m = _mm256_fmadd_ps(h.w, _mm256_sub_ps(gi, m), m);
+  v = _mm256_fmadd_ps(_mm256_mul_ps(h.omb2, gi), gi, _mm256_mul_ps(v, h.b2));
+}
+SH_INLINE void adam_param8(const AdamVec& h, float* p, const float* m, const float* v) {
+  const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(_mm256_load_ps(v)), h.bc2), h.eps);
+  _mm256_storeu_ps(p, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(p), h.decay),
+                                    _mm256_div_ps(_mm256_mul_ps(h.neg_step, _mm256_load_ps(m)), denom)));
+}
+#endif
+
+// One block (n <= kBlock elements) of one tensor, in two passes over it. The first updates the
+// moments (into m/v, in L1) and finds their new absmax; the second updates the parameters and
+// quantizes the moments, in the same loop: the parameter's sqrt and divisions (long latency,
+// on the divider) overlap the codec's shuffles.
+template <bool GradBf16>
+void step_block(const Adam& h, const Codec& cd, int64_t n, float* p, const void* grad, uint8_t* mq, float* ma,
+                uint8_t* vq, float* va, int out_kind, uint16_t* out) {
+  alignas(32) float m[kBlock], v[kBlock];
+  const uint16_t* g16 = static_cast<const uint16_t*>(grad);
+  const float* g32 = static_cast<const float*>(grad);
+  // The new absmax on the float bits: for magnitudes integer order is float order, and an
+  // integer max vectorizes where a float one (signed zeros, NaN) does not.
+  uint32_t am_bits = 0, av_bits = 0;
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const AdamVec hv(h);
+  {
+    const __m256 m_scale = _mm256_set1_ps(*ma), v_scale = _mm256_set1_ps(*va);
+    const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
+    __m256i am = _mm256_setzero_si256(), av = _mm256_setzero_si256();
+    for (; i + 8 <= n; i += 8) {
+      __m256 mi = decode8<true>(mq + i, cd.decode_m, m_scale), vi = decode8<false>(vq + i, cd.decode_v, v_scale);
+      const __m256 g = GradBf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(
+                                      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g16 + i))), 16))
+                                : _mm256_loadu_ps(g32 + i);
+      adam_moments8(hv, g, mi, vi);
+      _mm256_store_ps(m + i, mi);
+      _mm256_store_ps(v + i, vi);
+      am = _mm256_max_epu32(am, _mm256_and_si256(_mm256_castps_si256(mi), magnitude));
+      av = _mm256_max_epu32(av, _mm256_and_si256(_mm256_castps_si256(vi), magnitude));
+    }
+    alignas(32) uint32_t am_lanes[8], av_lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(am_lanes), am);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(av_lanes), av);
+    for (int l = 0; l < 8; ++l) am_bits = std::max(am_bits, am_lanes[l]), av_bits = std::max(av_bits, av_lanes[l]);
+  }
+#endif
+  for (; i < n; ++i) {
+    m[i] = decode<true>(mq[i], cd.map_m) * *ma;
+    v[i] = decode<false>(vq[i], cd.map_v) * *va;
+    adam_moments(h, GradBf16 ? from_bf16(g16[i]) : g32[i], m[i], v[i]);
+    am_bits = std::max(am_bits, bits(m[i]) & 0x7FFFFFFFu);
+    av_bits = std::max(av_bits, bits(v[i]) & 0x7FFFFFFFu);
+  }
+  const float new_am = from_bits(am_bits), new_av = from_bits(av_bits);
+  *ma = new_am;
+  *va = new_av;
+  i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (vector_quantizable(new_am) && vector_quantizable(new_av)) {
+    const __m256 inv_m = _mm256_set1_ps(inverse(new_am)), inv_v = _mm256_set1_ps(inverse(new_av));
+    for (; i + 32 <= n; i += 32) {
+      for (int j = 0; j < 32; j += 8) adam_param8(hv, p + i + j, m + i + j, v + i + j);
+      encode32<true>(m + i, cd.encode_m, inv_m, mq + i);
+      encode32<false>(v + i, cd.encode_v, inv_v, vq + i);
+    }
+  }
+  for (int64_t j = i; j + 8 <= n; j += 8) adam_param8(hv, p + j, m + j, v + j);
+  for (int64_t j = i + (n - i) / 8 * 8; j < n; ++j) p[j] = adam_param(h, p[j], m[j], v[j]);
+#else
+  for (int64_t j = 0; j < n; ++j) p[j] = adam_param(h, p[j], m[j], v[j]);
+#endif
+  quantize<true>(m + i, n - i, new_am, cd, mq + i);
+  quantize<false>(v + i, n - i, new_av, cd, vq + i);
+  if (out_kind == 1) for (i = 0; i < n; ++i) out[i] = to_bf16(p[i]);
+  if (out_kind == 2) for (i = 0; i < n; ++i) out[i] = to_fp16(p[i]);
 }
 }  // namespace
 
-extern "C" int sh_adamw8_abi() { return 4; }
+extern "C" int sh_adamw8_abi() { return 5; }
 
 // table: int64 [nt, 10] = numel, then the addresses of param and grad (fp32 [numel]), the
 // first moment's codes (uint8 [numel]) and absmax (fp32 [blocks]), the second's, out
 // (bf16/fp16 [numel] or 0), step (fp32 0-d), and the flags: the out kind (0/1/2), plus 16
-// when the gradient is bf16 (widened exactly, block by block). map_m, map_v: the
-// signed and the unsigned map's constants (quant8.map_constants, fp32 [64]).
+// when the gradient is bf16 (widened exactly). map_m, map_v: the signed and the unsigned
+// map's constants (quant8.map_constants, fp32 [64]).
 extern "C" void sh_adamw8_step(int64_t nt, const int64_t* table, double lr, double beta1, double beta2,
                                double weight_decay, double eps, double grad_mul, const float* map_m,
                                const float* map_v, int32_t nthreads) {
@@ -359,9 +556,15 @@ extern "C" void sh_adamw8_step(int64_t nt, const int64_t* table, double lr, doub
     bc2[t] = float(std::sqrt(1.0 - std::pow(beta2, double(*step))));
     first[t + 1] = first[t] + (e[0] + kBlock - 1) / kBlock;
   }
+#if defined(__AVX2__) && defined(__FMA__)
+  const Codec codec{map_m, map_v, decode_lanes<true>(map_m), decode_lanes<false>(map_v), encode_lanes<true>(map_m),
+                    encode_lanes<false>(map_v)};
+#else
+  const Codec codec{map_m, map_v};
+#endif
   // Multiplying by 1.0f is exact, so the loop multiplies unconditionally and stays branch-free.
-  const float gmul = float(grad_mul), decay = float(1.0 - lr * weight_decay), w = float(1.0 - beta1);
-  const float b2 = float(beta2), omb2 = float(1.0 - beta2), feps = float(eps);
+  const Adam hyper{float(grad_mul), float(1.0 - lr * weight_decay), float(1.0 - beta1), float(beta2),
+                   float(1.0 - beta2), float(eps), 0.0f, 0.0f};
   const int64_t blocks = first[nt];
   const int threads = blocks >= 64 ? std::max(1, int(nthreads)) : 1;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
@@ -369,45 +572,20 @@ extern "C" void sh_adamw8_step(int64_t nt, const int64_t* table, double lr, doub
     const int64_t t = int64_t(std::upper_bound(first.begin(), first.end(), blk) - first.begin()) - 1;
     const int64_t* e = table + 10 * t;
     const int64_t b = blk - first[t], lo = b * kBlock, n = std::min(kBlock, e[0] - lo);
+    Adam h = hyper;
+    h.neg_step = neg_step[t];
+    h.bc2 = bc2[t];
     float* p = reinterpret_cast<float*>(e[1]) + lo;
-    const float* g = reinterpret_cast<const float*>(e[2]) + lo;
-    float g_wide[kBlock];
-    if (e[9] & 16) {
-      widen_bf16(reinterpret_cast<const uint16_t*>(e[2]) + lo, n, g_wide);
-      g = g_wide;
-    }
     uint8_t* mq = reinterpret_cast<uint8_t*>(e[3]) + lo;
     float* ma = reinterpret_cast<float*>(e[4]) + b;
     uint8_t* vq = reinterpret_cast<uint8_t*>(e[5]) + lo;
     float* va = reinterpret_cast<float*>(e[6]) + b;
     const int kind = int(e[9]) & 3;
     uint16_t* out = kind ? reinterpret_cast<uint16_t*>(e[7]) + lo : nullptr;
-    const float ns = neg_step[t], bc = bc2[t];
-    float m[kBlock], v[kBlock];
-    dequantize<true>(mq, n, *ma, map_m, m);
-    dequantize<false>(vq, n, *va, map_v, v);
-    for (int64_t i = 0; i < n; ++i) {  // AdamW in fp32, the fp32 kernel's order; vectorizes
-      const float gi = g[i] * gmul, m0 = m[i];
-      const float mi = std::fma(w, gi - m0, m0);
-      const float vi = std::fma(omb2 * gi, gi, v[i] * b2);
-      p[i] = p[i] * decay + ns * mi / (std::sqrt(vi) / bc + feps);
-      m[i] = mi;
-      v[i] = vi;
-    }
-    if (kind == 1) for (int64_t i = 0; i < n; ++i) out[i] = to_bf16(p[i]);
-    if (kind == 2) for (int64_t i = 0; i < n; ++i) out[i] = to_fp16(p[i]);
-    // The new absmax on the float bits: for magnitudes integer order is float order, and an
-    // integer max vectorizes where a float one (signed zeros, NaN) does not.
-    uint32_t am_bits = 0, av_bits = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      am_bits = std::max(am_bits, bits(m[i]) & 0x7FFFFFFFu);
-      av_bits = std::max(av_bits, bits(v[i]) & 0x7FFFFFFFu);
-    }
-    const float new_am = from_bits(am_bits), new_av = from_bits(av_bits);
-    quantize<true>(m, n, new_am > 0.0f ? 1.0f / new_am : 0.0f, map_m, mq);
-    quantize<false>(v, n, new_av > 0.0f ? 1.0f / new_av : 0.0f, map_v, vq);
-    *ma = new_am;
-    *va = new_av;
+    if (e[9] & 16)
+      step_block<true>(h, codec, n, p, reinterpret_cast<const uint16_t*>(e[2]) + lo, mq, ma, vq, va, kind, out);
+    else
+      step_block<false>(h, codec, n, p, reinterpret_cast<const float*>(e[2]) + lo, mq, ma, vq, va, kind, out);
   }
 }
 """
@@ -416,7 +594,7 @@ _NATIVE = NativeLibrary(
     "cpu_adam8",
     "#include <algorithm>\n#include <cmath>\n#include <cstdint>\n#include <cstring>\n#include <omp.h>\n#include <vector>\n"
     "#if defined(__AVX2__)\n#include <immintrin.h>\n#endif\nnamespace {\n" + ROUNDING_HELPERS + _SOURCE_TAIL,
-    abi=("sh_adamw8_abi", 4),
+    abi=("sh_adamw8_abi", 5),
     signatures={"sh_adamw8_step": [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_double] * 6 + [ctypes.c_void_p] * 2
                 + [ctypes.c_int32]})
 
