@@ -138,6 +138,44 @@ def _run_copies(jobs: queue.SimpleQueue, delay_s: float) -> None:
 FETCH_STAGING_BUFFERS = 2
 
 
+class PendingFetch:
+    """A fetch whose conversion runs on the conversion thread: ``issued()`` blocks until the
+    thread has started the copies and returns the last copy's event (or raises its error)."""
+
+    __slots__ = ("_issued", "event", "error")
+
+    def __init__(self) -> None:
+        self._issued = threading.Event()
+        self.event = None
+        self.error: BaseException | None = None
+
+    def issued(self):
+        self._issued.wait()
+        if self.error is not None:
+            raise RuntimeError(f"stronghold: converting a fetch failed: {self.error!r}") from self.error
+        return self.event
+
+    def query(self) -> bool:
+        return self._issued.is_set() and self.error is None and self.event.query()
+
+    def synchronize(self) -> None:
+        self.issued().synchronize()
+
+
+def _run_conversions(jobs: queue.SimpleQueue) -> None:
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        fn, pending = job
+        try:
+            pending.event = fn()
+        except BaseException as err:  # surfaced where the fetch is waited for
+            pending.error = err
+        pending._issued.set()
+        del fn, pending, job
+
+
 class FetchStaging:
     """Fetches without a host image (``host_image=False``): a ring of pinned staging buffers
     that the fp32 masters are converted into, in the compute dtype, right before the copy.
@@ -147,9 +185,16 @@ class FetchStaging:
     Llama-3-8B's 1 GiB untied head does not set the ring's size. Before a buffer is refilled the
     host waits for the copy that last read it, so the ring bounds the host memory however far
     the window prefetches (a fetch past the ring waits for an older one to land). Copies run in
-    order on one stream, so the last piece's event says the whole unit landed. On a CPU
-    device the conversion writes the destination directly and no buffer is allocated: the
-    "device" is host memory already. Buffers are allocated at the first fetch.
+    order on one stream, so the last piece's event says the whole unit landed.
+
+    The conversion runs on a thread of its own, not the training thread: a fetch is issued in
+    the middle of the forward, and converting a block there would hold back the kernels the
+    device is waiting for. The fetch returns a `PendingFetch` at once; waiting for it (when the
+    unit is needed) first waits for the thread to have issued the copies. Conversions run in
+    fetch order, and the copy of each waits for the compute queued when the fetch was issued
+    ([Note: allocation stream]), recorded on the training thread. On a CPU device the
+    conversion writes the destination directly, on the training thread, and no buffer is
+    allocated: the "device" is host memory already. Buffers are allocated at the first fetch.
     """
 
     def __init__(self, transfer: "TransferContext", allocate, buffer_bytes: int,
@@ -161,17 +206,34 @@ class FetchStaging:
         self._buffers: list[torch.Tensor] = []
         self._events: list = []
         self._next = 0
+        self._jobs: queue.SimpleQueue | None = None
+        self._thread: threading.Thread | None = None
 
     def copy_converted(self, dst: torch.Tensor, master: torch.Tensor, dtype: torch.dtype, *, fetch: bool):
         """Starts filling device ``dst`` (uint8) with ``master`` (fp32) converted to ``dtype``;
-        returns the copy's event."""
-        nbytes = master.numel() * dtype.itemsize
-        t0 = time.perf_counter()
+        returns the copy's event (a `PendingFetch` while the conversion thread has not issued it)."""
         if self.transfer.mode == "sync":
+            t0 = time.perf_counter()
+            nbytes = master.numel() * dtype.itemsize
             dst[:nbytes].view(dtype).copy_(master)
             self.transfer.stats.add("convert_s", time.perf_counter() - t0)
             self.transfer.book_h2d(nbytes, fetch=fetch)
             return _DONE
+        after = self.transfer.compute_event()
+        pending = PendingFetch()
+        if self._thread is None:
+            self._jobs = queue.SimpleQueue()
+            # The thread holds only its queue: an engine dropped without close() still stops it.
+            self._thread = threading.Thread(target=_run_conversions, args=(self._jobs,),
+                                            name="stronghold-fetch-convert", daemon=True)
+            self._thread.start()
+            weakref.finalize(self, self._jobs.put, None)
+        self._jobs.put((lambda: self._convert(dst, master, dtype, fetch, after), pending))
+        return pending
+
+    def _convert(self, dst: torch.Tensor, master: torch.Tensor, dtype: torch.dtype, fetch: bool, after):
+        """Conversion thread: the ring, piece by piece; returns the last copy's event."""
+        t0 = time.perf_counter()
         if not self._buffers:
             self._buffers = [self._allocate(self.buffer_bytes, transfer=True) for _ in range(self.num_buffers)]
             self._events = [_DONE] * self.num_buffers
@@ -187,9 +249,16 @@ class FetchStaging:
             first = start * dtype.itemsize
             # One fetch in the ledger, however many pieces.
             event = self._events[k] = self.transfer.copy_h2d(dst[first: first + staged.numel()], staged,
-                                                             fetch=fetch and start == 0)
+                                                             fetch=fetch and start == 0, after=after)
         self.transfer.stats.add("convert_s", time.perf_counter() - t0)
         return event
+
+    def close(self) -> None:
+        """Finishes the queued conversions and stops the thread (restarted by the next fetch)."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = self._jobs = None
 
     @property
     def allocated_bytes(self) -> int:
@@ -205,6 +274,7 @@ class TransferContext:
         self.stats = stats
         self.mode: TransferMode
         self._timed: list[tuple[str, object, object]] = []  # CUDA: (counter, start event, end event)
+        self._timed_lock = threading.RLock()  # collect_timings runs inside an append past 512
         if device.type == "cuda":
             self.mode = "cuda"
             self.h2d_stream = torch.cuda.Stream(device=device)
@@ -235,8 +305,11 @@ class TransferContext:
         return ev
 
     # ------------------------------------------------------------------ host -> device
-    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, *, fetch: bool):
-        """Starts copying host ``src`` into device ``dst``; returns the event that says it landed."""
+    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, *, fetch: bool, after=None):
+        """Starts copying host ``src`` into device ``dst``; returns the event that says it landed.
+        ``after``: the compute event the copy waits for, when the caller recorded it on the
+        training thread earlier (a copy issued by another thread); by default the compute queued
+        now."""
         self.ledger.count_h2d(src.numel() * src.element_size(), fetch=fetch)
         self.stats.add("h2d_bytes", src.numel() * src.element_size())
         if self.mode == "sync":
@@ -246,20 +319,23 @@ class TransferContext:
             return _DONE
         if self.mode == "delayed":
             return self._h2d_thread.submit(dst, src)
-        after = self.compute_event()  # see [Note: allocation stream]
+        after = self.compute_event() if after is None else after  # see [Note: allocation stream]
         start, event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.h2d_stream):
             self.h2d_stream.wait_event(after)
             start.record(self.h2d_stream)
             dst.copy_(src, non_blocking=True)
             event.record(self.h2d_stream)
-        self._timed.append(("h2d_s", start, event))
+        with self._timed_lock:  # the conversion thread issues copies too
+            self._timed.append(("h2d_s", start, event))
         if len(self._timed) > 512:  # forward-only loops (eval, generate) never reach a backward's end
             self.collect_timings()
         return event
 
     def device_wait(self, event) -> None:
         """Orders compute after ``event``: the compute stream waits (CUDA) or the host does."""
+        if isinstance(event, PendingFetch):
+            event = event.issued()  # a stream cannot wait for an event not yet recorded
         if self.mode == "cuda":
             torch.cuda.current_stream(self.device).wait_event(event)
         else:
@@ -295,7 +371,8 @@ class TransferContext:
             start.record(self.d2h_stream)
             dst.copy_(src, non_blocking=True)
             event.record(self.d2h_stream)
-        self._timed.append(("d2h_s", start, event))
+        with self._timed_lock:
+            self._timed.append(("d2h_s", start, event))
         if len(self._timed) > 512:
             self.collect_timings()
         return event
@@ -306,15 +383,14 @@ class TransferContext:
         Copy times come from events on the copy streams, not from the host clock (the host
         returns from a non-blocking copy at once). Only completed pairs are read, so this never
         waits; it runs at the end of each backward and when the counters are read."""
-        if not self._timed:
-            return
-        pending = []
-        for counter, start, end in self._timed:
-            if end.query():
-                self.stats.add(counter, start.elapsed_time(end) / 1e3)
-            else:
-                pending.append((counter, start, end))
-        self._timed = pending
+        with self._timed_lock:
+            pending = []
+            for counter, start, end in self._timed:
+                if end.query():
+                    self.stats.add(counter, start.elapsed_time(end) / 1e3)
+                else:
+                    pending.append((counter, start, end))
+            self._timed = pending
 
     def book_h2d(self, nbytes: int, *, fetch: bool) -> None:
         """The ``"sync"`` mode's zero-copy fetch (unit.py, [Note: aliasing the host on a CPU
@@ -333,6 +409,8 @@ class TransferContext:
 
     def host_wait(self, event) -> None:
         """Blocks the host until ``event`` completed; afterwards the copy's bytes may be read."""
+        if isinstance(event, PendingFetch):
+            event = event.issued()
         if not event.query():
             self._block_on(event)
         elif isinstance(event, _HostEvent):

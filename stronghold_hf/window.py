@@ -549,6 +549,8 @@ class WindowEngine:
         _stop_reporting_compute_device(self._device_reporting)
         if target != self.device:
             self._move_resident_parts(self.model, target)
+        if self.fetch_staging is not None:
+            self.fetch_staging.close()
         self.transfer.close()
         self.host.release_all()
         if getattr(self.model, _ENGINE_ATTR, None) is self:

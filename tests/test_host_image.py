@@ -177,3 +177,27 @@ def test_dropping_the_image_saves_two_bytes_per_parameter_of_peak_rss():
                                            "bf16 block params")
     assert body > 37e6
     assert per_param >= 0.7 * 2
+
+
+def test_the_conversion_runs_off_the_training_thread(monkeypatch):
+    """A fetch without the image returns at once; the fp32 -> bf16 conversion runs on the
+    conversion thread (on a GPU it would otherwise hold back the forward's kernels)."""
+    import threading
+
+    from stronghold_hf import transfer
+
+    threads = []
+    convert = transfer.FetchStaging._convert
+
+    def recording(self, *args):
+        threads.append(threading.current_thread().name)
+        return convert(self, *args)
+
+    monkeypatch.setattr(transfer.FetchStaging, "_convert", recording)
+    ref = tiny_model("llama", num_hidden_layers=4)
+    kept = _train(copy.deepcopy(ref), "llama", window_size=2, host_image=True)
+    with simulated_device(copy_delay_s=0.002):
+        dropped = _train(copy.deepcopy(ref), "llama", window_size=2, host_image=False)
+    _assert_identical(kept, dropped)
+    assert threads and set(threads) == {"stronghold-fetch-convert"}
+    assert dropped[2]["fetches"] == kept[2]["fetches"]
