@@ -326,17 +326,19 @@ SH_INLINE __m256 decode8(const uint8_t* q, const DecodeLanes& t, __m256 scale) {
   return _mm256_mul_ps(mag, _mm256_mul_ps(sign, scale));
 }
 
-// Encoding: one lane per class of |xn|: lane 0 is 0 and decade 0 (a code below the zero
-// threshold is decade 0's k = -1), lanes 1..6 decades 1..6, lane 7 the one code (signed
-// negative: -1, which the unsigned-saturating pack turns into code 0, as clamping does). The
-// lane is estimated from the float's exponent and top mantissa bits (an approximate log10, off
-// by at most one lane upwards: each estimated boundary lies within a class, between its
-// threshold and the next), then corrected by one compare with the lane's threshold.
-struct EncodeLanes { __m256 from, lower, per_unit; __m256i start1, last_k; };
+// Encoding: one lane per class of |xn|: lane 0 is 0 and decade 0 (a value below the zero
+// threshold is decade 0's k = -1, so code 127 / 0), lanes 1..6 decades 1..6, lane 7 the one code
+// (signed negative: -1, which the unsigned-saturating pack turns into code 0, as clamping does).
+// The lane is estimated from the float's exponent and top mantissa bits, then corrected by one
+// compare with the lane's threshold (`from`); the interval is floor((|xn| - lower) * per_unit) as
+// in encode, clamped to the lane's last. The exhaustive check: every float in [-1 - 8 ulp,
+// 1 + 8 ulp] encodes as encode does.
+struct EncodeLanes { __m256 from, lower, per_unit; };
 
-// log10-ish lane estimate from h = float bits >> 16: (h - kEstBase) * kEstSlope >> 16, saturated
-// at 0. One lane per decade (kEstSlope = 65536 / (128 * log2(10))); boundaries 10^-0.36 below the
-// decade edges, well inside every class's interval (see encode_lanes).
+// The lane estimate from h = float bits >> 16 (an approximate log2 in 1/128ths):
+// (h - kEstBase) * kEstSlope >> 16, saturated at 0, is one lane per decade (kEstSlope = 65536 /
+// (128 log2(10))) with its boundaries 10^-0.36 below the decades' edges. Every class's
+// threshold lies 0 to 0.28 decades above its edge, so the estimate is the lane or one above.
 constexpr int kEstBase = 13126, kEstSlope = 154;
 
 // The smallest float x in [lo, hi] with floor((x - lower) * per_unit) >= 1 (monotone in x).
@@ -352,15 +354,12 @@ inline float first_at_one(float lower, float per_unit, float lo, float hi) {
 template <bool Signed>
 EncodeLanes encode_lanes(const float* c) {
   alignas(32) float from[8], lower[8], per_unit[8];
-  alignas(32) int32_t start1[8], last_k[8];
   for (int d = 0; d < kDecades; ++d) {
     from[d] = d ? c[kFrom + d] : 0.0f;
     lower[d] = c[kLower + d];
     per_unit[d] = c[kPerUnit + d];
-    start1[d] = int32_t(c[kStart + d]) + 1;  // j + 1: the code's distance from 127 (signed) or 0
-    last_k[d] = int32_t(c[kLastK + d]);
   }
-  from[7] = c[kOne], lower[7] = 0.0f, per_unit[7] = 0.0f, start1[7] = Signed ? 128 : 255, last_k[7] = 0;
+  from[7] = c[kOne], lower[7] = 0.0f, per_unit[7] = 0.0f;  // k = 0
   // Lane 0 from the zero threshold: k = -1 below it (exact: x - zero < 0 there), and decade 0's
   // intervals above. Signed, decade 0 is one interval (any scale up to 1 / zero keeps k in
   // [-1, 0]); unsigned, two, and per_unit is the float that puts k = 1 at decade 0's own split.
@@ -375,12 +374,10 @@ EncodeLanes encode_lanes(const float* c) {
     while (std::floor((std::nextafter(split, 0.0f) - zero) * pu) >= 1.0f) pu = std::nextafter(pu, 0.0f);
     per_unit[0] = pu;
   }
-  return {_mm256_load_ps(from), _mm256_load_ps(lower), _mm256_load_ps(per_unit),
-          _mm256_load_si256(reinterpret_cast<const __m256i*>(start1)),
-          _mm256_load_si256(reinterpret_cast<const __m256i*>(last_k))};
+  return {_mm256_load_ps(from), _mm256_load_ps(lower), _mm256_load_ps(per_unit)};
 }
 
-// The codes of x * inv for 8 values, as int32 (signed: the code minus 127... see below).
+// The codes of x[0..8) * inv, as int32 (signed: 127 + (j + 1) with the sign of x, which may be -1).
 template <bool Signed>
 SH_INLINE __m256i encode8(const float* x, const EncodeLanes& t, __m256 inv) {
   const __m256 xn = _mm256_mul_ps(_mm256_loadu_ps(x), inv);
@@ -391,8 +388,9 @@ SH_INLINE __m256i encode8(const float* x, const EncodeLanes& t, __m256 inv) {
   lane = _mm256_add_epi32(lane, _mm256_castps_si256(_mm256_cmp_ps(ax, _mm256_permutevar8x32_ps(t.from, lane), _CMP_LT_OQ)));
   const __m256 r = _mm256_floor_ps(_mm256_mul_ps(_mm256_sub_ps(ax, _mm256_permutevar8x32_ps(t.lower, lane)),
                                                  _mm256_permutevar8x32_ps(t.per_unit, lane)));
-  // j + 1 = start1 + min(k, last_k), both powers of two less one or so by lane (see encode_lanes):
-  // signed start1 = 2^lane, last_k = start1 - 1; unsigned both 2^(lane + 1) - 1. (Lane 7's k is 0.)
+  // j + 1 = start1 + min(k, last_k), from the lane by a shift rather than two more permutes:
+  // signed start1 = 2^lane, last_k = 2^lane - 1; unsigned both 2^(lane + 1) - 1 (lane 0
+  // included, as merged with the zero code). Lane 7's k is 0, its last_k unused.
   const __m256i pow2 = _mm256_sllv_epi32(_mm256_set1_epi32(Signed ? 1 : 2), lane);
   const __m256i last_k = _mm256_sub_epi32(pow2, _mm256_set1_epi32(1)), start1 = Signed ? pow2 : last_k;
   const __m256i j1 = _mm256_add_epi32(_mm256_min_epi32(_mm256_cvttps_epi32(r), last_k), start1);
