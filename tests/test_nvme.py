@@ -81,6 +81,39 @@ def test_moments_on_disk_train_bit_identically(family, overrides, config, tmp_pa
     assert os.listdir(tmp_path) == []  # close() removed the engine's directory
 
 
+def test_an_fp16_overflow_skips_the_step_on_disk_too(tmp_path):
+    """Clean step, a step whose gradient overflows (skipped: no unit's state is read or
+    written), clean step: the same weights and state as the RAM tier's."""
+    def run(**config):
+        model = tiny_model("gpt2")
+        engine = offload_model(model, StrongholdConfig(window_size=1, **config), device="cpu")
+        opt = engine.build_optimizer(lr=1e-2, fp16_loss_scaling=True)
+        written = []
+        for step in range(3):
+            engine.scale_loss(model(**batch("gpt2", seed=step)).loss).backward()
+            if step == 1:
+                engine.blocks[1].params[0].grad.view(-1)[0] = float("inf")
+            engine.clip_grad_norm_(1.0)
+            opt.step()
+            engine.synchronize()
+            assert opt.last_step_skipped == (step == 1)
+            written.append(engine.memory_stats()["nvme_written_bytes"])
+            opt.zero_grad()
+        state = ({k: v.clone() for k, v in engine.full_state_dict().items()}, opt.state_dict()["cpu"]["state"])
+        if config:
+            opt.nvme.wait_for_writes()
+            assert written[1] == written[0] < written[2]  # the skipped step wrote nothing
+        engine.close()
+        return state
+
+    ram, disk = run(), run(nvme_path=str(tmp_path))
+    for k, v in ram[0].items():
+        assert torch.equal(disk[0][k], v), k
+    for i, st in ram[1].items():
+        for key, value in st.items():
+            assert torch.equal(disk[1][i][key], value), (i, key)
+
+
 def test_the_ring_is_bounded_and_replaces_the_state_in_the_ledger(tmp_path):
     ref = tiny_model("llama", num_hidden_layers=6, intermediate_size=128)
     ram = _train(copy.deepcopy(ref), "llama")[2]
