@@ -487,8 +487,9 @@ class CPUAdam(torch.optim.Optimizer):
             # its last step reuses that step's address tables: the engine steps each block with
             # the same gradient buffers every step, and rebuilding a table is all Python (tens
             # of microseconds per parameter, the whole update of a small block). State tensors
-            # and copy-out targets only change through load_state_dict / register_copy_out,
-            # which clear the cache.
+            # and copy-out targets only change through load_state_dict / register_copy_out /
+            # state_moved (the NVMe tier rebinds a unit's moments for each update), which clear
+            # the cache.
             key = tuple(map(id, (p.grad for p in group["params"])))
             cached = self._tables.get(gi)
             if cached is not None and cached[0] == key and cached[1] is group["params"]:
