@@ -195,7 +195,17 @@ class StrongholdConfig:
     written back behind each update; training is bit-identical to keeping them in RAM. The
     engine makes (and removes) its own subdirectory; the file is scratch, never a checkpoint.
     Needs the engine's CPU Adam (``offload_optimizer=True``). ``None``: moments in RAM. The
-    fp32 masters stay in RAM."""
+    fp32 masters stay in RAM unless ``nvme_masters``."""
+
+    nvme_masters: bool = False
+    """With ``nvme_path``: the fp32 masters of the offloaded units live on disk too (4 B/param
+    more off the host, 12 in all exact), in a second file there, from ``offload_model`` on. A
+    unit's update reads its masters with its moments through the same ring; a fetch reads them
+    and converts them on the way to the device (no compute-dtype image is kept: the host holds
+    the gradients, the rings and the frozen weights). Between steps a parameter reads its value
+    from a copy-on-write map of the file, and a write to it reaches the file before the next
+    fetch. Meant for models whose masters do not fit in RAM (Llama-3-70B on 256 GB): every fetch
+    then reads the disk."""
 
     nvme_ring_buffers: int = 3
     """Host buffers between the NVMe tier and CPU Adam, each the size of the largest unit's
@@ -295,6 +305,14 @@ class StrongholdConfig:
             if not self.offload_optimizer:
                 raise ValueError("StrongholdConfig.nvme_path needs offload_optimizer=True: the NVMe tier holds the "
                                  "state of the engine's CPU Adam.")
+        if not isinstance(self.nvme_masters, bool):
+            raise ValueError(f"StrongholdConfig.nvme_masters={self.nvme_masters!r}; use True or False.")
+        if self.nvme_masters and self.nvme_path is None:
+            raise ValueError("StrongholdConfig.nvme_masters=True needs nvme_path: a directory on a fast local disk "
+                             "to hold the masters.")
+        if self.nvme_masters and self.host_image is True:
+            raise ValueError("StrongholdConfig.nvme_masters=True keeps no compute-dtype image in RAM (fetches read the "
+                             "masters from disk); leave host_image at \"auto\" or set it to False.")
         for name, least in (("nvme_ring_buffers", 2), ("nvme_io_threads", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:

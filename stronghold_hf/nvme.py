@@ -20,8 +20,15 @@ States of a ring buffer, and the only transitions::
     READY --drop/steal--> FREE   (a unit expected but not updated, or one a late acquire needs)
 
 Between updates a parameter's moments in ``optimizer.state`` are empty tensors of the right
-dtype (the bytes are on disk); ``optimizer.state_dict()`` maps them read-only from the file
+dtype (the bytes are on disk); ``optimizer.state_dict()`` maps them copy-on-write from the file
 (`NvmeTier.materialized`), so a checkpoint is written without holding the state in RAM.
+
+With ``nvme_masters=True`` the fp32 masters go to disk too (`DiskMasters`, a second file made
+by ``offload_model``): a unit's region then starts with its masters, read into the same ring
+buffer and written back with the moments, and the masters' ``.data`` point into the buffer for
+the update only. Fetches read the masters themselves (`DiskMasters.read`), after waiting for
+the unit's write-back (`NvmeTier.settle`); writes from outside the step go through the ring
+(`NvmeTier.write_masters`) so no read-ahead holds stale masters.
 
 I/O: `os.preadv` / `os.pwritev` (they release the GIL) on a small thread pool, in chunks
 of `IO_CHUNK`, at page-aligned offsets into page-aligned buffers, with ``O_DIRECT`` where
@@ -51,7 +58,6 @@ import socket
 import threading
 import time
 import uuid
-import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -71,10 +77,18 @@ IO_CHUNK = 8 << 20
 SWAP_PREFIX = "stronghold-"
 _LOCK_NAME = "lock"
 _FILE_NAME = "adam_state.bin"
+_MASTERS_NAME = "masters.bin"
 
 
 def _page_up(n: int) -> int:
     return -(-n // PAGE) * PAGE
+
+
+def master_placeholder(shape) -> Tensor:
+    """What a master on disk holds between updates: ``shape``, every element one NaN (stride 0),
+    no memory of its own."""
+    shape = tuple(shape)
+    return torch.full((1,) * len(shape), float("nan")).expand(shape)
 
 
 def _format_bytes(n: int) -> str:
@@ -96,14 +110,32 @@ class StatePiece:
 
 
 @dataclass(frozen=True, slots=True)
+class MasterPiece:
+    """One fp32 master (``nvme_masters``): elements ``[at, at + numel)`` of its unit's flat masters."""
+
+    param: Tensor
+    at: int
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Region:
-    """One unit's moments in the file: ``[start, start + nbytes)``, page-aligned."""
+    """One unit's state: its moments in the state file, ``[start, start + nbytes)``, and with
+    ``nvme_masters`` its masters in the masters file, ``[master_start, master_start + head)``.
+    A ring buffer holds the masters first (``head`` bytes, page-aligned), then the moments."""
 
     unit: int
     fqn: str
     start: int
     nbytes: int
     pieces: tuple[StatePiece, ...]
+    head: int = 0
+    master_start: int = 0
+    masters: tuple[MasterPiece, ...] = ()
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self.head + self.nbytes
 
 
 def moment_tensors(param: Tensor, eight_bit: bool) -> list[tuple[str, torch.dtype, tuple[int, ...], int]]:
@@ -119,9 +151,11 @@ def moment_tensors(param: Tensor, eight_bit: bool) -> list[tuple[str, torch.dtyp
     return out
 
 
-def lay_out_regions(units: list[tuple[int, str, list[Tensor]]], eight_bit) -> list[Region]:
+def lay_out_regions(units: list[tuple[int, str, list[Tensor]]], eight_bit, masters: "DiskMasters | None" = None,
+                    master_pieces: dict[int, list[MasterPiece]] | None = None) -> list[Region]:
     """Regions for ``(unit index, fqn, masters)`` in that order; ``eight_bit(param)`` says
-    which moments a parameter has."""
+    which moments a parameter has. With ``masters`` (``nvme_masters``), a unit whose masters
+    are on disk also reads and writes them (``master_pieces[unit]``: where each one lies)."""
     regions, start = [], 0
     for index, fqn, params in units:
         pieces, offset = [], 0
@@ -130,8 +164,13 @@ def lay_out_regions(units: list[tuple[int, str, list[Tensor]]], eight_bit) -> li
                 nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
                 pieces.append(StatePiece(p, key, dtype, shape, offset, nbytes, fill))
                 offset += _page_up(nbytes)
-        if pieces:
-            regions.append(Region(index, fqn, start, offset, tuple(pieces)))
+        head, master_start = 0, 0
+        if masters is not None and index in masters.extents:
+            master_start, master_bytes = masters.extents[index]
+            head = _page_up(master_bytes)
+        if pieces or head:
+            regions.append(Region(index, fqn, start, offset, tuple(pieces), head, master_start,
+                                  tuple((master_pieces or {}).get(index, ()))))
             start += offset
     return regions
 
@@ -234,9 +273,10 @@ def _close_fd(fd: int) -> None:
 class StateFile:
     """One preallocated file read and written in page-aligned chunks on an I/O thread pool."""
 
-    def __init__(self, path: str, nbytes: int, *, io_threads: int) -> None:
+    def __init__(self, path: str, nbytes: int, *, io_threads: int, holds: str = "the Adam state") -> None:
         self.path = path
         self.nbytes = nbytes
+        self.holds = holds
         free = shutil.disk_usage(os.path.dirname(path)).free
         if nbytes > free:
             raise ValueError(self._full_message(free))
@@ -259,11 +299,11 @@ class StateFile:
             self.fd = os.open(path, os.O_RDWR)
             self._finalizer = weakref.finalize(self, _close_fd, self.fd)
         self.pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="stronghold-nvme")
-        logger.info("stronghold: NVMe tier: %s of Adam state in %s (%s)", _format_bytes(nbytes), path,
+        logger.info("stronghold: NVMe tier: %s (%s) in %s (%s)", self.holds, _format_bytes(nbytes), path,
                     "O_DIRECT" if self.direct else "buffered I/O, pages dropped after use")
 
     def _full_message(self, free: int) -> str:
-        return (f"StrongholdConfig.nvme_path: the Adam state needs {_format_bytes(self.nbytes)} "
+        return (f"StrongholdConfig.nvme_path: {self.holds} needs {_format_bytes(self.nbytes)} "
                 f"({self.nbytes} bytes) in {os.path.dirname(os.path.dirname(self.path))}, which has "
                 f"{_format_bytes(free)} free. Free space there or point nvme_path at a larger disk.")
 
@@ -314,6 +354,23 @@ class StateFile:
             # are dropped by the next call over them).
             os.posix_fadvise(self.fd, offset, n, os.POSIX_FADV_DONTNEED)
 
+    def run(self, write: bool, buf: Tensor, offset: int) -> None:
+        """`submit`, then waits; an I/O error is raised naming the file."""
+        futures = self.submit(write, buf, offset)
+        errors = [f.exception() for f in futures]
+        err = next((e for e in errors if e is not None), None)
+        if err is not None:
+            raise RuntimeError(f"stronghold: NVMe tier I/O on {self.path} failed: {err!r}") from err
+
+    def map(self, offset: int, nbytes: int) -> Tensor:
+        """uint8 ``[nbytes]`` mapping ``[offset, offset + nbytes)`` copy-on-write: reads see the
+        file, writes stay private (never reach the file) and never fault on a read-only page."""
+        import numpy as np
+
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.from_numpy(np.memmap(self.path, dtype=np.uint8, mode="c", offset=offset, shape=(nbytes,)))
+
     def close(self) -> None:
         self.pool.shutdown(wait=True)
         self._finalizer()
@@ -323,6 +380,123 @@ def _aligned_empty(nbytes: int) -> Tensor:
     raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
     start = (-raw.data_ptr()) % PAGE
     return raw[start: start + nbytes]
+
+
+# ---------------------------------------------------------------------------- masters on disk
+class DiskMasters:
+    """The fp32 masters of the offloaded units on disk (``nvme_masters=True``), from
+    ``offload_model`` on: one page-aligned extent per unit holding what ``Unit.master_flat``
+    would hold in RAM (this rank's flat shard, fp32 ``[S]``).
+
+    Three kinds of access, and who makes them:
+
+    * a unit's update reads and writes its extent through the NVMe tier's ring, with its
+      moments (`NvmeTier`, once ``build_optimizer`` made one; it attaches itself here);
+    * a fetch reads it piece by piece into a scratch buffer and converts the piece on its way
+      to the device (`read`, on the fetch conversion thread); a full value is mapped
+      copy-on-write (`map`: a checkpoint, a read between steps);
+    * a write from outside the step (``load_state_dict``, ``p.data = t``, a write to a mapped
+      value) goes through the tier when it holds the unit, so a read-ahead in its ring never goes
+      stale, and straight to the file otherwise (`write`).
+
+    Reads and maps first wait until no update holds or writes the unit back (`NvmeTier.settle`).
+    """
+
+    def __init__(self, directory: SwapDirectory, numels: dict[int, int], *, io_threads: int) -> None:
+        self.directory = directory
+        self.extents: dict[int, tuple[int, int]] = {}  # unit -> (file offset, bytes)
+        start = 0
+        for unit, numel in numels.items():
+            self.extents[unit] = (start, 4 * numel)
+            start += _page_up(4 * numel)
+        self.file = StateFile(directory.file(_MASTERS_NAME), start, io_threads=io_threads, holds="the fp32 masters")
+        self.tier: NvmeTier | None = None
+        self.read_bytes = 0
+        self.written_bytes = 0
+
+    @property
+    def file_bytes(self) -> int:
+        return self.file.nbytes
+
+    def _span(self, unit: int, lo: int, hi: int) -> tuple[int, int, int]:
+        """The page-aligned file span ``(offset, bytes)`` covering elements ``[lo, hi)`` of
+        ``unit``'s masters, and where element ``lo`` starts in it."""
+        start, _ = self.extents[unit]
+        a, b = start + 4 * lo, start + 4 * hi
+        a0 = a - a % PAGE
+        return a0, _page_up(b) - a0, a - a0
+
+    @staticmethod
+    def scratch_bytes(numel: int) -> int:
+        """Bytes of a scratch buffer that `read` can fill with any ``numel`` elements."""
+        return _page_up(4 * numel) + 2 * PAGE
+
+    def read(self, unit: int, lo: int, hi: int, scratch: Tensor | None = None) -> Tensor:
+        """fp32 ``[hi - lo]``: elements ``[lo, hi)`` of ``unit``'s masters, read into ``scratch``
+        (uint8, page-aligned, `scratch_bytes` long) or a new buffer; valid until the next read
+        into the same scratch."""
+        if hi <= lo:
+            return torch.empty(0, dtype=torch.float32)
+        self.settle(unit)
+        offset, nbytes, skip = self._span(unit, lo, hi)
+        buf = scratch[:nbytes] if scratch is not None and scratch.numel() >= nbytes else _aligned_empty(nbytes)
+        self.file.run(False, buf, offset)
+        self.read_bytes += nbytes
+        return buf[skip: skip + 4 * (hi - lo)].view(torch.float32)
+
+    def map(self, unit: int) -> Tensor:
+        """fp32 ``[S]``: ``unit``'s masters mapped copy-on-write (no RAM of its own: the pages
+        are the file's, dropped under memory pressure)."""
+        self.settle(unit)
+        start, nbytes = self.extents[unit]
+        return self.file.map(start, nbytes).view(torch.float32)
+
+    def write(self, unit: int, lo: int, values: Tensor) -> None:
+        """Elements ``[lo, lo + len(values))`` of ``unit``'s masters become ``values`` (fp32, 1-D)."""
+        values = values.detach().reshape(-1).to(torch.float32)
+        if values.numel() == 0:
+            return
+        if self.tier is not None and self.tier.holds_region(unit):
+            self.tier.write_masters(unit, lo, values)
+            return
+        self.write_file(unit, lo, values)
+
+    def write_file(self, unit: int, lo: int, values: Tensor) -> None:
+        """`write` straight to the file (read-modify-write of the pages at the edges)."""
+        hi = lo + values.numel()
+        offset, nbytes, skip = self._span(unit, lo, hi)
+        buf = _aligned_empty(nbytes)
+        if lo != 0 or 4 * hi != self.extents[unit][1]:  # not the whole extent: keep its neighbours
+            self.file.run(False, buf, offset)
+        buf[skip: skip + 4 * values.numel()].view(torch.float32).copy_(values)
+        self.file.run(True, buf, offset)
+        self.written_bytes += nbytes
+
+    def settle(self, unit: int) -> None:
+        if self.tier is not None:
+            self.tier.settle(unit)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+@dataclass(frozen=True, slots=True)
+class UnitMasters:
+    """One unit's masters on disk as a fetch reads them (`transfer.FetchStaging.copy_converted`)."""
+
+    disk: DiskMasters
+    unit: int
+    count: int
+
+    def numel(self) -> int:
+        return self.count
+
+    @staticmethod
+    def scratch_bytes(numel: int) -> int:
+        return DiskMasters.scratch_bytes(numel)
+
+    def read(self, lo: int, hi: int, scratch: Tensor | None = None) -> Tensor:
+        return self.disk.read(self.unit, lo, hi, scratch)
 
 
 # ---------------------------------------------------------------------------- the ring
@@ -349,16 +523,20 @@ class NvmeTier:
     """The Adam moments of a CPU optimizer's parameters, on disk, streamed through a ring."""
 
     def __init__(self, root: str, optimizer, units: list[tuple[int, str, list[Tensor]]], *, ring_buffers: int,
-                 io_threads: int, ledger: MemoryLedger, stats=None) -> None:
+                 io_threads: int, ledger: MemoryLedger, stats=None, masters: DiskMasters | None = None,
+                 master_pieces: dict[int, list[MasterPiece]] | None = None) -> None:
         if ring_buffers < 2:
             raise ValueError(f"StrongholdConfig.nvme_ring_buffers={ring_buffers}; use at least 2.")
         self.optimizer = optimizer
         self.stats = stats
-        self.regions = {r.unit: r for r in lay_out_regions(units, optimizer.wants_8bit)}
-        self.directory = SwapDirectory(root)
+        self.masters = masters  # nvme_masters: the units' masters come and go with their moments
+        self.regions = {r.unit: r for r in lay_out_regions(units, optimizer.wants_8bit, masters, master_pieces)}
+        # With masters on disk the engine made the directory at offload_model and removes it.
+        self._own_directory = masters is None
+        self.directory = SwapDirectory(root) if masters is None else masters.directory
         self.file = StateFile(self.directory.file(_FILE_NAME), state_file_bytes(list(self.regions.values())),
                               io_threads=io_threads)
-        largest = max((r.nbytes for r in self.regions.values()), default=PAGE)
+        largest = max((r.buffer_bytes for r in self.regions.values()), default=PAGE)
         self.ring = [RingBuffer(largest) for _ in range(min(ring_buffers, max(len(self.regions), 1)))]
         self.ring_bytes = sum(b.data.numel() for b in self.ring)
         self.ledger = ledger
@@ -380,6 +558,8 @@ class NvmeTier:
         self._closed = False
         for region in self.regions.values():
             self._unbind(region)
+        if masters is not None:
+            masters.tier = self
 
     # ------------------------------------------------------------------ the stream
     def expect(self, units: list[int]) -> None:
@@ -478,8 +658,7 @@ class NvmeTier:
             for piece in region.pieces:
                 self._fresh.discard(id(piece.param))
             buf.state = BufferState.WRITING
-            buf.io = self.file.submit(True, buf.data[: region.nbytes], region.start)
-            self.written_bytes += region.nbytes
+            buf.io = self._transfer(True, buf, region, moments=True)
             self._watch(buf)
 
     # ------------------------------------------------------------------ buffers (under the lock)
@@ -496,7 +675,12 @@ class NvmeTier:
                 return
             unit = self._expected.popleft()
             if unit not in self._holder:
-                self._start_read(buf, self.regions[unit])  # may land at once (fresh) and pump again
+                try:
+                    self._start_read(buf, self.regions[unit])  # may land at once (fresh) and pump again
+                except RuntimeError:  # the I/O pool is shut down (interpreter exit): read-ahead ends
+                    self._free(buf)
+                    self._expected.clear()
+                    return
 
     def _free_buffer(self) -> RingBuffer | None:
         buf = next((b for b in self.ring if b.state is BufferState.FREE), None)
@@ -511,12 +695,24 @@ class NvmeTier:
         buf.region, buf.dropped = region, False
         self._holder[region.unit] = buf
         buf.state = BufferState.READING
-        if all(id(p.param) in self._fresh for p in region.pieces):
-            buf.io = []  # nothing on disk yet: _bind fills it
-        else:
-            buf.io = self.file.submit(False, buf.data[: region.nbytes], region.start)
-            self.read_bytes += region.nbytes
+        # Moments never written are not read (_bind fills them); masters always are.
+        buf.io = self._transfer(False, buf, region, moments=not all(id(p.param) in self._fresh for p in region.pieces))
         self._watch(buf)
+
+    def _transfer(self, write: bool, buf: RingBuffer, region: Region, *, moments: bool) -> list[Future]:
+        """Reads or writes ``region`` between ``buf`` and the files: its masters (if on disk) and,
+        if ``moments``, its moments."""
+        io = []
+        if region.head:
+            io += self.masters.file.submit(write, buf.data[: region.head], region.master_start)
+        if moments and region.nbytes:
+            io += self.file.submit(write, buf.data[region.head: region.buffer_bytes], region.start)
+        moved = (region.head + region.nbytes) if moments else region.head
+        if write:
+            self.written_bytes += moved
+        else:
+            self.read_bytes += moved
+        return io
 
     def _watch(self, buf: RingBuffer) -> None:
         pending = list(buf.io)
@@ -563,9 +759,13 @@ class NvmeTier:
         self.optimizer.state[param] = {**state, **values}
 
     def _bind(self, region: Region, buf: RingBuffer) -> None:
+        if region.head:  # the masters' .data point into the buffer for the update
+            flat = buf.data[: region.head].view(torch.float32)
+            for m in region.masters:
+                m.param.data = flat[m.at: m.at + torch.Size(m.shape).numel()].view(m.shape)
         by_param: dict[int, dict[str, Tensor]] = {}
         for piece in region.pieces:
-            raw = buf.data[piece.offset: piece.offset + piece.nbytes]
+            raw = self._moment_bytes(buf, region, piece)
             if id(piece.param) in self._fresh:
                 raw.fill_(piece.fill)
             by_param.setdefault(id(piece.param), {})[piece.key] = raw.view(piece.dtype).view(piece.shape)
@@ -575,6 +775,8 @@ class NvmeTier:
         self.optimizer.state_moved()
 
     def _unbind(self, region: Region) -> None:
+        for m in region.masters:
+            m.param.data = master_placeholder(m.shape)
         by_param: dict[int, dict[str, Tensor]] = {}
         for piece in region.pieces:
             by_param.setdefault(id(piece.param), {})[piece.key] = torch.empty(0, dtype=piece.dtype)
@@ -585,25 +787,20 @@ class NvmeTier:
 
     @contextlib.contextmanager
     def materialized(self):
-        """Inside: ``optimizer.state`` holds every moment as a read-only map of the file (what
+        """Inside: ``optimizer.state`` holds every moment as a copy-on-write map of the file (what
         ``state_dict()`` saves); parameters never stepped have no state, as in plain AdamW."""
-        import numpy as np
-
         self.flush()
         saved = {}
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            for region in self.regions.values():
-                for piece in region.pieces:
-                    p = piece.param
-                    if p not in saved:
-                        saved[p] = self.optimizer.state.get(p)
-                    if id(p) in self._fresh:
-                        self.optimizer.state.pop(p, None)
-                        continue
-                    mapped = np.memmap(self.file.path, dtype=np.uint8, mode="r", offset=region.start + piece.offset,
-                                       shape=(piece.nbytes,)) if piece.nbytes else np.empty(0, np.uint8)
-                    self._set(p, {piece.key: torch.from_numpy(mapped).view(piece.dtype).view(piece.shape)})
+        for region in self.regions.values():
+            for piece in region.pieces:
+                p = piece.param
+                if p not in saved:
+                    saved[p] = self.optimizer.state.get(p)
+                if id(p) in self._fresh:
+                    self.optimizer.state.pop(p, None)
+                    continue
+                mapped = self.file.map(region.start + piece.offset, piece.nbytes)
+                self._set(p, {piece.key: mapped.view(piece.dtype).view(piece.shape)})
         try:
             yield
         finally:
@@ -626,12 +823,10 @@ class NvmeTier:
             values = {(id(p.param), p.key): self.optimizer.state[p.param][p.key] for p in loaded}
             with self._cond:
                 for piece in region.pieces:
-                    self._fresh.add(id(piece.param))  # read nothing: the buffer is filled here
-                for piece in loaded:
-                    self._fresh.discard(id(piece.param))
-            buf = self._acquire_for_write(region)
+                    self._fresh.add(id(piece.param))  # no moment is read: every one is filled here
+            buf = self._acquire(region.unit)  # reads the masters, if on disk
             for piece in region.pieces:
-                raw = buf.data[piece.offset: piece.offset + piece.nbytes]
+                raw = self._moment_bytes(buf, region, piece)
                 value = values.get((id(piece.param), piece.key))
                 if value is None:
                     raw.fill_(piece.fill)
@@ -649,17 +844,34 @@ class NvmeTier:
                              f"{tuple(value.shape)}, the NVMe tier expects {piece.dtype} {piece.shape}.")
         return True
 
-    def _acquire_for_write(self, region: Region) -> RingBuffer:
+    @staticmethod
+    def _moment_bytes(buf: RingBuffer, region: Region, piece: StatePiece) -> Tensor:
+        at = region.head + piece.offset
+        return buf.data[at: at + piece.nbytes]
+
+    # ------------------------------------------------------------------ masters on disk
+    def holds_region(self, unit: int) -> bool:
+        return not self._closed and unit in self.regions and bool(self.regions[unit].head)
+
+    def settle(self, unit: int) -> None:
+        """Returns once no update holds ``unit``'s state and no write-back of it is in flight:
+        its masters in the file are current."""
         with self._cond:
             while True:
                 self._raise_error()
-                buf = self._free_buffer()
-                if buf is not None:
-                    buf.region = region
-                    self._holder[region.unit] = buf
-                    buf.state = BufferState.BOUND
-                    return buf
+                buf = self._holder.get(unit)
+                if buf is None or buf.state not in (BufferState.BOUND, BufferState.WRITING):
+                    return
                 self._cond.wait()
+
+    def write_masters(self, unit: int, lo: int, values: Tensor) -> None:
+        """Elements ``[lo, lo + len(values))`` of ``unit``'s masters become ``values``: written
+        into its state in the ring (read first unless there) and back to the file."""
+        buf = self._acquire(unit)
+        try:
+            buf.data[: self.regions[unit].head].view(torch.float32)[lo: lo + values.numel()].copy_(values)
+        finally:
+            self._release(unit, buf)
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -674,6 +886,15 @@ class NvmeTier:
         with contextlib.suppress(Exception):
             self.flush()
         self.file.close()
-        self.directory.remove()
+        if self._own_directory:
+            self.directory.remove()
+        else:
+            with contextlib.suppress(OSError):
+                os.remove(self.file.path)
+        if self.masters is not None and self.masters.tier is self:
+            self.masters.tier = None
+        for region in self.regions.values():  # masters point at nothing of ours any more
+            for m in region.masters:
+                m.param.data = master_placeholder(m.shape)
         self.ledger.host_free(self.ring_bytes, pinned=False)
         self.ring = []

@@ -10,6 +10,8 @@ head, a norm outside the blocks), cover what the default cannot:
 * sharded data-parallel state, where no rank holds a whole trainable parameter: ``state_dict``
   gathers (inside `WindowEngine.full_state_dict`, on every rank, and refuses otherwise), and
   ``load_state_dict`` writes each rank's piece of every full tensor into its masters;
+* masters on disk (``nvme_masters``): ``state_dict`` maps them from the file copy-on-write
+  (no RAM of their own), ``load_state_dict`` writes the file;
 * an in-flight CPU update of the unit is waited for, and ``assign=True`` (which would replace
   the parameter objects the engine manages) is refused by name.
 """
@@ -45,6 +47,8 @@ def _state_dict_hook(schedule, coordinator, u: Unit, names):
                     "every rank (the Trainer's save does), or use StrongholdConfig(shard_cpu_state=False)."
                 )
             values = u.full_values()  # collective: every rank gathers this unit now, in the same order
+        elif u.masters_on_disk:
+            values = u.full_values()  # mapped from the file (nvme_masters)
         elif u.state is not Residency.ON_HOST:  # mid-pass: the slot holds a compute copy
             values = [v.detach() for v in u.host_views]
         else:
@@ -64,9 +68,10 @@ def _load_pre_hook(schedule, coordinator, u: Unit, names):
             if u.holds:
                 raise RuntimeError(f"stronghold: load_state_dict during the forward or backward of {u.fqn}.")
             schedule.release(u)
-        if not u.sharded:
+        if not (u.sharded or u.masters_on_disk):
             return  # the default load writes each parameter, which is its host master now
-        # Sharded: every rank takes its piece of each full tensor into its masters.
+        # Sharded: every rank takes its piece of each full tensor into its masters. On disk:
+        # the values go to the file.
         loaded = []
         with torch.no_grad():
             for name, k in names:

@@ -42,6 +42,8 @@ import torch
 from .ledger import MemoryLedger
 from .stats import EngineStats
 
+_PAGE = 4096  # O_DIRECT reads want page-aligned buffers
+
 TransferMode = Literal["cuda", "sync", "delayed"]
 
 #: Set by `stronghold_hf.testing.simulated_device`: the copy delay of the ``"delayed"`` mode.
@@ -208,14 +210,25 @@ class FetchStaging:
         self._next = 0
         self._jobs: queue.SimpleQueue | None = None
         self._thread: threading.Thread | None = None
+        self._scratch: torch.Tensor | None = None  # masters read from disk, one piece (nvme_masters)
 
-    def copy_converted(self, dst: torch.Tensor, master: torch.Tensor, dtype: torch.dtype, *, fetch: bool):
+    def copy_converted(self, dst: torch.Tensor, master, dtype: torch.dtype, *, fetch: bool):
         """Starts filling device ``dst`` (uint8) with ``master`` (fp32) converted to ``dtype``;
-        returns the copy's event (a `PendingFetch` while the conversion thread has not issued it)."""
+        returns the copy's event (a `PendingFetch` while the conversion thread has not issued it).
+
+        ``master``: a tensor, or masters on disk (``nvme_masters``): an object with ``numel()``
+        and ``read(lo, hi, scratch)`` giving elements ``[lo, hi)`` (`nvme.DiskMasters`), read
+        piece by piece into a scratch buffer of one piece."""
         if self.transfer.mode == "sync":
             t0 = time.perf_counter()
             nbytes = master.numel() * dtype.itemsize
-            dst[:nbytes].view(dtype).copy_(master)
+            if isinstance(master, torch.Tensor):
+                dst[:nbytes].view(dtype).copy_(master)
+            else:
+                piece = self._piece_numel(dtype)
+                for start in range(0, master.numel(), piece):
+                    part = self._part(master, start, piece)
+                    dst[start * dtype.itemsize: (start + part.numel()) * dtype.itemsize].view(dtype).copy_(part)
             self.transfer.stats.add("convert_s", time.perf_counter() - t0)
             self.transfer.book_h2d(nbytes, fetch=fetch)
             return _DONE
@@ -237,10 +250,10 @@ class FetchStaging:
         if not self._buffers:
             self._buffers = [self._allocate(self.buffer_bytes, transfer=True) for _ in range(self.num_buffers)]
             self._events = [_DONE] * self.num_buffers
-        piece = max(self.buffer_bytes // dtype.itemsize, 1)  # elements per buffer
+        piece = self._piece_numel(dtype)
         event = _DONE
         for start in range(0, master.numel(), piece):
-            part = master[start: start + piece]
+            part = self._part(master, start, piece)
             k = self._next
             self._next = (k + 1) % self.num_buffers
             self.transfer.host_wait(self._events[k])  # the copy that last read this buffer has landed
@@ -253,16 +266,43 @@ class FetchStaging:
         self.transfer.stats.add("convert_s", time.perf_counter() - t0)
         return event
 
+    def _piece_numel(self, dtype: torch.dtype) -> int:
+        return max(self.buffer_bytes // dtype.itemsize, 1)  # elements per buffer
+
+    def _part(self, master, start: int, piece: int) -> torch.Tensor:
+        """Elements ``[start, start + piece)`` of ``master`` (fp32), read from disk if it is there."""
+        stop = min(start + piece, master.numel())
+        if isinstance(master, torch.Tensor):
+            return master[start:stop]
+        need = master.scratch_bytes(piece)
+        if self._scratch is None or self._scratch.numel() < need:  # one piece, for the thread that converts
+            self._release_scratch()
+            raw = torch.empty(need + _PAGE, dtype=torch.uint8)
+            self._scratch = raw[(-raw.data_ptr()) % _PAGE:][:need]  # page-aligned: O_DIRECT reads into it
+            self.transfer.ledger.host_alloc(self._scratch.numel(), pinned=False)
+        return master.read(start, stop, self._scratch)
+
+    def _release_scratch(self) -> None:
+        if self._scratch is not None:
+            self.transfer.ledger.host_free(self._scratch.numel(), pinned=False)
+            self._scratch = None
+
     def close(self) -> None:
         """Finishes the queued conversions and stops the thread (restarted by the next fetch)."""
         if self._thread is not None:
             self._jobs.put(None)
             self._thread.join()
             self._thread = self._jobs = None
+        self._release_scratch()
 
     @property
     def allocated_bytes(self) -> int:
         return sum(b.numel() for b in self._buffers)
+
+    @property
+    def scratch_bytes(self) -> int:
+        """The buffer masters on disk are read into before their conversion (``nvme_masters``)."""
+        return self._scratch.numel() if self._scratch is not None else 0
 
 
 class TransferContext:

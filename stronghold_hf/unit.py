@@ -50,7 +50,7 @@ from torch.autograd.profiler import record_function
 from .discovery import UnitSpec
 from .distributed import DataParallel
 from .ledger import MemoryLedger
-from . import read_guard
+from . import nvme, read_guard
 from .memory import GRAD_ALIGN, BlockLayout, DeviceSlotPool, HostAllocator, element_size, layout_block, typed_view
 from .transfer import FetchStaging, TransferContext
 
@@ -84,7 +84,7 @@ class Unit:
     def __init__(self, spec: UnitSpec, *, device: torch.device, param_dtype: torch.dtype | None,
                  host: HostAllocator, transfer: TransferContext, pool: DeviceSlotPool | None, ledger: MemoryLedger,
                  dp: DataParallel | None = None, grad_align: int = GRAD_ALIGN,
-                 fetch_staging: FetchStaging | None = None, compute_grads: bool = False) -> None:
+                 fetch_staging: FetchStaging | None = None, compute_grads: bool = False, disk_masters=None) -> None:
         self.index = spec.index
         self.fqn = spec.fqn
         self.kind = spec.kind
@@ -107,13 +107,23 @@ class Unit:
 
         # ---- host buffers (pinned when allowed: what fetches copy; pageable: the rest)
         c = element_size(lay.grad_dtype) if lay.grad_dtype is not None else 0
+        # [Note: masters on disk] With nvme_masters the fp32 masters live in a file (nvme.py,
+        # `DiskMasters`) from here on: no master_flat in RAM, no image; a fetch reads them and
+        # converts them through the staging ring, an update binds them into the NVMe tier's ring
+        # with its moments, and between updates a master (and a parameter on the host) is a
+        # placeholder of the right shape. A read between steps maps the file (`materialize`).
+        self.disk_masters = disk_masters if S else None
+        self.masters_on_disk = self.disk_masters is not None
         # Without a host image (host_image=False) a fetch converts the masters through the
-        # staging ring instead; with fp32 compute the masters are the image and it always exists.
-        self.fetch_staging = fetch_staging if S and not lay.masters_in_image else None
+        # staging ring instead; with fp32 compute the masters are the image and it always
+        # exists, unless they are on disk.
+        self.fetch_staging = fetch_staging if S and (not lay.masters_in_image or self.masters_on_disk) else None
         keeps_image = S and self.fetch_staging is None
         self.image_trainable = host.allocate(S * c, transfer=True) if keeps_image else None  # uint8 [S * c]
         self.image_frozen = host.allocate(lay.frozen_bytes, transfer=True) if lay.frozen_bytes else None
-        if S and lay.masters_in_image:
+        if self.masters_on_disk:
+            self.master_flat = torch.empty(S, dtype=torch.float32)  # the initial values, written below, then dropped
+        elif S and lay.masters_in_image:
             self.master_flat = self.image_trainable.view(torch.float32)  # fp32 [S]: the image is the master
         else:
             self.master_flat = host.allocate(4 * S, transfer=False).view(torch.float32) if S else None
@@ -160,17 +170,23 @@ class Unit:
                     if image is not None and image.data_ptr() != master.data_ptr():
                         image.copy_(master)
                     self.pieces.append(piece)
+                    if self.masters_on_disk:
+                        master = nvme.master_placeholder(shape)
                     self.masters.append(nn.Parameter(master, requires_grad=True))
                     if grad_dtype != torch.float32:  # .grad is the bf16 host gradient on fp32 values
                         self.masters[-1].grad_dtype = None
                         p.grad_dtype = None
                     self.image_views.append(image)
                     self.grad_views.append(self.grad_flat[piece[1] : piece[1] + piece[2]].view(shape))
-                if self.sharded:  # no rank holds the whole parameter between steps
+                if self.sharded or self.masters_on_disk:  # nothing in RAM holds the whole parameter
                     self.host_views.append(_sharded_placeholder(e.shape))
                 else:
                     self.host_views.append(self.masters[-1].data)
-
+        if self.masters_on_disk:
+            self.disk_masters.write_file(self.index, 0, self.master_flat)
+            self.master_flat = None
+            self.master_source = nvme.UnitMasters(self.disk_masters, self.index, S)
+        self._materialized: dict[int, tuple[int, int]] = {}  # k -> (mapped value's address, version): materialize
         # ---- device slot: one flat allocation, storage freed while on the host
         self.slot = torch.empty(lay.slot_bytes, dtype=torch.uint8, device=device)
         self.slot_views = [typed_view(self.slot, e.byte_offset, e.numel, e.device_dtype, e.shape) for e in lay.entries]
@@ -265,6 +281,10 @@ class Unit:
         with torch.no_grad(), _engine_access():
             for k, (p, view) in enumerate(zip(self.params, self.host_views)):
                 data = p.data
+                mapped = self._materialized.pop(k, None)
+                if mapped is not None and data.data_ptr() == mapped[0] and p._version == mapped[1]:
+                    p.data = view  # read between steps, not written: the file is current
+                    continue
                 if data.data_ptr() != view.data_ptr() or data.dtype != view.dtype or data.shape != view.shape or (
                         data.device != view.device):
                     if data.shape != view.shape:
@@ -285,10 +305,27 @@ class Unit:
     def _write_host_value(self, k: int, value: torch.Tensor) -> None:
         """Writes a full value of parameter ``k`` into what this rank keeps of it."""
         view, piece = self.host_views[k], self.pieces[k]
-        if not _is_placeholder(view):
+        if self.masters_on_disk and piece is not None:
+            self.disk_masters.write(self.index, piece[1], value.reshape(-1)[piece[0] : piece[0] + piece[2]])
+        elif not _is_placeholder(view):
             view.copy_(value)
         elif piece is not None:
             self.masters[k].data.copy_(value.reshape(-1)[piece[0] : piece[0] + piece[2]].view_as(self.masters[k]))
+
+    def materialize(self) -> None:
+        """Masters on disk, unsharded, on the host: each trainable parameter's ``.data`` becomes
+        its current value, mapped copy-on-write from the file, so a read between steps sees it
+        (no RAM of its own). A write to it (in place, or ``.data = t``) is taken into the file
+        at the next fetch (`adopt_host_writes`); unwritten, the map is just dropped there."""
+        assert self.masters_on_disk and not self.sharded and self.state is Residency.ON_HOST
+        flat = self.disk_masters.map(self.index)
+        with _engine_access():
+            for k, (p, piece) in enumerate(zip(self.params, self.pieces)):
+                if piece is None or p.data.data_ptr() != self.host_views[k].data_ptr():
+                    continue  # frozen, or already given another value
+                value = flat[piece[1] : piece[1] + piece[2]].view(self.host_views[k].shape)
+                p.data = value
+                self._materialized[k] = (value.data_ptr(), p._version)
 
     def refresh_image(self) -> None:
         """Re-derives the compute-dtype image of trainable parameters from the fp32 masters."""
@@ -330,7 +367,8 @@ class Unit:
             if self.image_trainable is not None:  # this rank's shard (everything, unsharded)
                 events.append(self.transfer.copy_h2d(self.slot_local, self.image_trainable, fetch=True))
             elif self.fetch_staging is not None:  # no image: the masters, converted on the way
-                events.append(self.fetch_staging.copy_converted(self.slot_local, self.master_flat, self.layout.grad_dtype,
+                source = self.master_source if self.masters_on_disk else self.master_flat
+                events.append(self.fetch_staging.copy_converted(self.slot_local, source, self.layout.grad_dtype,
                                                                 fetch=True))
             if self.image_frozen is not None:
                 events.append(self.transfer.copy_h2d(self.slot[self.layout.frozen_offset :], self.image_frozen,
@@ -373,8 +411,8 @@ class Unit:
                 p.data = view
         self._record_host_state()
         self.state = Residency.ON_HOST
-        if self.sharded:
-            self.guard()  # between uses this rank holds only its shard: a read must not see the placeholder
+        if self.sharded or self.masters_on_disk:
+            self.guard()  # a read must not see the placeholder: refused (a shard) or mapped (on disk)
 
     # ------------------------------------------------------------------ gradients
     def take_exposed_grads(self) -> None:
@@ -649,13 +687,17 @@ class Unit:
     def full_values(self) -> list[torch.Tensor]:
         """Every parameter's whole host value (fp32 for trainable ones). With sharded state this
         all-gathers the masters: every rank must call it, in the same block order."""
+        if not self.sharded and self.masters_on_disk:  # mapped from the file: no RAM of their own
+            flat = self.disk_masters.map(self.index)
+            return [flat[piece[1] : piece[1] + piece[2]].view(e.shape) if piece is not None else view.detach()
+                    for e, piece, view in zip(self.layout.entries, self.pieces, self.host_views)]
         if not self.sharded:
             return [v.detach() for v in self.host_views]
         S = self.layout.shard_numel
         full = torch.empty(self.layout.padded_grad_numel, dtype=torch.float32)
         local = full[self.shard_lo : self.shard_lo + S]
         if S:
-            local.copy_(self.master_flat)
+            local.copy_(self.master_source.read(0, S) if self.masters_on_disk else self.master_flat)
             self.dp.all_gather_host_(full, local)
         out = []
         for e, view in zip(self.layout.entries, self.host_views):

@@ -35,7 +35,7 @@ from .hooks import in_backward
 from .ledger import MemoryLedger
 from .distributed import DataParallel
 from . import memory
-from .memory import GRAD_ALIGN, DeviceSlotPool, HostAllocator, element_size
+from .memory import GRAD_ALIGN, DeviceSlotPool, HostAllocator, element_size, layout_block
 from .optim import quant8
 from .schedule import Phase, WindowSchedule
 from .state_dict import install_state_dict_hooks
@@ -132,14 +132,19 @@ class WindowEngine:
         # accelerate plugin; on its own it means fp32, since the gradients may be read by an
         # optimizer the user built over model.parameters(), which wants fp32 ones.
         compute_grads = config.host_grads == "compute" and config.offload_optimizer
-        self.host_image = keep_host_image(config, specs, dtypes, self.dp.shards if self.dp is not None else 1,
-                                          compute_grads)
+        shards = self.dp.shards if self.dp is not None else 1
+        # Masters on disk (nvme_masters): the file is made before the units, which write their
+        # initial masters straight into it ([Note: masters on disk], unit.py); no image then.
+        self.disk_masters = self._disk_masters(specs, dtypes, shards, grad_align) if config.nvme_masters else None
+        self.host_image = False if self.disk_masters is not None else keep_host_image(config, specs, dtypes, shards,
+                                                                                      compute_grads)
         # Without the image, one ring serves every unit (sized below, allocated at the first fetch).
         staging = None if self.host_image else FetchStaging(self.transfer, self.host.allocate, 0)
         self.units: list[Unit] = [
             Unit(s, device=device, param_dtype=d, host=self.host, transfer=self.transfer,
                  pool=self.pool if s.kind != "resident" else None, ledger=self.ledger, dp=self.dp,
-                 grad_align=grad_align, fetch_staging=staging, compute_grads=compute_grads)
+                 grad_align=grad_align, fetch_staging=staging, compute_grads=compute_grads,
+                 disk_masters=self.disk_masters)
             for s, d in zip(specs, dtypes)
         ]
         converted = [self._shard_bytes(u) for u in self.units if u.fetch_staging is not None]
@@ -193,8 +198,8 @@ class WindowEngine:
         self._gathered = 0  # depth of gathered_parameters() contexts
         for u in self.units:
             read_guard.register(u.params, self, u.index)
-            if u.sharded:
-                u.guard()  # this rank holds a shard: a read between steps is refused with the fix
+            if u.sharded or u.masters_on_disk:
+                u.guard()  # a shard: a read between steps is refused with the fix; on disk: mapped
         self._device_reporting = _report_compute_device(model, device)
         self.chunked_loss = None
         if config.chunked_loss:
@@ -327,7 +332,10 @@ class WindowEngine:
         (``host_image``); ``fetch_staging_bytes``: the ring that replaces it when dropped;
         ``grad_staging_bytes``: the pinned buffers gradients land in from the device.
         ``nvme_ring_bytes``, ``nvme_file_bytes``, ``nvme_read_bytes``, ``nvme_written_bytes``:
-        the NVMe tier's host ring, its file on disk, and its traffic (0 without ``nvme_path``)."""
+        the NVMe tier's host ring, its file on disk, and its traffic (0 without ``nvme_path``).
+        ``nvme_masters_file_bytes``, ``nvme_masters_read_bytes`` (fetches),
+        ``nvme_masters_written_bytes`` (writes outside the step), ``nvme_masters_scratch_bytes``
+        (the buffer fetches read into): the masters on disk (0 without ``nvme_masters``)."""
         self.transfer.collect_timings()
         out: dict[str, float] = dict(self.ledger.snapshot())
         opt_bytes = self.coordinator.optimizer_state_bytes()
@@ -369,7 +377,26 @@ class WindowEngine:
         out["nvme_file_bytes"] = nvme.file_bytes if nvme is not None else 0
         out["nvme_read_bytes"] = nvme.read_bytes if nvme is not None else 0
         out["nvme_written_bytes"] = nvme.written_bytes if nvme is not None else 0
+        # nvme_masters: the masters' file, and what fetches and writes outside the step moved
+        # (an update's masters travel with its moments, in the tier's counts above).
+        disk = self.disk_masters
+        out["nvme_masters_file_bytes"] = disk.file_bytes if disk is not None else 0
+        out["nvme_masters_read_bytes"] = disk.read_bytes if disk is not None else 0
+        out["nvme_masters_written_bytes"] = disk.written_bytes if disk is not None else 0
+        out["nvme_masters_scratch_bytes"] = self.fetch_staging.scratch_bytes if self.fetch_staging is not None else 0
         return out
+
+    def _disk_masters(self, specs, dtypes, shards: int, grad_align: int):
+        """The file of the fp32 masters (``nvme_masters``), one extent per unit with a trainable
+        shard, sized by the layouts the units will compute."""
+        from .nvme import DiskMasters, SwapDirectory
+
+        numels = {}
+        for s, d in zip(specs, dtypes):
+            n = layout_block(s.fqn, list(s.params), d, shards, grad_align).shard_numel
+            if n:
+                numels[s.index] = n
+        return DiskMasters(SwapDirectory(self.config.nvme_path), numels, io_threads=self.config.nvme_io_threads)
 
     def reset_peak_memory_stats(self) -> None:
         self.ledger.reset_peak()
@@ -390,7 +417,9 @@ class WindowEngine:
         read sees what the last ``step()`` produced); a shard this rank holds is refused."""
         u = self.units[index]
         self.coordinator.wait_update(u, forward=False)
-        if u.sharded and u.state is Residency.ON_HOST:
+        if u.masters_on_disk and not u.sharded and u.state is Residency.ON_HOST:
+            u.materialize()  # the value, mapped from the file
+        elif u.sharded and u.state is Residency.ON_HOST:
             if self.schedule.gathering or self._gathered:
                 return  # the values are being assembled (full_state_dict, gathered_parameters)
             raise RuntimeError(
@@ -424,7 +453,9 @@ class WindowEngine:
         try:
             for u in units:  # the same order on every rank: each full_values is a collective
                 u.unguard()
-                if u.sharded:
+                if u.masters_on_disk and not u.sharded:
+                    u.materialize()  # a write is taken into the file at the next fetch
+                elif u.sharded:
                     values = u.full_values()
                     with torch.no_grad():
                         for e, p, v in zip(u.layout.entries, u.params, values):
@@ -546,6 +577,9 @@ class WindowEngine:
             read_guard.unregister(u.params)
         for u in self.units:  # with sharded state, gathering is collective: every rank closes
             u.restore_parameters(target, u.full_values())
+        if self.disk_masters is not None:  # the masters are in the parameters now: the files go
+            self.disk_masters.close()
+            self.disk_masters.directory.remove()
         _stop_reporting_compute_device(self._device_reporting)
         if target != self.device:
             self._move_resident_parts(self.model, target)

@@ -37,10 +37,62 @@ print(body, after - before)
 """
 
 
-def peak_rss_growth(child_code: str, variants: tuple[str, ...]) -> tuple[int, dict[str, int]]:
+def llama_steps_child(*, layers: int, hidden: int, since: str) -> str:
+    """Child code: an fp32 Llama body of ``layers`` blocks of ``hidden`` (MLP 4x, a 2000-token
+    untied vocabulary) offloaded with the StrongholdConfig keys given as JSON in argv[1], two
+    steps; prints the body's parameter count and the growth of peak RSS (VmHWM, KiB) since
+    ``"step"`` (after offload_model and build_optimizer) or ``"offload"`` (before them).
+
+    The peak is reset to the resident memory at that point after ``malloc_trim``, so neither an
+    earlier transient peak nor freed tensors kept in the heap (or not, depending on the
+    allocator's history) hide or absorb part of the growth."""
+    assert since in ("step", "offload")
+    return f"""
+import ctypes, json, sys
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from stronghold_hf import StrongholdConfig, offload_model
+
+torch.manual_seed(0)
+cfg = LlamaConfig(vocab_size=2000, hidden_size={hidden}, intermediate_size={4 * hidden}, num_hidden_layers={layers},
+                  num_attention_heads={hidden // 64}, num_key_value_heads={hidden // 64}, tie_word_embeddings=False)
+model = LlamaForCausalLM(cfg)
+body = sum(p.numel() for p in model.model.layers.parameters())
+ids = torch.randint(0, 2000, (1, 32))
+
+
+def status_kib(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def reset_peak():
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+    return status_kib("VmRSS")
+
+
+before = reset_peak() if {since!r} == "offload" else None
+engine = offload_model(model, StrongholdConfig(window_size=1, host_worker="inline", **json.loads(sys.argv[1])))
+opt = engine.build_optimizer(lr=1e-4)
+if before is None:
+    before = reset_peak()
+for _ in range(2):
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+engine.synchronize()
+print(body, status_kib("VmHWM") - before)
+"""
+
+
+def peak_rss_growth(child_code: str, variants: tuple[str, ...], env: dict[str, str] | None = None
+                    ) -> tuple[int, dict[str, int]]:
     """Runs ``child_code`` once per variant (passed as ``sys.argv[1]``); returns the count the
-    children printed and each variant's peak-RSS growth in bytes."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    children printed and each variant's peak-RSS growth in bytes. ``env``: added to the
+    children's environment."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **(env or {}))
     growth, count = {}, 0
     for variant in variants:
         out = subprocess.run([sys.executable, "-c", child_code, variant], capture_output=True, text=True, env=env,
@@ -51,10 +103,11 @@ def peak_rss_growth(child_code: str, variants: tuple[str, ...]) -> tuple[int, di
     return count, growth
 
 
-def saved_bytes_per_unit(child_code: str, baseline: str, variant: str, what: str) -> tuple[int, float]:
+def saved_bytes_per_unit(child_code: str, baseline: str, variant: str, what: str,
+                         env: dict[str, str] | None = None) -> tuple[int, float]:
     """Peak-RSS growth of ``baseline`` minus ``variant``'s, per unit of the children's count
     (printed, for the log); returns (count, bytes saved per unit)."""
-    count, growth = peak_rss_growth(child_code, (baseline, variant))
+    count, growth = peak_rss_growth(child_code, (baseline, variant), env)
     saved = (growth[baseline] - growth[variant]) / count
     print(f"peak RSS growth, {count / 1e6:.1f} M {what}: {baseline} {growth[baseline] / 2**20:.0f} MiB, {variant} "
           f"{growth[variant] / 2**20:.0f} MiB, saved {saved:.2f} B each")

@@ -22,7 +22,7 @@ import torch
 from transformers import HfArgumentParser
 
 from stronghold_hf import StrongholdConfig, StrongholdTrainer, StrongholdTrainingArguments, nvme, offload_model
-from child_rss import saved_bytes_per_unit
+from child_rss import llama_steps_child, saved_bytes_per_unit
 from test_trainer import COMMON, TinyDataset
 from tiny_models import batch, tiny_model
 
@@ -60,14 +60,19 @@ def _assert_identical(ram, disk):
             assert torch.equal(disk[3][i][key], value), (i, key)
 
 
-@pytest.mark.parametrize("family,overrides,config", [
+#: (family, config overrides, _train keywords): what the disk tiers must train bit-identically.
+PARITY_CASES = [
     ("llama", {}, {}),
     ("gpt2", dict(n_inner=128), dict(host_memory="lean")),  # 32 x 128 MLP weights: 8-bit moments
     ("t5", {}, dict(bf16=True)),
     ("llama", {}, dict(bf16=True, speculative_step="on", max_norm=1e3)),
     ("qwen2", {}, dict(speculative_step="on", max_norm=1e-3)),  # every step clips: each guess is undone
     ("bert", {}, dict(accumulate=2)),
-], ids=["llama-exact", "gpt2-lean", "t5-bf16", "llama-speculative", "qwen2-speculation-undone", "bert-accumulate"])
+]
+PARITY_IDS = ["llama-exact", "gpt2-lean", "t5-bf16", "llama-speculative", "qwen2-speculation-undone", "bert-accumulate"]
+
+
+@pytest.mark.parametrize("family,overrides,config", PARITY_CASES, ids=PARITY_IDS)
 def test_moments_on_disk_train_bit_identically(family, overrides, config, tmp_path):
     ref = tiny_model(family, **overrides)
     ram = _train(copy.deepcopy(ref), family, **config)
@@ -130,10 +135,12 @@ def test_the_ring_is_bounded_and_replaces_the_state_in_the_ledger(tmp_path):
     assert disk["pageable_host_bytes"] - ram["pageable_host_bytes"] == pytest.approx(
         disk["nvme_ring_bytes"] - (ram["optimizer_state_bytes"] - disk["optimizer_state_bytes"]), abs=4096)
     # Three steps: every unit's state written once a step, and read once a step but the first
-    # (nothing on disk yet), plus the next step's first units read ahead (at most ring - 1 of them).
+    # (nothing on disk yet), plus the next step's first units read ahead (at most ring - 1 of
+    # them; on a loaded machine a read-ahead taken back for a unit needed sooner is read again,
+    # still within the ring's size).
     assert disk["nvme_written_bytes"] == 3 * disk["nvme_file_bytes"]
     ahead = disk["nvme_read_bytes"] - 2 * disk["nvme_file_bytes"]
-    assert 0 <= ahead <= 2 * disk["nvme_ring_bytes"] / 3
+    assert 0 <= ahead <= disk["nvme_ring_bytes"]
 
 
 def test_sharded_state_on_disk(tmp_path):
@@ -153,25 +160,29 @@ def test_sharded_state_on_disk(tmp_path):
 
 
 # ------------------------------------------------------------------------------ the Trainer
-def _trainer(tmp_path, name, nvme_dir=None, **extra):
+def _trainer(tmp_path, name, nvme_dir=None, nvme_masters=False, **extra):
     argv = ["--output_dir", str(tmp_path / name), "--stronghold", "--stronghold_window_size", "1"]
     if nvme_dir is not None:
-        argv += ["--stronghold_config", json.dumps({"nvme_path": str(nvme_dir)})]
+        argv += ["--stronghold_config", json.dumps({"nvme_path": str(nvme_dir), "nvme_masters": nvme_masters})]
     (args,) = HfArgumentParser(StrongholdTrainingArguments).parse_args_into_dataclasses(argv)
     for k, v in {**COMMON, **extra}.items():
         setattr(args, k, v)
     return StrongholdTrainer(model=tiny_model("llama"), args=args, train_dataset=TinyDataset("llama", n=24))
 
 
-def test_trainer_checkpoints_resume_from_the_nvme_state(tmp_path):
+@pytest.mark.parametrize("nvme_masters", [False, True], ids=["moments", "masters-too"])
+def test_trainer_checkpoints_resume_from_the_nvme_state(tmp_path, nvme_masters):
+    from transformers import AutoModelForCausalLM
+
     swap = tmp_path / "nvme"
-    ram = _trainer(tmp_path, "ram", max_steps=6)
+    ram = _trainer(tmp_path, "ram", max_steps=6, save_strategy="steps", save_steps=3)
     ram.train()
-    full = _trainer(tmp_path, "full", swap, max_steps=6, save_strategy="steps", save_steps=3)
+    full = _trainer(tmp_path, "full", swap, nvme_masters, max_steps=6, save_strategy="steps", save_steps=3)
     full.train()
-    assert full.stronghold_engine.memory_stats()["nvme_file_bytes"] > 0
+    stats = full.stronghold_engine.memory_stats()
+    assert stats["nvme_file_bytes"] > 0 and (stats["nvme_masters_file_bytes"] > 0) == nvme_masters
     ckpt = tmp_path / "full" / "checkpoint-3"
-    resumed = _trainer(tmp_path, "resumed", swap, max_steps=6)
+    resumed = _trainer(tmp_path, "resumed", swap, nvme_masters, max_steps=6)
     resumed.train(resume_from_checkpoint=str(ckpt))
     in_ram = _trainer(tmp_path, "in_ram", max_steps=6)  # the same HF checkpoint format: the RAM tier resumes it
     in_ram.train(resume_from_checkpoint=str(ckpt))
@@ -181,6 +192,10 @@ def test_trainer_checkpoints_resume_from_the_nvme_state(tmp_path):
             assert torch.equal(v, expected[k]), k
     saved = torch.load(ckpt / "optimizer.pt", weights_only=True)["cpu"]["state"]
     assert all(s["exp_avg"].numel() > 0 for s in saved.values())
+    # The HF checkpoint written from the disk tier loads in plain HF, as the RAM tier's does.
+    plain = AutoModelForCausalLM.from_pretrained(ckpt).state_dict()
+    for k, v in AutoModelForCausalLM.from_pretrained(tmp_path / "ram" / "checkpoint-3").state_dict().items():
+        assert torch.equal(plain[k], v), k
 
 
 # ------------------------------------------------------------------------------ disk, directory, errors
@@ -264,44 +279,8 @@ def test_bad_settings_are_refused_early():
 
 
 # ------------------------------------------------------------------------------ measured from outside
-_CHILD = r"""
-import json, sys
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-from stronghold_hf import StrongholdConfig, offload_model
-
-torch.manual_seed(0)
 # A 39 M-parameter body: 24 blocks of hidden 320 (1.6 M each), a 0.6 M untied vocabulary.
-cfg = LlamaConfig(vocab_size=2000, hidden_size=320, intermediate_size=1280, num_hidden_layers=24,
-                  num_attention_heads=5, num_key_value_heads=5, tie_word_embeddings=False)
-model = LlamaForCausalLM(cfg)
-body = sum(p.numel() for p in model.model.layers.parameters())
-engine = offload_model(model, StrongholdConfig(window_size=1, host_worker="inline", **json.loads(sys.argv[1])))
-opt = engine.build_optimizer(lr=1e-4)
-ids = torch.randint(0, 2000, (1, 32))
-
-
-def status_kib(field):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-
-# The peak from here on, against the resident memory now: offload_model's own transient peak
-# (the model's tensors and the engine's arenas at once) must not hide the step's growth, nor
-# may the freed model tensors, kept in the heap or not depending on the allocator's history,
-# absorb part of it: give them back first.
-import ctypes
-ctypes.CDLL("libc.so.6").malloc_trim(0)
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # resets VmHWM to the current RSS
-before = status_kib("VmRSS")
-for _ in range(2):
-    model(input_ids=ids, labels=ids).loss.backward()
-    opt.step()
-    opt.zero_grad()
-engine.synchronize()
-print(body, status_kib("VmHWM") - before)
-"""
+_CHILD = llama_steps_child(layers=24, hidden=320, since="step")
 
 
 def test_moments_on_disk_save_eight_bytes_per_parameter_of_peak_rss(tmp_path):

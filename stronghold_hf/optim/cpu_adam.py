@@ -195,6 +195,12 @@ def _as_float(value: float | Tensor, name: str) -> float:
     return out
 
 
+def _bound_per_update(p: Tensor) -> bool:
+    """A placeholder (every stride 0, no memory of its own) for a master whose memory is bound
+    around each update: the NVMe tier's masters on disk (``nvme_masters``)."""
+    return p.dim() > 0 and all(st == 0 for st in p.stride())
+
+
 class CPUAdam(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias correction) for fp32 parameters in CPU memory.
 
@@ -335,7 +341,7 @@ class CPUAdam(torch.optim.Optimizer):
                 raise ValueError(f"{desc} is not float32. CPUAdam keeps fp32 master weights: optimize an fp32 copy "
                                  "(master = p.detach().float()) and mirror it into the low-precision tensor with "
                                  "register_copy_out(master, dest).")
-            if p.layout != torch.strided or not p.is_contiguous():
+            if p.layout != torch.strided or not (p.is_contiguous() or _bound_per_update(p)):
                 raise ValueError(f"{desc} is not a contiguous dense tensor. Make it one first: p.data = p.data.contiguous().")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -505,6 +511,10 @@ class CPUAdam(torch.optim.Optimizer):
                 raise ValueError(f"CPUAdam param group {gi}, parameter {pi}: grad must be a dense fp32 or bf16 CPU "
                                  f"tensor of shape {tuple(p.shape)}, got {g.layout} {g.dtype} {tuple(g.shape)} on "
                                  f"{g.device}; put an fp32 (or bf16) gradient in the master's .grad.")
+            if not p.is_contiguous():  # a master on disk stepped outside its NVMe tier binding
+                raise RuntimeError(f"CPUAdam param group {gi}, parameter {pi}: the parameter is not contiguous memory "
+                                   "at step time; a master on disk (nvme_masters) is stepped only inside its tier's "
+                                   "binding.")
             items.append((p, g if g.is_contiguous() else g.contiguous(), self._state_for(p), self._copy_out.get(p)))
         if not items:
             return

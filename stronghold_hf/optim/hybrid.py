@@ -455,15 +455,24 @@ def build_optimizer(engine, params: Iterable | None = None, *, fp16_loss_scaling
 
 
 def _nvme_tier(engine, cpu_opt, block_groups: dict[int, list[int]]):
-    from ..nvme import NvmeTier
+    from ..nvme import MasterPiece, NvmeTier
 
     if not isinstance(cpu_opt, CPUAdam):
         raise ValueError("StrongholdConfig.nvme_path needs the engine's CPU Adam (offload_optimizer=True).")
     units = [(u.index, u.fqn, [p for gi in block_groups[u.index] for p in cpu_opt.param_groups[gi]["params"]])
              for u in engine.update_order if u.index in block_groups]
     cfg = engine.config
+    disk = engine.disk_masters
+    master_pieces = None
+    if disk is not None:  # nvme_masters: an update reads and writes a unit's masters with its moments
+        previous = disk.tier
+        if previous is not None:  # an optimizer built again: the old one's write-backs land first
+            previous.flush()
+        master_pieces = {u.index: [MasterPiece(m, piece[1], tuple(m.shape))
+                                   for m, piece in zip(u.masters, u.pieces) if m is not None]
+                         for u in engine.units if u.masters_on_disk}
     return NvmeTier(cfg.nvme_path, cpu_opt, units, ring_buffers=cfg.nvme_ring_buffers, io_threads=cfg.nvme_io_threads,
-                    ledger=engine.ledger, stats=engine.stats)
+                    ledger=engine.ledger, stats=engine.stats, masters=disk, master_pieces=master_pieces)
 
 
 def remap_cpu_state(pieces: list[tuple[str, str, int, int]], shapes: list[torch.Size],
