@@ -311,6 +311,7 @@ class Estimate:
     nvme_bytes_needed: int
     nvme_memory_bytes: int | None
     cpu_nvme_ring_bytes: int
+    nvme_masters: bool  # the fp32 masters are on disk too (then cpu_master_bytes is 0)
     # GPU side (STRONGHOLD)
     gpu_resident_bytes: int  # outside the window: resident units and their gradients, or (offload_non_block=False) params + grads + AdamW
     gpu_window_bytes: int
@@ -365,10 +366,13 @@ class Estimate:
                    if self.host_grads == "fp32" and self.dtype == "bf16" else "")
                 + ("; StrongholdConfig(nvme_path=DIR) on a fast local disk moves the Adam moments "
                    f"({_gib(self.cpu_adam_bytes)}) there (estimate with --nvme_memory)" if not self.nvme_adam else "")
+                + ("; StrongholdConfig(nvme_masters=True) moves the fp32 masters "
+                   f"({_gib(self.cpu_master_bytes)}) there too" if self.nvme_adam and not self.nvme_masters else "")
                 + ")."
             )
         if self.nvme_fits is False:
-            problems.append(f"NVMe: the Adam moments need {_gib(self.nvme_bytes_needed)} on disk, which has "
+            what = "the Adam moments and the fp32 masters" if self.nvme_masters else "the Adam moments"
+            problems.append(f"NVMe: {what} need {_gib(self.nvme_bytes_needed)} on disk, which has "
                             f"{_gib(self.nvme_memory_bytes)}. Free space or use a larger disk for nvme_path.")
         if self.gpu_fits is False:
             fixes = []
@@ -402,7 +406,8 @@ class Estimate:
         adam = ADAM_STATE_BYTES if self.host_memory == "exact" else self.cpu_adam_bytes / max(self.total_params, 1)
         adam = 0 if self.nvme_adam else adam
         grad = 2 if self.host_grads == "compute" else 4
-        return 4 + adam + grad + (0 if self.dtype == "fp32" or not self.host_image else _NBYTES[self.dtype])
+        master = 0 if self.nvme_masters else 4
+        return master + adam + grad + (0 if self.dtype == "fp32" or not self.host_image else _NBYTES[self.dtype])
 
 
 _NBYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -435,10 +440,12 @@ def _assemble(
     offload_non_block: bool = True, chunked_loss: bool = True, offload_activations: bool | str = "auto",
     loss_chunk_tokens: int | str = "auto", host_memory: str = "exact", host_image: bool | str = "auto",
     host_grads: str = "auto", gradient_accumulation_steps: int = 1, nvme_memory_bytes: int | None = None,
-    nvme: bool | str = "auto", nvme_ring_buffers: int = 3,
+    nvme: bool | str = "auto", nvme_ring_buffers: int = 3, nvme_masters: bool | str = "auto",
 ) -> Estimate:
     if nvme not in (True, False, "auto"):
         raise ValueError(f"nvme={nvme!r}; use \"auto\", True or False.")
+    if nvme_masters not in (True, False, "auto"):
+        raise ValueError(f"nvme_masters={nvme_masters!r}; use \"auto\", True or False.")
     if host_grads not in ("auto", "fp32", "compute"):
         raise ValueError(f"host_grads={host_grads!r}; use \"auto\", \"fp32\" or \"compute\".")
     if gradient_accumulation_steps < 1:
@@ -553,23 +560,44 @@ def _assemble(
                 break
             max_w = cand
     activation_host = inputs_host if offload else 0
-    # The NVMe tier: the moments on disk, a ring of buffers of the largest unit's moments in RAM.
-    nvme_ring = min(nvme_ring_buffers, len(unit_adam)) * max(unit_adam, default=0)
+    # The NVMe tier: the moments on disk, a ring of buffers of the largest unit's moments in RAM
+    # (with nvme_masters, of its masters and moments).
+    unit_master = [4 * u.trainable for u in units]
 
-    def host_need(keep: bool, on_disk: bool) -> int:
+    def nvme_ring(masters_on_disk: bool) -> int:
+        per_unit = [a + (m if masters_on_disk else 0) for a, m in zip(unit_adam, unit_master)]
+        return min(nvme_ring_buffers, len(per_unit)) * max(per_unit, default=0)
+
+    # Masters on disk: no image; fetches read one block's masters at a time (fp32 scratch) and
+    # convert them through the staging ring, in the compute dtype (fp32 compute too).
+    block_trainable = max((u.trainable for u in units if u.kind == "block"),
+                          default=max((u.trainable for u in units), default=0))
+    disk_fetch = FETCH_STAGING_BUFFERS * c * block_trainable + 4 * block_trainable
+
+    def host_need(keep: bool, on_disk: bool, masters_on_disk: bool = False) -> int:
+        if masters_on_disk:
+            return (nvme_ring(True) + grad + pinned - image + disk_fetch + staging + activation_host
+                    + CPU_PROCESS_BYTES)
         image_or_ring = 0 if keep or not image else ring - image
-        moments = nvme_ring if on_disk else adam
+        moments = nvme_ring(False) if on_disk else adam
         return master + moments + grad + pinned + image_or_ring + staging + activation_host + CPU_PROCESS_BYTES
 
     # What "auto" chooses, in order, the first that fits the RAM: everything in RAM; without
-    # the image (host_image="auto"); the moments on disk (with nvme_memory), image kept if it fits.
+    # the image (host_image="auto"); the moments on disk (with nvme_memory), image kept if it
+    # fits; then the masters on disk too (nvme_masters="auto").
     images = [True, False] if host_image == "auto" else [bool(host_image)]
     disks = [True] if nvme is True else [False] if nvme is False or (nvme_memory_bytes is None) else [False, True]
-    choices = [(keep, disk) for disk in disks for keep in images]
-    keep_image, on_disk = next((c for c in choices if cpu_memory_bytes is None or host_need(*c) <= cpu_memory_bytes),
-                               choices[-1])
-    cpu_needed = host_need(keep_image, on_disk)
-    if image and not keep_image:
+    choices = [(keep, disk, False) for disk in disks for keep in images]
+    if nvme_masters is True:
+        choices = [(False, True, True)]
+    elif nvme_masters == "auto" and True in disks and host_image is not True:
+        choices.append((False, True, True))
+    keep_image, on_disk, masters_on_disk = next(
+        (c for c in choices if cpu_memory_bytes is None or host_need(*c) <= cpu_memory_bytes), choices[-1])
+    cpu_needed = host_need(keep_image, on_disk, masters_on_disk)
+    if masters_on_disk:
+        pinned += disk_fetch - image
+    elif image and not keep_image:
         pinned += ring - image
         if host_image == "auto":
             notes.append(f"host_image=\"auto\" drops the pinned {dtype} image ({_gib(image)}): fetches convert the "
@@ -577,9 +605,12 @@ def _assemble(
     if on_disk and nvme == "auto":
         notes.append(f"the Adam moments ({_gib(adam)}) go to the NVMe tier (StrongholdConfig(nvme_path=DIR)): the host "
                      f"holds a ring of {min(nvme_ring_buffers, len(unit_adam))} buffers instead")
-    if on_disk and cpu_memory_bytes is not None and cpu_needed > cpu_memory_bytes:
+    if masters_on_disk and nvme_masters == "auto":
+        notes.append(f"the fp32 masters ({_gib(master)}) go to disk too (StrongholdConfig(nvme_masters=True)): "
+                     "every fetch reads them from the NVMe tier")
+    if on_disk and not masters_on_disk and cpu_memory_bytes is not None and cpu_needed > cpu_memory_bytes:
         notes.append(f"with the moments on disk the host still needs the fp32 masters ({_gib(master)}) and the "
-                     f"gradients ({_gib(grad)}); the NVMe tier does not move masters")
+                     f"gradients ({_gib(grad)}); StrongholdConfig(nvme_masters=True) moves the masters too")
 
     total = counts.block_params + counts.resident_params
     plain_state = state_per_param * total + counts.buffer_bytes
@@ -593,7 +624,8 @@ def _assemble(
         notes.append("CPU RAM unknown: CPU check skipped")
     if gpu_fits is None:
         notes.append("GPU memory unknown: GPU check skipped")
-    nvme_fits = None if not on_disk or nvme_memory_bytes is None else adam <= nvme_memory_bytes
+    on_nvme = (adam if on_disk else 0) + (master if masters_on_disk else 0)
+    nvme_fits = None if not on_disk or nvme_memory_bytes is None else on_nvme <= nvme_memory_bytes
     fixed = window_bytes + lanes + outside + block_act + head
     return Estimate(
         model_name=model_name, seq_len=seq_len, batch_size=batch_size, dtype=dtype,
@@ -601,13 +633,13 @@ def _assemble(
         num_blocks=n, block_params=counts.block_params, resident_params=counts.resident_params,
         total_params=total, largest_block_params=largest, offload_non_block=offload_non_block,
         chunked_loss=bool(use_chunks), offload_activations=offload,
-        cpu_master_bytes=master, cpu_adam_bytes=0 if on_disk else adam, cpu_grad_bytes=grad, host_memory=host_memory,
+        cpu_master_bytes=0 if masters_on_disk else master, cpu_adam_bytes=0 if on_disk else adam, cpu_grad_bytes=grad, host_memory=host_memory,
         host_image=bool(keep_image or not image), host_grads="compute" if bf16_grads else "fp32",
         cpu_pinned_copy_bytes=pinned,
         cpu_grad_staging_bytes=staging, cpu_activation_bytes=activation_host, cpu_process_bytes=CPU_PROCESS_BYTES,
         cpu_bytes_needed=cpu_needed, cpu_memory_bytes=cpu_memory_bytes,
-        nvme_adam=on_disk, nvme_bytes_needed=adam if on_disk else 0, nvme_memory_bytes=nvme_memory_bytes,
-        cpu_nvme_ring_bytes=nvme_ring if on_disk else 0,
+        nvme_adam=on_disk, nvme_bytes_needed=on_nvme, nvme_memory_bytes=nvme_memory_bytes,
+        cpu_nvme_ring_bytes=nvme_ring(masters_on_disk) if on_disk else 0, nvme_masters=masters_on_disk,
         gpu_resident_bytes=outside, gpu_window_bytes=window_bytes,
         gpu_slot_bytes=max((u.device_bytes for u in streamed), default=0),
         gpu_grad_buffer_bytes=lanes, gpu_engine_bytes=window_bytes + lanes + (outside - counts.buffer_bytes
@@ -705,7 +737,7 @@ def estimate(
     grad_buffers: int = 2, offload_non_block: bool = True, chunked_loss: bool = True,
     offload_activations: bool | str = "auto", loss_chunk_tokens: int | str = "auto", host_memory: str = "exact",
     host_image: bool | str = "auto", host_grads: str = "auto", gradient_accumulation_steps: int = 1,
-    nvme_memory_bytes: int | str | None = None, nvme: bool | str = "auto",
+    nvme_memory_bytes: int | str | None = None, nvme: bool | str = "auto", nvme_masters: bool | str = "auto",
 ) -> Estimate:
     """Estimates STRONGHOLD and plain-training memory for a config (built on the meta device).
 
@@ -722,7 +754,8 @@ def estimate(
     keeps bf16 gradients when ``gradient_accumulation_steps`` is 1); ``offload_activations="auto"`` offloads when
     the GPU would not fit otherwise. ``nvme_memory_bytes``: the NVMe tier's disk space; with it
     (``nvme="auto"``) the Adam moments go to disk when the RAM would not hold them
-    (``nvme=True``: always, as an engine with ``nvme_path`` does).
+    (``nvme=True``: always, as an engine with ``nvme_path`` does), and then the fp32 masters
+    too when it still would not (``nvme_masters="auto"``; True: always, False: never).
     """
     model = build_meta_model(model_config, auto_class)
     label = _dtype_label(dtype)
@@ -739,7 +772,7 @@ def estimate(
         host_memory=host_memory, host_image=host_image, host_grads=host_grads,
         gradient_accumulation_steps=gradient_accumulation_steps,
         nvme_memory_bytes=None if nvme_memory_bytes is None else parse_memory(nvme_memory_bytes),
-        nvme=nvme,
+        nvme=nvme, nvme_masters=nvme_masters,
     )
 
 
@@ -752,6 +785,7 @@ def estimate_for_model(
     offload_activations: bool | str = "auto", loss_chunk_tokens: int | str = "auto", host_memory: str = "exact",
     host_image: bool | str = "auto", host_grads: str = "auto", gradient_accumulation_steps: int = 1,
     nvme_memory_bytes: int | None = None, nvme: bool | str = "auto", nvme_ring_buffers: int = 3,
+    nvme_masters: bool | str = "auto",
 ) -> Estimate:
     """The same estimate from a live, already built model (call before moving it to the GPU).
 
@@ -792,6 +826,7 @@ def estimate_for_model(
         offload_activations=offload_activations, loss_chunk_tokens=loss_chunk_tokens, host_memory=host_memory,
         host_image=host_image, host_grads=host_grads, gradient_accumulation_steps=gradient_accumulation_steps,
         nvme_memory_bytes=nvme_memory_bytes, nvme=nvme, nvme_ring_buffers=nvme_ring_buffers,
+        nvme_masters=nvme_masters,
     )
 
 
@@ -823,21 +858,26 @@ def _table(e: Estimate) -> str:
         f"{e.seq_len} x batch {e.batch_size}, {e.dtype}, gradient checkpointing {ckpt}"
         + (", checkpointed activations offloaded" if e.offload_activations else ""),
         f"{'CPU RAM (STRONGHOLD)':<54}{'GiB':>10}",
-        row("fp32 master weights (4 B/param)", e.cpu_master_bytes),
-        row("Adam state: on NVMe, a ring of buffers in RAM" if e.nvme_adam
+        row("fp32 master weights: on NVMe (nvme_masters)" if e.nvme_masters else "fp32 master weights (4 B/param)",
+            e.cpu_master_bytes),
+        row("Adam state + masters: on NVMe, a ring in RAM" if e.nvme_masters
+            else "Adam state: on NVMe, a ring of buffers in RAM" if e.nvme_adam
             else f"Adam state ({ADAM_STATE_BYTES} B/param)" if e.host_memory == "exact"
             else "Adam state, lean (8-bit moments, 2 B/param)", e.cpu_nvme_ring_bytes if e.nvme_adam else e.cpu_adam_bytes),
         row("fp32 gradient buffers (4 B/param)" if e.host_grads == "fp32"
             else "gradient buffers (bf16 units 2 B/param, others 4)", e.cpu_grad_bytes),
-        row("pinned images (fp32: the masters; frozen: stored bytes)" if c == 4
+        row("pinned images (fp32: the masters; frozen: stored bytes)" if c == 4 and not e.nvme_masters
             else f"pinned {e.dtype} images ({c} B/param; frozen: stored bytes)" if e.host_image
-            else f"pinned {e.dtype} staging, no image (frozen: stored bytes)", e.cpu_pinned_copy_bytes),
+            else f"pinned {e.dtype} staging, no image (frozen: stored bytes)" if not e.nvme_masters
+            else f"pinned {e.dtype} staging + fp32 read scratch (frozen: stored)",
+            e.cpu_pinned_copy_bytes),
         row("pinned gradient staging (K buffers)", e.cpu_grad_staging_bytes),
         row("offloaded checkpointed activations", e.cpu_activation_bytes),
         row("process allowance (Python, torch, CUDA runtime)", e.cpu_process_bytes),
         total("total", e.cpu_bytes_needed, e.cpu_memory_bytes, e.cpu_fits),
         *([f"NVMe (STRONGHOLD, nvme_path)",
-           total(f"Adam moments ({'8-bit' if e.host_memory == 'lean' else 'fp32'})", e.nvme_bytes_needed,
+           total(f"Adam moments ({'8-bit' if e.host_memory == 'lean' else 'fp32'})"
+                 + (" + fp32 masters" if e.nvme_masters else ""), e.nvme_bytes_needed,
                  e.nvme_memory_bytes, e.nvme_fits)] if e.nvme_adam else []),
         f"GPU (STRONGHOLD, window_size={e.window_size})",
         row(f"window ({e.window_size + 1} units, largest {e.gpu_slot_bytes / MiB:.1f} MiB)", e.gpu_window_bytes),
@@ -926,7 +966,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "would not hold it), true or false")
     parser.add_argument("--nvme_memory", type=memory, default=None,
                         help="disk space for the NVMe tier (nvme_path), e.g. 2TB: the Adam moments go there when the "
-                        "RAM would not hold them")
+                        "RAM would not hold them, then the fp32 masters")
+    parser.add_argument("--nvme_masters", type=_arg_type(_parse_auto_bool, "auto, true or false"), default="auto",
+                        help="the fp32 masters on disk too (nvme_masters): auto (default: when the RAM would not hold "
+                        "them with the moments on disk), true or false")
     parser.add_argument("--check", action="store_true", help="exit with status 3 when STRONGHOLD does not fit")
     args = parser.parse_args(argv)
 
@@ -944,6 +987,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             offload_activations=args.offload_activations, host_memory=args.host_memory,
             host_image=args.host_image, host_grads=args.host_grads,
             gradient_accumulation_steps=args.gradient_accumulation_steps, nvme_memory_bytes=args.nvme_memory,
+            nvme_masters=args.nvme_masters,
         )
     except (ValueError, OSError, KeyError) as err:
         parser.error(str(err))

@@ -263,14 +263,30 @@ def test_nvme_tier_moves_the_moments_to_disk_when_the_ram_needs_it():
     assert forced.nvme_adam and forced.nvme_fits is None
 
 
-def test_nvme_tier_for_llama3_70b_names_what_still_holds_the_host():
-    """Llama-3-70B, bf16, 80 GB GPU, 256 GB RAM, 2 TB NVMe: the moments fit on disk, but the fp32
-    masters (263 GiB) stay in RAM (the tier moves moments only), so the host does not fit."""
+def test_llama3_70b_fits_80gb_256gb_and_2tb_with_the_masters_on_disk():
+    """Llama-3-70B, bf16, seq 4096, batch 1, checkpointing, 80 GB GPU, 256 GB RAM, 2 TB NVMe:
+    the moments alone on disk leave the fp32 masters (263 GiB) in RAM, which does not fit, and
+    the estimator names nvme_masters; "auto" then moves the masters too: the host keeps the bf16
+    gradients and the rings, the disk 12 B/param, and it fits."""
     cfg = load_config(LLAMA3_70B[0], config_overrides=LLAMA3_70B[1])
-    e = estimate(cfg, seq_len=4096, batch_size=1, dtype="bf16", gpu_memory_bytes="80GB", cpu_memory_bytes="256GB",
-                 gradient_checkpointing=True, nvme_memory_bytes="2TB")
-    assert e.gpu_fits and e.nvme_adam and e.nvme_fits and not e.cpu_fits
-    assert any("does not move masters" in n for n in e.notes)
+    kw = dict(seq_len=4096, batch_size=1, dtype="bf16", gpu_memory_bytes="80GB", cpu_memory_bytes="256GB",
+              gradient_checkpointing=True, nvme_memory_bytes="2TB")
+    moments = estimate(cfg, nvme_masters=False, **kw)
+    assert moments.gpu_fits and moments.nvme_adam and moments.nvme_fits and not moments.cpu_fits
+    assert any("StrongholdConfig(nvme_masters=True) moves the masters too" in n for n in moments.notes)
+    with pytest.raises(ValueError, match=r"nvme_masters=True\) moves the fp32 masters \(262.83 GiB\)"):
+        moments.raise_if_not_fits()
+    e = estimate(cfg, **kw)  # nvme_masters="auto"
+    assert e.fits and e.nvme_masters and e.nvme_adam and e.cpu_master_bytes == 0 and not e.host_image
+    assert e.nvme_bytes_needed == 12 * e.total_params  # fp32 masters and both moments
+    assert e.cpu_grad_bytes == 2 * e.total_params  # bf16 gradients (141 GB) stay on the host
+    rings = e.cpu_nvme_ring_bytes + e.cpu_pinned_copy_bytes + e.cpu_grad_staging_bytes
+    assert e.cpu_bytes_needed == e.cpu_grad_bytes + rings + e.cpu_process_bytes
+    assert e.cpu_bytes_needed < 256 * 10**9 * 0.75
+    assert any("fp32 masters (262.83 GiB) go to disk too" in n for n in e.notes)
+    forced = estimate(cfg, nvme_masters=True, **{**kw, "cpu_memory_bytes": "1TB"})
+    assert forced.nvme_masters  # True: always, as an engine with nvme_masters does
+    assert not estimate(cfg, **{**kw, "cpu_memory_bytes": "1TB"}).nvme_masters  # auto: only when needed
 
 
 def test_activation_offload_auto_turns_on_when_the_inputs_do_not_fit():

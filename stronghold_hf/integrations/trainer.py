@@ -722,15 +722,17 @@ def _atomic_replace_dir(src: str, dst: str) -> None:
 
 
 def _nvme_estimate_args(cfg) -> dict[str, Any]:
-    """With ``nvme_path`` the moments are on disk: the fit check counts the ring, and the disk's free space."""
+    """With ``nvme_path`` the moments (and with ``nvme_masters`` the masters) are on disk: the fit
+    check counts the ring, and the disk's free space."""
     if cfg.nvme_path is None:
-        return dict(nvme=False)
+        return dict(nvme=False, nvme_masters=False)
     import shutil
 
     probe = cfg.nvme_path
     while not os.path.exists(probe) and os.path.dirname(probe) != probe:  # created at the first step
         probe = os.path.dirname(probe)
-    return dict(nvme=True, nvme_memory_bytes=shutil.disk_usage(probe).free, nvme_ring_buffers=cfg.nvme_ring_buffers)
+    return dict(nvme=True, nvme_memory_bytes=shutil.disk_usage(probe).free, nvme_ring_buffers=cfg.nvme_ring_buffers,
+                nvme_masters=cfg.nvme_masters)
 
 
 class StrongholdTrainer(_StrongholdTrainerMixin, Trainer):
