@@ -17,7 +17,10 @@ Output, JSON lines:
   bottleneck; above 1 when the next step's first units were read ahead during the forward
   and backward, outside the update phase), ``hidden_ratio`` = ``max(io_bound_s, ram update_s) / nvme update_s`` (1.0: the
   update hides fully behind the stream or the stream behind the update), and the paired
-  ``step_ratio_nvme_vs_ram``.
+  ``step_ratio_nvme_vs_ram``. With ``nvme_masters`` (the third engine run, ``tier:
+  "nvme_masters"``) the summary adds the same figures for it (``masters_*``): its update moves
+  masters and moments (12 B/param exact), and every fetch reads the masters
+  (``fetch_read_bytes_per_step``, ``masters_fetch_read_s``: those bytes at the disk's read rate).
 
     python benchmarks/bench_nvme.py --nvme_path /mnt/nvme          # a 12-block, 51 M-parameter Llama
     python benchmarks/bench_nvme.py --nvme_path /tmp --disk_mb 256 --layers 4 --steps 3   # quick
@@ -72,7 +75,9 @@ def engine_run(tier: str, args, device: str) -> dict:
                       tie_word_embeddings=False)
     model = LlamaForCausalLM(cfg)
     extra = dict(nvme_path=args.nvme_path, nvme_io_threads=args.io_threads,
-                 nvme_ring_buffers=args.ring) if tier == "nvme" else {}
+                 nvme_ring_buffers=args.ring) if tier != "ram" else {}
+    if tier == "nvme_masters":
+        extra["nvme_masters"] = True
     engine = offload_model(model, StrongholdConfig(window_size=2, **extra), device=device)
     opt = engine.build_optimizer(lr=1e-4)
     ids = torch.randint(0, 4096, (1, args.seq), device=device)
@@ -96,9 +101,11 @@ def engine_run(tier: str, args, device: str) -> dict:
     moved = (stats["nvme_read_bytes"] - before["nvme_read_bytes"] + stats["nvme_written_bytes"]
              - before["nvme_written_bytes"]) / args.steps
     read = (stats["nvme_read_bytes"] - before["nvme_read_bytes"]) / args.steps
+    fetched = (stats["nvme_masters_read_bytes"] - before["nvme_masters_read_bytes"]) / args.steps
     out = {"bench": "nvme", "part": "engine", "tier": tier, "device": device, "step_s": statistics.median(steps),
            "update_s": statistics.median(updates), "trainable_params": stats["offloaded_trainable_params"],
-           "state_bytes_per_step": moved, "read_bytes_per_step": read, "host_bytes": stats["pinned_host_bytes"]
+           "state_bytes_per_step": moved, "read_bytes_per_step": read, "fetch_read_bytes_per_step": fetched,
+           "host_bytes": stats["pinned_host_bytes"]
            + stats["pageable_host_bytes"], "nvme_ring_bytes": stats["nvme_ring_bytes"]}
     engine.close()
     return out
@@ -126,8 +133,15 @@ def main() -> None:
     print(json.dumps(ram), flush=True)
     nv = engine_run("nvme", args, device)
     print(json.dumps(nv), flush=True)
-    read = nv["read_bytes_per_step"]
-    io_bound = read / (disk["read_gb_per_s"] * 1e9) + (nv["state_bytes_per_step"] - read) / (disk["write_gb_per_s"] * 1e9)
+    masters = engine_run("nvme_masters", args, device)
+    print(json.dumps(masters), flush=True)
+
+    def bound(run: dict) -> float:
+        read = run["read_bytes_per_step"]
+        return read / (disk["read_gb_per_s"] * 1e9) + (run["state_bytes_per_step"] - read) / (
+            disk["write_gb_per_s"] * 1e9)
+
+    io_bound, masters_bound = bound(nv), bound(masters)
     print(json.dumps({
         "bench": "nvme", "part": "summary", "device": device, "direct": disk["direct"],
         "state_bytes_per_step": nv["state_bytes_per_step"], "io_bound_s": io_bound,
@@ -135,6 +149,12 @@ def main() -> None:
         "hidden_ratio": max(io_bound, ram["update_s"]) / nv["update_s"],
         "step_ratio_nvme_vs_ram": nv["step_s"] / ram["step_s"],
         "host_bytes_saved_per_param": (ram["host_bytes"] - nv["host_bytes"]) / nv["trainable_params"],
+        "masters_state_bytes_per_step": masters["state_bytes_per_step"], "masters_io_bound_s": masters_bound,
+        "masters_ratio_of_disk_bound": masters_bound / masters["update_s"],
+        "masters_fetch_read_bytes_per_step": masters["fetch_read_bytes_per_step"],
+        "masters_fetch_read_s": masters["fetch_read_bytes_per_step"] / (disk["read_gb_per_s"] * 1e9),
+        "step_ratio_masters_vs_ram": masters["step_s"] / ram["step_s"],
+        "masters_host_bytes_saved_per_param": (ram["host_bytes"] - masters["host_bytes"]) / masters["trainable_params"],
     }), flush=True)
     if tmp is not None:
         tmp.cleanup()

@@ -18,6 +18,7 @@
 #                                    first_block_ready_fraction, forward_stall_fraction, miss rate
 #   bench_max_model.py --quick  60   largest trainable model under a 32 GB cap
 #   bench_train.py --quick      70   HF Trainer: plain vs --stronghold (auto, 1, 2), FSDP2 offload
+#   bench_nvme.py               45   only if 45 s are left: the disk, then RAM vs NVMe tier vs masters on NVMe
 #   bench_fetch.py              30   only if 30 s are left: fp32->bf16 conversion against the H2D copy it feeds
 #   bench_step.py (bf16)        rest only if at least 60 s of the 8 minutes are left
 #   total                       <= 485 + the optional runs, capped at 490
@@ -27,7 +28,8 @@
 #
 # Output (which the device tool collects from $OUT):
 #   env.txt  gpu_tests.txt  bench_memory_cuda.jsonl  bench_estimate_cuda.jsonl  bench_step_cuda.jsonl
-#   bench_max_model.jsonl  bench_train_cuda.jsonl  bench_fetch_cuda.jsonl  bench_step_cuda_bf16.jsonl
+#   bench_max_model.jsonl  bench_train_cuda.jsonl  bench_nvme_cuda.jsonl  bench_fetch_cuda.jsonl
+#   bench_step_cuda_bf16.jsonl
 #   stderr.log  summary.txt
 set -euo pipefail
 export PYTHONUNBUFFERED=1
@@ -128,6 +130,19 @@ run_piece "bench_max_model quick 32GB" 60 "$OUT_DIR/bench_max_model.jsonl" \
 run_piece "bench_train cuda quick" 70 "$OUT_DIR/bench_train_cuda.jsonl" \
     python benchmarks/bench_train.py --device cuda --quick --model_size gpt2-small-like --worker_timeout 40 \
     --time_budget_s 50
+
+# ---------------------------------------------------------------------------- optional bench_nvme (45 s)
+# The NVMe tier on this machine's disk: its read/write GB/s, then an 8-block Llama's step with the
+# state in RAM, the moments on disk, and masters and moments on disk (ratio_of_disk_bound: the
+# update phase against the disk's bound). Only when 45 s of the 490 are left.
+if [ $((490 - (SECONDS - START))) -ge 45 ]; then
+    NVME_DIR=$(mktemp -d "${TMPDIR:-/tmp}/stronghold-nvme-XXXX")
+    run_piece "bench_nvme cuda" 45 "$OUT_DIR/bench_nvme_cuda.jsonl" \
+        python benchmarks/bench_nvme.py --nvme_path "$NVME_DIR" --disk_mb 512 --layers 8 --steps 3
+    rm -rf "$NVME_DIR"
+else
+    log "bench_nvme cuda: skipped, under 45 s left"
+fi
 
 # ---------------------------------------------------------------------------- optional bench_fetch (30 s)
 # host_image=False: fp32 -> bf16 conversion of a Llama-3-8B block (218 M elements) against the pinned

@@ -83,8 +83,12 @@ def test_bench_nvme_smoke(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.strip()]
-    assert [r["part"] for r in rows] == ["disk", "engine", "engine", "summary"]
+    assert [r["part"] for r in rows] == ["disk", "engine", "engine", "engine", "summary"]
+    assert [r["tier"] for r in rows[1:4]] == ["ram", "nvme", "nvme_masters"]
     assert rows[0]["read_gb_per_s"] > 0 and rows[0]["write_gb_per_s"] > 0
     summary = rows[-1]
     assert summary["state_bytes_per_step"] > 0 and summary["ratio_of_disk_bound"] > 0
+    # The masters move with the moments (12 B/param against 8), and fetches read them.
+    assert summary["masters_state_bytes_per_step"] > summary["state_bytes_per_step"]
+    assert summary["masters_fetch_read_bytes_per_step"] > 0
     assert list(tmp_path.iterdir()) == []  # the benchmark's files are gone too
