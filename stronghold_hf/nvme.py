@@ -303,7 +303,7 @@ class StateFile:
                     "O_DIRECT" if self.direct else "buffered I/O, pages dropped after use")
 
     def _full_message(self, free: int) -> str:
-        return (f"StrongholdConfig.nvme_path: {self.holds} needs {_format_bytes(self.nbytes)} "
+        return (f"StrongholdConfig.nvme_path: storing {self.holds} needs {_format_bytes(self.nbytes)} "
                 f"({self.nbytes} bytes) in {os.path.dirname(os.path.dirname(self.path))}, which has "
                 f"{_format_bytes(free)} free. Free space there or point nvme_path at a larger disk.")
 

@@ -396,7 +396,12 @@ class WindowEngine:
             n = layout_block(s.fqn, list(s.params), d, shards, grad_align).shard_numel
             if n:
                 numels[s.index] = n
-        return DiskMasters(SwapDirectory(self.config.nvme_path), numels, io_threads=self.config.nvme_io_threads)
+        directory = SwapDirectory(self.config.nvme_path)
+        try:
+            return DiskMasters(directory, numels, io_threads=self.config.nvme_io_threads)
+        except BaseException:
+            directory.remove()  # a full disk: nothing of this engine is left behind
+            raise
 
     def reset_peak_memory_stats(self) -> None:
         self.ledger.reset_peak()

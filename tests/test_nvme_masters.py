@@ -148,6 +148,20 @@ def test_parameters_stay_safe_to_touch_between_steps(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_full_disk_is_an_error_at_offload(tmp_path, monkeypatch):
+    """The masters are written by offload_model: a disk that cannot hold them fails it, naming
+    the bytes, before anything is trained, and leaves no directory behind."""
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 1000, 1000))
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"storing the fp32 masters needs .* GB \(\d+ bytes\) in .*which has 0.00 GB free"):
+        offload_model(model, StrongholdConfig(window_size=1, nvme_path=str(tmp_path), nvme_masters=True), device="cpu")
+    assert os.listdir(tmp_path) == []
+
+
 def test_bad_settings_are_refused_early(tmp_path):
     with pytest.raises(ValueError, match="nvme_masters=True needs nvme_path"):
         StrongholdConfig(nvme_masters=True)
