@@ -39,12 +39,12 @@ import torch
 
 
 def disk_rates(root: str, nbytes: int, io_threads: int) -> dict:
-    from stronghold_hf import nvme
+    from stronghold_hf import swap
 
-    directory = nvme.SwapDirectory(root)
+    directory = swap.SwapDirectory(root)
     try:
-        f = nvme.StateFile(directory.file("bench.bin"), nbytes, io_threads=io_threads)
-        buf = nvme._aligned_empty(nbytes)
+        f = swap.StateFile(directory.file("bench.bin"), nbytes, io_threads=io_threads)
+        buf = swap._aligned_empty(nbytes)
         buf.random_(0, 255)
         rates = {}
         for name, write in (("write", True), ("read", False)):

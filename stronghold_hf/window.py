@@ -389,7 +389,8 @@ class WindowEngine:
     def _disk_masters(self, specs, dtypes, shards: int, grad_align: int):
         """The file of the fp32 masters (``nvme_masters``), one extent per unit with a trainable
         shard, sized by the layouts the units will compute."""
-        from .nvme import DiskMasters, SwapDirectory
+        from .nvme import DiskMasters
+        from .swap import SwapDirectory
 
         numels = {}
         for s, d in zip(specs, dtypes):

@@ -21,7 +21,7 @@ import pytest
 import torch
 from transformers import HfArgumentParser
 
-from stronghold_hf import StrongholdConfig, StrongholdTrainer, StrongholdTrainingArguments, nvme, offload_model
+from stronghold_hf import StrongholdConfig, StrongholdTrainer, StrongholdTrainingArguments, offload_model, swap
 from child_rss import llama_steps_child, saved_bytes_per_unit
 from test_trainer import COMMON, TinyDataset
 from tiny_models import batch, tiny_model
@@ -86,7 +86,8 @@ def test_moments_on_disk_train_bit_identically(family, overrides, config, tmp_pa
     assert os.listdir(tmp_path) == []  # close() removed the engine's directory
 
 
-def test_an_fp16_overflow_skips_the_step_on_disk_too(tmp_path):
+@pytest.mark.parametrize("nvme_masters", [False, True], ids=["moments", "masters-too"])
+def test_an_fp16_overflow_skips_the_step_on_disk_too(tmp_path, nvme_masters):
     """Clean step, a step whose gradient overflows (skipped: no unit's state is read or
     written), clean step: the same weights and state as the RAM tier's."""
     def run(**config):
@@ -111,7 +112,7 @@ def test_an_fp16_overflow_skips_the_step_on_disk_too(tmp_path):
         engine.close()
         return state
 
-    ram, disk = run(), run(nvme_path=str(tmp_path))
+    ram, disk = run(), run(nvme_path=str(tmp_path), nvme_masters=nvme_masters)
     for k, v in ram[0].items():
         assert torch.equal(disk[0][k], v), k
     for i, st in ram[1].items():
@@ -252,7 +253,7 @@ def test_a_stale_directory_is_removed_and_a_live_one_kept(tmp_path, caplog):
     subprocess.run([sys.executable, "-c", _KILLED_CHILD, str(tmp_path), tests_dir], check=True, timeout=300,
                    env=dict(os.environ, HF_HUB_OFFLINE="1"))
     (stale,) = os.listdir(tmp_path)
-    assert stale.startswith(nvme.SWAP_PREFIX)
+    assert stale.startswith(swap.SWAP_PREFIX)
     live = offload_model(tiny_model("llama"), StrongholdConfig(window_size=1, nvme_path=str(tmp_path)), device="cpu")
     live.build_optimizer(lr=1e-3)
     (mine,) = os.listdir(tmp_path)

@@ -46,9 +46,9 @@ def test_a_fetch_waits_for_its_units_write_back(tmp_path, monkeypatch):
     the unit, which must read what the update wrote, not the step before."""
     import time
 
-    from stronghold_hf import nvme
+    from stronghold_hf import swap
 
-    real_io = nvme.StateFile._io
+    real_io = swap.StateFile._io
 
     def slow_io(self, write, view, offset):
         if write:
@@ -57,7 +57,7 @@ def test_a_fetch_waits_for_its_units_write_back(tmp_path, monkeypatch):
 
     ref = tiny_model("llama")
     ram = _train(copy.deepcopy(ref), "llama", max_norm=1e3)
-    monkeypatch.setattr(nvme.StateFile, "_io", slow_io)
+    monkeypatch.setattr(swap.StateFile, "_io", slow_io)
     disk = _train(copy.deepcopy(ref), "llama", max_norm=1e3, nvme_path=str(tmp_path), nvme_masters=True)
     _assert_identical(ram, disk)
 
