@@ -333,7 +333,12 @@ SH_INLINE __m256 decode8(const uint8_t* q, const DecodeLanes& t, __m256 scale) {
 // compare with the lane's threshold (`from`); the interval is floor((|xn| - lower) * per_unit) as
 // in encode, clamped to the lane's last. The exhaustive check: every float in [-1 - 8 ulp,
 // 1 + 8 ulp] encodes as encode does.
-struct EncodeLanes { __m256 from, lower, per_unit; };
+struct EncodeLanes {
+  __m256 from, lower, per_unit;
+  // Per lane, as bytes for vpshufb (the same 16 in both 128-bit halves; lanes 8..15 unused): what
+  // min(k, last_k) is added to, and last_k. encode32 finishes 32 codes at a time on bytes.
+  __m256i start, last_k;
+};
 
 // The lane estimate from h = float bits >> 16 (an approximate log2 in 1/128ths):
 // (h - kEstBase) * kEstSlope >> 16, saturated at 0, is one lane per decade (kEstSlope = 65536 /
@@ -374,38 +379,62 @@ EncodeLanes encode_lanes(const float* c) {
     while (std::floor((std::nextafter(split, 0.0f) - zero) * pu) >= 1.0f) pu = std::nextafter(pu, 0.0f);
     per_unit[0] = pu;
   }
-  return {_mm256_load_ps(from), _mm256_load_ps(lower), _mm256_load_ps(per_unit)};
+  // Signed: the index j = start_d + k = 2^d - 1 + min(k, 2^d - 1) (lane 0: j = -1 is the zero
+  // code; lane 7, k = 0: j = 127, the one code). Unsigned: the code 1 + j = 2^(d+1) - 1 + min(k,
+  // 2^(d+1) - 1) (lane 0: code 0 at k = -1; lane 7, k = 0: code 255, its last_k 0 to stay in int8).
+  alignas(32) int8_t start[32], last_k[32];
+  for (int h = 0; h < 32; ++h) {
+    const int lane = h & 15;
+    const int pow2 = lane < 8 ? (Signed ? 1 : 2) << lane : 0;
+    start[h] = int8_t(uint8_t(lane < 8 ? pow2 - 1 : 0));
+    last_k[h] = int8_t(lane < 7 ? pow2 - 1 : 0);
+  }
+  return {_mm256_load_ps(from), _mm256_load_ps(lower), _mm256_load_ps(per_unit),
+          _mm256_load_si256(reinterpret_cast<const __m256i*>(start)),
+          _mm256_load_si256(reinterpret_cast<const __m256i*>(last_k))};
 }
 
-// The codes of x[0..8) * inv, as int32 (signed: 127 + (j + 1) with the sign of x, which may be -1).
+// x[0..8) * inv: the lane of each (see EncodeLanes) and its interval k, as int32 (k from -1, the
+// zero code, up; unclamped); xn itself, whose sign the signed code takes.
 template <bool Signed>
-SH_INLINE __m256i encode8(const float* x, const EncodeLanes& t, __m256 inv) {
-  const __m256 xn = _mm256_mul_ps(_mm256_loadu_ps(x), inv);
+SH_INLINE void encode8(const float* x, const EncodeLanes& t, __m256 inv, __m256i& lane, __m256i& k, __m256& xn) {
+  xn = _mm256_mul_ps(_mm256_loadu_ps(x), inv);
   // Unsigned: the second moment is never negative, so xn is its own magnitude.
   const __m256 ax = Signed ? _mm256_and_ps(xn, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))) : xn;
   const __m256i h = _mm256_srli_epi32(_mm256_castps_si256(ax), 16);
-  __m256i lane = _mm256_mulhi_epu16(_mm256_subs_epu16(h, _mm256_set1_epi32(kEstBase)), _mm256_set1_epi32(kEstSlope));
+  lane = _mm256_mulhi_epu16(_mm256_subs_epu16(h, _mm256_set1_epi32(kEstBase)), _mm256_set1_epi32(kEstSlope));
   lane = _mm256_add_epi32(lane, _mm256_castps_si256(_mm256_cmp_ps(ax, _mm256_permutevar8x32_ps(t.from, lane), _CMP_LT_OQ)));
   const __m256 r = _mm256_floor_ps(_mm256_mul_ps(_mm256_sub_ps(ax, _mm256_permutevar8x32_ps(t.lower, lane)),
                                                  _mm256_permutevar8x32_ps(t.per_unit, lane)));
-  // j + 1 = start1 + min(k, last_k), from the lane by a shift rather than two more permutes:
-  // signed start1 = 2^lane, last_k = 2^lane - 1; unsigned both 2^(lane + 1) - 1 (lane 0
-  // included, as merged with the zero code). Lane 7's k is 0, its last_k unused.
-  const __m256i pow2 = _mm256_sllv_epi32(_mm256_set1_epi32(Signed ? 1 : 2), lane);
-  const __m256i last_k = _mm256_sub_epi32(pow2, _mm256_set1_epi32(1)), start1 = Signed ? pow2 : last_k;
-  const __m256i j1 = _mm256_add_epi32(_mm256_min_epi32(_mm256_cvttps_epi32(r), last_k), start1);
-  if (!Signed) return j1;
-  return _mm256_add_epi32(_mm256_set1_epi32(127), _mm256_sign_epi32(j1, _mm256_castps_si256(xn)));
+  k = _mm256_cvttps_epi32(r);
 }
 
-// q[0..32) = the codes of x[0..32) * inv: four encode8s packed with unsigned saturation.
+// Four int32 vectors -> 32 int8s with signed saturation, in the packs' interleaved order (dwords
+// 0..7 hold elements 0:4, 8:12, 16:20, 24:28, 4:8, ...), which encode32 undoes once at the end.
+SH_INLINE __m256i pack32(__m256i a, __m256i b, __m256i c, __m256i d) {
+  return _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
+}
+
+// q[0..32) = the codes of x[0..32) * inv. The tail on bytes: k saturates to int8 (it never
+// exceeds 128, and its clamp is at most 127), j (signed) or the code (unsigned) is start +
+// min(k, last_k) by the lane. Signed, the code is 128 + j for xn >= 0 and 126 - j below, with
+// j = -1 the zero code (127 either way) and j = 127 the one code (255; -1 saturates to code
+// 0): in int8, code - 128 = j, or ~j - 1 = ~j + (-1) saturated.
 template <bool Signed>
 SH_INLINE void encode32(const float* x, const EncodeLanes& t, __m256 inv, uint8_t* q) {
-  const __m256i lo = _mm256_packus_epi32(encode8<Signed>(x, t, inv), encode8<Signed>(x + 8, t, inv));
-  const __m256i hi = _mm256_packus_epi32(encode8<Signed>(x + 16, t, inv), encode8<Signed>(x + 24, t, inv));
-  // The packs interleave 128-bit halves: dwords 0..7 hold bytes of x[0:4], x[8:12], x[16:20], x[24:28], x[4:8], ...
-  const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(lo, hi), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), bytes);
+  __m256i lane[4], k[4];
+  __m256 xn[4];
+  for (int u = 0; u < 4; ++u) encode8<Signed>(x + 8 * u, t, inv, lane[u], k[u], xn[u]);
+  const __m256i lanes = pack32(lane[0], lane[1], lane[2], lane[3]), ks = pack32(k[0], k[1], k[2], k[3]);
+  __m256i code = _mm256_add_epi8(_mm256_shuffle_epi8(t.start, lanes),
+                                 _mm256_min_epi8(ks, _mm256_shuffle_epi8(t.last_k, lanes)));
+  if (Signed) {
+    const __m256i sign = pack32(_mm256_castps_si256(xn[0]), _mm256_castps_si256(xn[1]), _mm256_castps_si256(xn[2]),
+                                _mm256_castps_si256(xn[3]));
+    const __m256i negative = _mm256_cmpgt_epi8(_mm256_setzero_si256(), sign);
+    code = _mm256_xor_si256(_mm256_adds_epi8(_mm256_xor_si256(code, negative), negative), _mm256_set1_epi8(-128));
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(code, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 #endif
 
