@@ -179,6 +179,18 @@ def typed_view(flat_bytes: torch.Tensor, offset: int, numel: int, dtype: torch.d
 _cuda_get_last_error = None
 
 
+def placeholder(shape) -> torch.Tensor:
+    """``shape``-shaped fp32 view of a single NaN (stride 0 everywhere), no memory of its own:
+    what a parameter no host buffer holds whole points at (a shard of it, sharded CPU state;
+    a master on disk, ``nvme_masters``). Reads are visibly invalid, in-place writes raise."""
+    shape = tuple(shape)
+    return torch.full((1,) * len(shape), float("nan")).expand(shape)
+
+
+def is_placeholder(t: torch.Tensor) -> bool:
+    return t.numel() > 1 and all(st == 0 for st in t.stride())
+
+
 def _clear_cuda_last_error() -> None:
     """Resets the CUDA runtime's last error after a refused ``cudaHostRegister``.
 

@@ -59,19 +59,13 @@ import torch
 from torch import Tensor
 
 from .ledger import MemoryLedger
+from .memory import placeholder
 from .optim import quant8
 from .swap import PAGE, StateFile, SwapDirectory, _aligned_empty, _page_up
 
 
 _FILE_NAME = "adam_state.bin"
 _MASTERS_NAME = "masters.bin"
-
-
-def master_placeholder(shape) -> Tensor:
-    """What a master on disk holds between updates: ``shape``, every element one NaN (stride 0),
-    no memory of its own."""
-    shape = tuple(shape)
-    return torch.full((1,) * len(shape), float("nan")).expand(shape)
 
 
 # ---------------------------------------------------------------------------- layout
@@ -552,7 +546,7 @@ class NvmeTier:
 
     def _unbind(self, region: Region) -> None:
         for m in region.masters:
-            m.param.data = master_placeholder(m.shape)
+            m.param.data = placeholder(m.shape)  # between updates a master on disk holds nothing
         by_param: dict[int, dict[str, Tensor]] = {}
         for piece in region.pieces:
             by_param.setdefault(id(piece.param), {})[piece.key] = torch.empty(0, dtype=piece.dtype)
@@ -669,8 +663,5 @@ class NvmeTier:
                 os.remove(self.file.path)
         if self.masters is not None and self.masters.tier is self:
             self.masters.tier = None
-        for region in self.regions.values():  # masters point at nothing of ours any more
-            for m in region.masters:
-                m.param.data = master_placeholder(m.shape)
         self.ledger.host_free(self.ring_bytes, pinned=False)
         self.ring = []

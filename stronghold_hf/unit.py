@@ -51,25 +51,17 @@ from .discovery import UnitSpec
 from .distributed import DataParallel
 from .ledger import MemoryLedger
 from . import nvme, read_guard
-from .memory import GRAD_ALIGN, BlockLayout, DeviceSlotPool, HostAllocator, element_size, layout_block, typed_view
+from .memory import (GRAD_ALIGN, BlockLayout, DeviceSlotPool, HostAllocator, element_size, is_placeholder, layout_block,
+                     placeholder, typed_view)
 from .transfer import FetchStaging, TransferContext
 
 logger = logging.getLogger("stronghold_hf")
-
-
-def _sharded_placeholder(shape: torch.Size) -> torch.Tensor:
-    """``shape``-shaped fp32 view of a single NaN (stride 0 everywhere)."""
-    return torch.full((1,) * len(shape), float("nan")).expand(shape)
 
 
 def _engine_access():
     """The engine's own reads and writes of a parameter's ``.data``: never a user's read, so a
     guarded parameter (read_guard.py) does not run its barrier for them."""
     return torch._C.DisableTorchFunctionSubclass()
-
-
-def _is_placeholder(t: torch.Tensor) -> bool:
-    return t.numel() > 1 and all(st == 0 for st in t.stride())
 
 
 class Residency(enum.Enum):
@@ -171,7 +163,7 @@ class Unit:
                         image.copy_(master)
                     self.pieces.append(piece)
                     if self.masters_on_disk:
-                        master = nvme.master_placeholder(shape)
+                        master = placeholder(shape)
                     self.masters.append(nn.Parameter(master, requires_grad=True))
                     if grad_dtype != torch.float32:  # .grad is the bf16 host gradient on fp32 values
                         self.masters[-1].grad_dtype = None
@@ -179,7 +171,7 @@ class Unit:
                     self.image_views.append(image)
                     self.grad_views.append(self.grad_flat[piece[1] : piece[1] + piece[2]].view(shape))
                 if self.sharded or self.masters_on_disk:  # nothing in RAM holds the whole parameter
-                    self.host_views.append(_sharded_placeholder(e.shape))
+                    self.host_views.append(placeholder(e.shape))
                 else:
                     self.host_views.append(self.masters[-1].data)
         if self.masters_on_disk:
@@ -307,7 +299,7 @@ class Unit:
         view, piece = self.host_views[k], self.pieces[k]
         if self.masters_on_disk and piece is not None:
             self.disk_masters.write(self.index, piece[1], value.reshape(-1)[piece[0] : piece[0] + piece[2]])
-        elif not _is_placeholder(view):
+        elif not is_placeholder(view):
             view.copy_(value)
         elif piece is not None:
             self.masters[k].data.copy_(value.reshape(-1)[piece[0] : piece[0] + piece[2]].view_as(self.masters[k]))

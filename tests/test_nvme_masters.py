@@ -95,6 +95,9 @@ def test_the_masters_leave_the_host_in_the_ledger(tmp_path):
         extra = (masters["nvme_ring_bytes"] - moments["nvme_ring_bytes"]) + masters["nvme_masters_scratch_bytes"]
         assert host["m"] - host["d"] >= 4 * trainable - extra - 64 * 1024  # allocator alignment
         assert masters["nvme_masters_scratch_bytes"] > 0
+        # The device side is untouched: the same window, the same fetches.
+        assert masters["device_peak_bytes"] == moments["device_peak_bytes"]
+        assert masters["fetches"] == moments["fetches"]
         added[name] = (host["d"], extra, trainable)
     # Depth adds gradients on the host (4 B/param), not masters; ring and scratch stay the same.
     assert added["deep"][1] == added["shallow"][1]

@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 from torch.autograd.profiler import record_function
 
+from ..memory import is_placeholder  # a master bound around each update (nvme_masters)
 from . import quant8
 from .native import ROUNDING_HELPERS, NativeLibrary
 
@@ -195,12 +196,6 @@ def _as_float(value: float | Tensor, name: str) -> float:
     return out
 
 
-def _bound_per_update(p: Tensor) -> bool:
-    """A placeholder (every stride 0, no memory of its own) for a master whose memory is bound
-    around each update: the NVMe tier's masters on disk (``nvme_masters``)."""
-    return p.dim() > 0 and all(st == 0 for st in p.stride())
-
-
 class CPUAdam(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias correction) for fp32 parameters in CPU memory.
 
@@ -341,7 +336,7 @@ class CPUAdam(torch.optim.Optimizer):
                 raise ValueError(f"{desc} is not float32. CPUAdam keeps fp32 master weights: optimize an fp32 copy "
                                  "(master = p.detach().float()) and mirror it into the low-precision tensor with "
                                  "register_copy_out(master, dest).")
-            if p.layout != torch.strided or not (p.is_contiguous() or _bound_per_update(p)):
+            if p.layout != torch.strided or not (p.is_contiguous() or is_placeholder(p)):
                 raise ValueError(f"{desc} is not a contiguous dense tensor. Make it one first: p.data = p.data.contiguous().")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
