@@ -41,8 +41,7 @@ import torch
 
 from .ledger import MemoryLedger
 from .stats import EngineStats
-
-_PAGE = 4096  # O_DIRECT reads want page-aligned buffers
+from .swap import _aligned_empty
 
 TransferMode = Literal["cuda", "sync", "delayed"]
 
@@ -277,8 +276,7 @@ class FetchStaging:
         need = master.scratch_bytes(piece)
         if self._scratch is None or self._scratch.numel() < need:  # one piece, for the thread that converts
             self._release_scratch()
-            raw = torch.empty(need + _PAGE, dtype=torch.uint8)
-            self._scratch = raw[(-raw.data_ptr()) % _PAGE:][:need]  # page-aligned: O_DIRECT reads into it
+            self._scratch = _aligned_empty(need)  # page-aligned: O_DIRECT reads into it
             self.transfer.ledger.host_alloc(self._scratch.numel(), pinned=False)
         return master.read(start, stop, self._scratch)
 
