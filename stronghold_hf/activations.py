@@ -9,7 +9,8 @@ torch's ``save_on_cpu`` moves every saved tensor, weights included, synchronousl
 module moves only the checkpointed inputs, in the order the window already knows:
 
 * In forward, while a checkpointed block runs, a saved-tensor hook (pushed by the schedule
-  around the block's call, so it sees exactly what ``torch.utils.checkpoint`` saves: the
+  around the block's checkpoint call, outside the checkpoint whatever transformers wraps
+  (``checkpointing.py``), so it sees exactly what ``torch.utils.checkpoint`` saves: the
   block's inputs, reentrant or not) packs each input into a `SavedInput`. Unless the block is
   among the last ``W`` positions of the sequence (backward needs those first, as at the turn),
   the input is copied to a pinned host buffer on the device-to-host stream, and the device
@@ -68,10 +69,10 @@ class _HostBuffers:
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         with self._lock:
-            fits = [entry for entry in self._free if entry[0].numel() >= nbytes]
-            best = min(fits, key=lambda entry: entry[0].numel()) if fits else None
-            if best is not None:
-                self._free.remove(best)
+            # The smallest free buffer that fits, taken out by position: entries hold tensors,
+            # which must never be compared (``==`` on tensors of two sizes raises).
+            fits = [k for k, (buf, _) in enumerate(self._free) if buf.numel() >= nbytes]
+            best = self._free.pop(min(fits, key=lambda k: self._free[k][0].numel())) if fits else None
         if best is not None:
             if best[1] is not None:
                 self.transfer.host_wait(best[1])  # its last copy to the device has read it
@@ -120,6 +121,7 @@ class ActivationStore:
         self.transfer = transfer
         self.ledger = ledger
         self.device = device
+        self.requested = offload  # what the config asked for
         self.offload = offload  # True, False, or "auto" until the first checkpointed input decides
         self.buffers = _HostBuffers(host, ledger, transfer)
         self._position = -1  # of the block whose call is packing now
@@ -127,19 +129,27 @@ class ActivationStore:
         self._num_blocks = 0
         self._pass: dict[int, list[weakref.ref]] = {}  # position -> saved inputs of this pass
         self._leaving: list[SavedInput] = []  # copies to the host in flight
+        self.begin_pass()
+
+    def begin_pass(self) -> None:
+        """Counts of one forward pass, for the first step's check (checkpointing.py)."""
+        self.packed_positions: dict[int, int] = {}  # position -> inputs the checkpoint saved through us
+        self.eligible_this_pass = 0  # inputs large enough to leave the device, outside the kept tail
+        self.offloaded_this_pass = 0
 
     # ------------------------------------------------------------------ forward
     def begin_block(self, position: int, offload_here: bool, num_blocks: int) -> Any:
         """Around a checkpointed block's call: packs what the checkpoint saves. ``offload_here``
         is False for the blocks at the tail the turn keeps. Returns the context for `end_block`."""
         self._reap()
+        outer = (self._position, self._offload_here)  # a checkpoint inside a checkpointed call
         self._position, self._offload_here, self._num_blocks = position, offload_here, num_blocks
         ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         ctx.__enter__()
-        return ctx
+        return ctx, outer
 
-    @staticmethod
-    def end_block(ctx: Any) -> None:
+    def end_block(self, opened: Any) -> None:
+        ctx, (self._position, self._offload_here) = opened
         ctx.__exit__(None, None, None)
 
     def _decide(self, nbytes: int) -> bool:
@@ -159,9 +169,13 @@ class ActivationStore:
         saved = SavedInput(self, tensor, self._position)
         self.ledger.activation_alloc(saved.nbytes)
         self._pass.setdefault(self._position, []).append(weakref.ref(saved))
+        self.packed_positions[self._position] = self.packed_positions.get(self._position, 0) + 1
         if self.offload == "auto":
             self.offload = self._decide(saved.nbytes)
-        if self.offload and self._offload_here and saved.nbytes >= MIN_OFFLOAD_BYTES and tensor.is_contiguous():
+        eligible = self.offload and self._offload_here and saved.nbytes >= MIN_OFFLOAD_BYTES
+        self.eligible_this_pass += bool(eligible)
+        if eligible and tensor.is_contiguous():
+            self.offloaded_this_pass += 1
             saved.host = self.buffers.acquire(saved.nbytes)
             flat = tensor.detach().reshape(-1).view(torch.uint8)
             saved.d2h_event = self.transfer.copy_d2h(saved.host[: saved.nbytes], flat)

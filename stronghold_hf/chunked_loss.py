@@ -584,8 +584,9 @@ def _loss_arguments(logits=None, labels=None, vocab_size=None, num_items_in_batc
 class _ChunkedHead:
     """The chunked path of one causal LM: its state for the forward in flight, and its hooks."""
 
-    def __init__(self, model: nn.Module, plan: LossPlan, chunk_tokens: ChunkTokens):
+    def __init__(self, model: nn.Module, plan: LossPlan, chunk_tokens: ChunkTokens, promises=None):
         self.model, self.plan, self.chunk_tokens = model, plan, chunk_tokens
+        self.promises = promises  # promises.Promises: the first training forward says whether chunking ran
         self.head: nn.Module = model.get_submodule(plan.head_path)
         self._reset()
         # [Note: the previous loss_function] ``PreTrainedModel.loss_function`` is a property
@@ -610,6 +611,7 @@ class _ChunkedHead:
         self.hidden: Tensor | None = None
         self.hidden_version = -1
         self.logits: Tensor | None = None
+        self.skipped: str | None = None  # why the head input was left whole, when that is by design
 
     def _arm(self, model, args, kwargs):
         # A phase other than IDLE here is left by a forward whose always-called hook did not
@@ -630,10 +632,12 @@ class _ChunkedHead:
                 self.shift_labels is not None and self.shift_labels.numel() == lead.numel())):
             # logits_to_keep, a packed boolean mask, prompt-learning PEFT: not the rows the
             # labels describe, so the plain path computes this loss.
+            self.skipped = "other rows"
             return None
-        if lead.numel() <= resolve_chunk_tokens(self.chunk_tokens, self.head.weight.shape[0]):
+        if lead.numel() <= self._chunk_rows():
             # One chunk would hold every token: chunking saves no memory then, and its
             # recompute in backward would cost a head matmul. The plain path runs.
+            self.skipped = "one chunk"
             return None
         self.hidden, self.hidden_version, self.phase = hidden, hidden._version, _Phase.CAPTURED
         # The model's own ``self.lm_head(...)`` now builds [B, 0, V] logits, and every
@@ -663,9 +667,31 @@ class _ChunkedHead:
                                             ignore_index=ignore_index, num_items_in_batch=num_items,
                                             transform=self.plan.transform, chunk_tokens=self.chunk_tokens)
 
+    def _chunk_rows(self) -> int:
+        return resolve_chunk_tokens(self.chunk_tokens, self.head.weight.shape[0])
+
+    def _check_promise(self, phase: _Phase, skipped: str | None, labels: Tensor | None) -> None:
+        """The first training forward that should have chunked says whether it did (promises.py)."""
+        if self.promises is None or self.promises.checked("chunked_loss"):
+            return
+        name = type(self.model).__name__
+        if phase is _Phase.CONSUMED:
+            self.promises.keep("chunked_loss", f"{name}: the loss ran in chunks of {self._chunk_rows()} tokens")
+        elif phase is _Phase.ARMED and skipped is None and labels is not None and labels.numel() > self._chunk_rows():
+            self.promises.break_(
+                "chunked_loss",
+                f"{name}: the chunked loss was installed, but a training forward with labels never called "
+                f"{self.plan.head_path} with the hidden states alone, so the whole [batch, tokens, vocab] logits "
+                f"were computed.",
+                "if the model computes its head another way (Liger, a fused head, a wrapper that calls the head with "
+                "keyword arguments), pass StrongholdConfig(chunked_loss=False); the plain loss then runs knowingly.",
+                explicit=False)
+
     def _finish(self, model, args, kwargs, output):
-        phase, logits = self.phase, self.logits
+        phase, logits, skipped, labels = self.phase, self.logits, self.skipped, self.labels
         self._reset()
+        if output is not None:
+            self._check_promise(phase, skipped, labels)
         if phase is _Phase.CAPTURED:
             message = (f"{type(model).__name__}: the LM head's input was shrunk for the chunked loss, but forward "
                        f"never passed the resulting logits to self.loss_function: the model computed its loss some "
@@ -720,7 +746,7 @@ class ChunkedLoss:
         self._heads = heads
 
     @classmethod
-    def install(cls, root: nn.Module, chunk_tokens: ChunkTokens = "auto") -> ChunkedLoss:
+    def install(cls, root: nn.Module, chunk_tokens: ChunkTokens = "auto", promises=None) -> ChunkedLoss:
         resolve_chunk_tokens(chunk_tokens, 1)  # validate now, not at the first step
         if not isinstance(root, nn.Module):
             raise TypeError(f"ChunkedLoss.install: root is a {type(root).__name__}; pass the model (an nn.Module).")
@@ -740,7 +766,7 @@ class ChunkedLoss:
                 logger.info("chunked loss: the plain loss path is used for %s", reason)
                 continue
             logger.debug("chunked loss: %s", reason)
-            heads.append(_ChunkedHead(model, plan, chunk_tokens))
+            heads.append(_ChunkedHead(model, plan, chunk_tokens, promises))
         return cls(heads)
 
     @property

@@ -75,14 +75,13 @@ class Phase(enum.Enum):
 class _Open:
     """One entry of the forward stack: a use opened by a hook and not closed yet."""
 
-    __slots__ = ("unit", "use", "position", "nested", "saving")
+    __slots__ = ("unit", "use", "position", "nested")
 
     def __init__(self, unit: Unit | None, use: UnitUse | None, position: int, nested: bool) -> None:
         self.unit = unit
         self.use = use
         self.position = position
         self.nested = nested  # the unit was held already: this call opened nothing
-        self.saving = None  # the saved-tensor hooks of a checkpointed block's call (activations.py)
 
 
 def _raised() -> bool:
@@ -121,6 +120,7 @@ class WindowSchedule:
         self.probe = None  # auto_window.AutoWindowProbe during the first step of window_size="auto"
         self.window_choice = None  # planner.WindowChoice: why W is what it is
         self.activations = None  # activations.ActivationStore when checkpointed inputs are offloaded
+        self.checkpoint_watch = None  # checkpointing.CheckpointWatch: the model's checkpoint calls
         self._lanes: dict[int, GradLane] = {}  # unit index -> its lane while it has one
         self._backward_task: int | None = None  # graph task whose end-of-backward callback is queued
         self._stack: list[_Open] = []
@@ -322,6 +322,9 @@ class WindowSchedule:
         self.settle()
         if not self._stack:
             self._cursor = -1  # a new pass over the sequence
+        if self.checkpoint_watch is not None:
+            # gradient_checkpointing_enable() may have set new checkpoint functions since the last forward.
+            self.checkpoint_watch.install(self)
         changed = None
         for u in self.resident_units:
             self._open(u, None, None)
@@ -350,6 +353,8 @@ class WindowSchedule:
             self._evict_idle(self._turn_kept(len(self.sequence)))
             if self.activations is not None:
                 self.activations.end_forward()
+            if self.checkpoint_watch is not None and not _raised() and torch.is_grad_enabled():
+                self.checkpoint_watch.check_forward(self.activations)
         return output
 
     def _pre_forward(self, u: Unit, positions, args, kwargs):
@@ -357,16 +362,31 @@ class WindowSchedule:
             return self._pre_forward_in_backward(u, args, kwargs)
         if u.kind == "block":
             self._block_entries += 1
+            if self.checkpoint_watch is not None:
+                self.checkpoint_watch.install(self, [u.module])
+                self.checkpoint_watch.block_forward(u, u.module)
         self._open(u, positions, None)
-        changed = self._wrap_open_inputs(args, kwargs)
-        entry = self._stack[-1]
-        if (u.kind == "block" and self.activations is not None and entry.use is not None and u.module.training
-                and getattr(u.module, "gradient_checkpointing", False)):
-            # What torch's checkpoint saves for this call (the block's inputs) goes through the
-            # activation store; the tail the turn keeps stays on the device.
-            keep = entry.position >= len(self.sequence) - self.window_size
-            entry.saving = self.activations.begin_block(entry.position, not keep, self.num_blocks)
-        return changed
+        return self._wrap_open_inputs(args, kwargs)
+
+    def run_checkpointed(self, u: Unit, checkpoint, function, args, kwargs):
+        """A block's checkpoint call (``checkpointing.CheckpointCall``), entered outside the
+        checkpoint: what it saves for backward (the block's inputs) goes through the
+        activation store, and its function counts its runs, so the recompute is seen."""
+        top = self._stack[-1] if self._stack else None
+        if top is not None and top.unit is u and not top.nested:
+            position = top.position  # the block's hooks run outside the checkpoint: its use is open
+        else:
+            position = self._position(u, self.plan.entry_positions.get(id(u.module)))
+        keep = position >= len(self.sequence) - self.window_size  # the tail the turn keeps stays
+        record = self.checkpoint_watch.enter(u, position, not keep)
+        saving = self.activations.begin_block(position, not keep, self.num_blocks)
+        output = None
+        try:
+            output = checkpoint(record.counted(function), *args, **kwargs)
+        finally:
+            self.activations.end_block(saving)
+            self.checkpoint_watch.leave(record, output)
+        return output
 
     def _post_forward(self, u: Unit, output):
         if in_backward():
@@ -411,8 +431,6 @@ class WindowSchedule:
             self._drop_entry(top)  # a use whose closing hook never ran (an exception in between)
         if entry is None or entry.nested:
             return output
-        if entry.saving is not None:
-            self.activations.end_block(entry.saving)
         u.forward_holds = max(0, u.forward_holds - 1)
         if self.probe is not None and u.kind == "block":
             self.probe.post_forward(u.index)
@@ -429,8 +447,6 @@ class WindowSchedule:
         return output
 
     def _drop_entry(self, entry: _Open) -> None:
-        if entry.saving is not None:
-            self.activations.end_block(entry.saving)
         if entry.nested or entry.unit is None:
             return
         entry.unit.forward_holds = max(0, entry.unit.forward_holds - 1)
@@ -443,6 +459,8 @@ class WindowSchedule:
         No forward hold is taken: the unit's backward hold already keeps it resident, and a
         non-reentrant checkpoint may stop the recompute early (an internal exception once the
         last saved tensor is repacked), so the post-hook that would release it may never run."""
+        if u.kind == "block" and self.checkpoint_watch is not None:
+            self.checkpoint_watch.block_recomputed()
         if u.kind != "block":
             if u.state is not Residency.ON_HOST:
                 u.wait_resident()
@@ -640,6 +658,10 @@ class WindowSchedule:
             if u.trainable:
                 u.expose_grads()
         self.phase = Phase.IDLE if not self._stack else Phase.FORWARD
+        if self.checkpoint_watch is not None:
+            self.checkpoint_watch.check_backward()
+            self.checkpoint_watch.begin_pass()  # what the next forwards checkpoint, up to the next backward
+            self.activations.begin_pass()
         if self.probe is not None and self.probe.complete():
             self.apply_window_choice()
 

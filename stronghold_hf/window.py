@@ -28,6 +28,7 @@ from torch import nn
 from . import distributed, read_guard
 from .activations import ActivationStore
 from .auto_window import AutoWindowProbe
+from .checkpointing import CheckpointWatch
 from .config import DEFAULT_WINDOW_SIZE, StrongholdConfig
 from .discovery import describe, find_block_stacks, plan_units, unit_device_dtype
 from .grads import GradientQueue
@@ -37,6 +38,7 @@ from .distributed import DataParallel
 from . import memory
 from .memory import GRAD_ALIGN, DeviceSlotPool, HostAllocator, element_size, layout_block
 from .optim import quant8
+from .promises import Promises
 from .schedule import Phase, WindowSchedule
 from .state_dict import install_state_dict_hooks
 from .stats import EngineStats
@@ -186,6 +188,8 @@ class WindowEngine:
             self.schedule.probe = AutoWindowProbe(self.blocks, device)
         self.schedule.activations = ActivationStore(transfer=self.transfer, ledger=self.ledger, host=self.host,
                                                     device=device, offload=config.offload_activations)
+        self.promises = Promises()
+        self.schedule.checkpoint_watch = CheckpointWatch(model, {id(u.module): u for u in self.blocks}, self.promises)
         first_position = {u: min(ps) for u, ps in self.schedule.positions_of.items()}
         # The order the next forward needs the units in: the resident unit (the model's forward
         # starts with it), then by first position. CPU updates run in this order.
@@ -193,6 +197,7 @@ class WindowEngine:
                                                               first_position.get(u.index, len(self.units) + u.index)))
         self._closed = False
         self._handles: list[Any] = self.schedule.install()
+        self._handles.append(self.schedule.checkpoint_watch)  # removing it gives back the checkpoint functions
         for u in self.units:
             self._handles.extend(install_state_dict_hooks(self.schedule, self.coordinator, u))
         self._gathered = 0  # depth of gathered_parameters() contexts
@@ -205,7 +210,7 @@ class WindowEngine:
         if config.chunked_loss:
             from .chunked_loss import ChunkedLoss
 
-            self.chunked_loss = ChunkedLoss.install(model, config.loss_chunk_tokens)
+            self.chunked_loss = ChunkedLoss.install(model, config.loss_chunk_tokens, promises=self.promises)
         setattr(model, _ENGINE_ATTR, self)
         stats = self.memory_stats()
         logger.info(
@@ -384,6 +389,9 @@ class WindowEngine:
         out["nvme_masters_read_bytes"] = disk.read_bytes if disk is not None else 0
         out["nvme_masters_written_bytes"] = disk.written_bytes if disk is not None else 0
         out["nvme_masters_scratch_bytes"] = self.fetch_staging.scratch_bytes if self.fetch_staging is not None else 0
+        # What the first step checked (promises.py): promise_<name> 1.0 held, 0.0 not; absent until checked.
+        out.update(self.promises.stats())
+        out.update(self.schedule.checkpoint_watch.stats())
         return out
 
     def _disk_masters(self, specs, dtypes, shards: int, grad_align: int):
