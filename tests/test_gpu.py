@@ -117,25 +117,48 @@ def test_model_three_times_larger_than_the_device_trains():
         engine.close()
 
 
+# [Note: patched functions] Every function a test here swaps into the library is listed in
+# PATCHES and applied with `apply_patches`, never with a bare ``monkeypatch.setattr``: on CPU,
+# tests/test_gpu_patches.py checks that each replacement takes exactly the parameters of what it
+# replaces (and that this file patches nothing else). A replacement that falls behind its
+# original's signature (``copy_d2h`` gained ``continues``) otherwise fails only on a GPU machine.
+_SLEEP_CYCLES = 20_000_000  # ~10 ms on a modern GPU
+_ORIG_H2D, _ORIG_D2H = TransferContext.copy_h2d, TransferContext.copy_d2h
+
+
+def _late_h2d(self, dst, src, *, fetch, after=None):
+    """The copy lands late: compute must wait for its event."""
+    with torch.cuda.stream(self.h2d_stream):
+        torch.cuda._sleep(_SLEEP_CYCLES)
+    return _ORIG_H2D(self, dst, src, fetch=fetch, after=after)
+
+
+def _late_d2h(self, dst, src, *, continues=False):
+    """The gradient is complete late (the copy must wait for compute), and the copy itself
+    lands late (the host must wait for its event before reading ``dst``)."""
+    torch.cuda._sleep(_SLEEP_CYCLES)
+    with torch.cuda.stream(self.d2h_stream):
+        torch.cuda._sleep(_SLEEP_CYCLES // 4)
+    return _ORIG_D2H(self, dst, src, continues=continues)
+
+
+#: name -> [(owner, attribute, replacement)]
+PATCHES = {
+    "late_copies": [(TransferContext, "copy_h2d", _late_h2d), (TransferContext, "copy_d2h", _late_d2h)],
+}
+
+
+def apply_patches(monkeypatch, name):
+    for owner, attr, replacement in PATCHES[name]:
+        monkeypatch.setattr(owner, attr, replacement)
+
+
 def test_delay_injection_exposes_no_missing_waits(monkeypatch):
     """A long GPU sleep before every copy: results must not change if every wait is in place."""
-    sleep_cycles = 20_000_000  # ~10 ms on a modern GPU
-    orig_h2d, orig_d2h = TransferContext.copy_h2d, TransferContext.copy_d2h
-
-    def slow_h2d(self, dst, src, *, fetch):
-        with torch.cuda.stream(self.h2d_stream):
-            torch.cuda._sleep(sleep_cycles)  # the copy lands late: compute must wait for its event
-        return orig_h2d(self, dst, src, fetch=fetch)
-
-    def slow_d2h(self, dst, src):
-        torch.cuda._sleep(sleep_cycles)  # the gradient is complete late: the D2H copy must wait
-        return orig_d2h(self, dst, src)
-
     ref = tiny_model("gpt2").cuda()
     model = copy.deepcopy(ref).cpu()
     engine = offload_model(model, StrongholdConfig(window_size=1), device="cuda")
-    monkeypatch.setattr(TransferContext, "copy_h2d", slow_h2d)
-    monkeypatch.setattr(TransferContext, "copy_d2h", slow_d2h)
+    apply_patches(monkeypatch, "late_copies")
     b = _cuda_batch("gpt2", 0)
     loss_ref, loss = ref(**b).loss, model(**b).loss
     torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
