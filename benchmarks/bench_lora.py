@@ -67,6 +67,8 @@ def main(argv=None) -> int:
     from stronghold_hf import StrongholdConfig, offload_model
 
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)  # torch.cuda helpers want an index (torch 2.11)
     plain = build(args).to(device)
     offloaded = build(args)
     base_params = sum(p.numel() for n, p in offloaded.named_parameters() if "lora_" not in n and ".h." in n)

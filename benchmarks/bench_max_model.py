@@ -453,6 +453,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     opts.probe_timeout = opts.probe_timeout or (75.0 if q else 600.0)
     opts.time_budget_s = opts.time_budget_s or (110.0 if q else 3600.0)
     opts.device = torch.device(opts.device)
+    if opts.device.type == "cuda" and opts.device.index is None:
+        # torch.cuda.set_device and set_per_process_memory_fraction want an index: on torch 2.11
+        # a bare "cuda" raised "Expected a torch.device with a specified index" in every probe.
+        opts.device = torch.device("cuda", 0)
     if opts.device.type not in ("cpu", "cuda"):
         p.error(f"--device {opts.device}: use cuda (or cpu with --smoke)")
     opts.gpu_total_bytes = None
