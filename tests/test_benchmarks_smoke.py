@@ -92,3 +92,38 @@ def test_bench_nvme_smoke(tmp_path):
     assert summary["masters_state_bytes_per_step"] > summary["state_bytes_per_step"]
     assert summary["masters_fetch_read_bytes_per_step"] > 0
     assert list(tmp_path.iterdir()) == []  # the benchmark's files are gone too
+
+
+def test_allocator_trace_summary_finds_the_peak_and_who_allocated_it():
+    """benchmarks/cuda_memory.py reads the allocator's history on a GPU run; its replay is
+    checked here on a hand-made trace: frees count at ``free_requested`` (as allocated_bytes
+    does), a block from before the trace lowers the count, and the live set at the peak is
+    grouped by the innermost frame outside torch."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from cuda_memory import summarize_trace
+
+    def frames(*where):
+        return [{"filename": f, "line": 1, "name": "f"} for f in where]
+
+    engine = frames("/x/site-packages/torch/nn/functional.py", "/repo/stronghold_hf/memory.py")
+    model = frames("/x/site-packages/transformers/models/gpt2/modeling_gpt2.py", "/repo/stronghold_hf/window.py")
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": engine},
+        {"action": "free_requested", "addr": 99, "size": 40, "frames": []},  # allocated before the trace
+        {"action": "free_completed", "addr": 99, "size": 40, "frames": []},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": model},
+        {"action": "alloc", "addr": 3, "size": 32 << 20, "frames": []},
+        {"action": "free_requested", "addr": 2, "size": 50, "frames": model},
+        {"action": "alloc", "addr": 4, "size": 10, "frames": model},
+        {"action": "free_requested", "addr": 3, "size": 32 << 20, "frames": []},
+        {"action": "free_completed", "addr": 3, "size": 32 << 20, "frames": []},
+        {"action": "free_completed", "addr": 2, "size": 50, "frames": model},
+    ]
+    s = summarize_trace(trace)
+    assert s["peak_bytes_over_start"] == 100 - 40 + 50 + (32 << 20)
+    assert s["bytes_over_start_at_end"] == 100 - 40 + 10
+    assert s["live_at_peak_by_category"] == {"engine": 100, "model": 50, "no_python_frame": 32 << 20, "other": 0}
+    top = s["live_at_peak_top"]
+    assert top[0]["category"] == "no_python_frame" and "cuBLAS" in top[0]["note"]
+    assert top[1]["where"].startswith("stronghold_hf/memory.py:1")
+    assert top[2]["where"].startswith("transformers/models/gpt2/modeling_gpt2.py:1")

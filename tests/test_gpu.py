@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +16,9 @@ import torch
 from stronghold_hf import StrongholdConfig, offload_model
 from stronghold_hf.transfer import TransferContext
 from tiny_models import batch, tiny_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import cuda_memory  # noqa: E402  (benchmarks/cuda_memory.py: the allocator's peak, by who allocated it)
 
 pytestmark = pytest.mark.gpu
 
@@ -70,12 +75,58 @@ def _peak_of_training(model, engine, steps=2, seq=8):
     return torch.cuda.max_memory_allocated() - base
 
 
+def _one_step(model, engine, opt, step, seq=8):
+    model(**_cuda_batch("gpt2", step, batch_size=1, seq=seq)).loss.backward()
+    engine.clip_grad_norm_(1.0)
+    opt.step()
+    opt.zero_grad()
+
+
 def test_ledger_agrees_with_the_cuda_allocator():
+    """The allocator's peak over steady-state steps is the ledger's, plus one weight gradient.
+
+    The ledger books the engine's buffers, not what autograd allocates on its own (ledger.py).
+    At 8 tokens the activations are a few hundred KB; what remains is the weight gradient
+    autograd computes into a fresh tensor before AccumulateGrad adds it into the lane's
+    ``.grad`` view (grads.py), one parameter at a time: at most the largest block parameter
+    (16.8 MB here, 8.3 % of the ledger's 203 MB, which the H200 run of 2026-12-04 saw as part of
+    a 12.4 % gap against a 10 % tolerance that did not model it). The first step is measured
+    apart and not asserted: libraries allocate once per thread and stream there (a cuBLAS
+    workspace is 32 MiB on Hopper). What the allocator held at its peak, grouped by the code
+    that allocated it, goes to ``ledger_vs_allocator.json`` in ``$STRONGHOLD_DIAG_DIR``.
+    """
     model = _block_heavy_gpt2(8)
     engine = offload_model(model, StrongholdConfig(window_size=1), device="cuda")
-    measured = _peak_of_training(model, engine)
+    largest_param = max(p.numel() * p.element_size() for p in model.transformer.h.parameters())
+    opt = engine.build_optimizer(lr=1e-4)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    engine.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    _one_step(model, engine, opt, 0)
+    engine.synchronize()
+    torch.cuda.synchronize()
+    first = {"allocator_peak_bytes": torch.cuda.max_memory_allocated() - base,
+             "ledger_peak_bytes": engine.memory_stats()["device_peak_bytes"]}
+    torch.cuda.reset_peak_memory_stats()
+    engine.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with cuda_memory.record_allocations() as recorded:
+        for step in (1, 2):
+            _one_step(model, engine, opt, step)
+        engine.synchronize()
+    measured = torch.cuda.max_memory_allocated() - base
     stats = engine.memory_stats()
-    assert abs(measured - stats["device_peak_bytes"]) <= 0.10 * stats["device_peak_bytes"], (measured, stats)
+    expected = stats["device_peak_bytes"] + largest_param
+    cuda_memory.write_json("ledger_vs_allocator.json", {
+        "test": "test_ledger_agrees_with_the_cuda_allocator", "first_step": first,
+        "steady": {"allocator_peak_bytes": measured, "ledger_peak_bytes": stats["device_peak_bytes"],
+                   "largest_block_param_bytes": largest_param, "expected_bytes": expected,
+                   "rel_diff_vs_expected": (measured - expected) / stats["device_peak_bytes"]},
+        "ledger": {k: v for k, v in stats.items() if k.endswith("_bytes")},
+        "allocator_at_peak": recorded["summary"], "reserved_peak_bytes": recorded["reserved_peak_bytes"],
+    })
+    assert abs(measured - expected) <= 0.10 * stats["device_peak_bytes"], (measured, expected, first, stats)
     assert stats["device_peak_bytes"] <= (stats["window_bound_bytes"] + 2 * stats["grad_buffer_bytes"]
                                           + stats["resident_unit_bytes"] + stats["resident_grad_bytes"])
     engine.close()
