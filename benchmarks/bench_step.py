@@ -10,7 +10,8 @@ batches:
               ``torch.nn.utils.clip_grad_norm_(1.0)``
   offload_wN  a deepcopy under ``offload_model(copy, StrongholdConfig(window_size=N))``,
               ``engine.build_optimizer(...)``, ``engine.clip_grad_norm_(1.0)``; one variant per
-              ``--windows`` entry
+              ``--windows`` entry (``offload_auto`` for ``auto``, the default config)
+  zero_offload  DeepSpeed ZeRO-Offload, with ``--peers zero_offload`` (below)
   offload_wN_nb_off  the same with ``offload_non_block=False`` (embeddings and head on the
               device with a device AdamW, the first version), with ``--non_block on,off``;
               the summary's ``ratio_non_block_on_vs_off_paired`` is tokens/s with everything
@@ -34,13 +35,31 @@ on CUDA, on gradient copies), ``cpu_adam_s`` the time the workers spent updating
 of 1 means the training thread never waited; it says nothing about how much the workers
 slowed the training thread down by sharing its cores (compare the phase times for that).
 
+The overlap bound. An offloaded step cannot be faster than the slowest of four things it
+overlaps: plain's step on the device (``compute_s``, plain's median step in this run), the CPU
+Adam work for the offloaded parameters (``cpu_adam_s``: `CPUAdam` stepping that many fp32
+parameters in this process after the run, with the bf16 copy-out under ``--precision bf16``),
+and the bytes each way per step (the engine's ``h2d_bytes``/``d2h_bytes`` counters) over the
+bandwidth of one pinned copy each way measured in this run (``h2d_s``, ``d2h_s``; on CPU the
+"copy" is a memcpy and its bandwidth is that). ``bound_s`` is their max and ``ratio_to_bound``
+= bound_s / the variant's median step (1.0: everything hidden; #34's target on a GPU: 0.85).
+
+Peers (``--peers zero_offload``, the default): DeepSpeed ZeRO-2 with ``offload_optimizer:
+cpu`` (ZeRO-Offload), driven through ``deepspeed.initialize`` with a config dict, interleaved
+with the other variants. It needs CUDA and an importable ``deepspeed`` (never a dependency:
+scripts/build_gpu_wheels.sh carries it to the GPU machine); otherwise ``peers.zero_offload``
+is reported with nulls and the reason.
+
 Output: one JSON object per line; the LAST line is the summary, with
-``ratio_offload_vs_plain`` (tokens/s of ``offload_w{--windows[0]}`` over plain; target on CPU
->= 0.85), ``ratios_by_window``, ``stats_per_step`` and ``cpu_adam_hidden_fraction``.
+``ratio_offload_vs_plain`` (tokens/s of ``offload_{--windows[0]}`` over plain; target on CPU
+>= 0.85), ``ratios_by_window``, ``stats_per_step``, ``cpu_adam_hidden_fraction``, ``bound``
+(the terms above for the first offloaded variant), ``ratio_to_bound``,
+``ratio_to_bound_by_variant`` and ``peers`` (tokens/s, median step, ``ratio_ours_vs_peer``).
 
     python benchmarks/bench_step.py --quick          # CPU, < 3 min on 2 cores
     python benchmarks/bench_step.py --smoke          # seconds, tiny model (CI)
     python benchmarks/bench_step.py --device cuda --model gpt2-medium-like --seq 512 --batch 8 --windows 1,2,4
+    python benchmarks/bench_step.py --device cuda --model llama-3.2-1b-like --windows auto,1 --precision bf16
 """
 
 from __future__ import annotations
@@ -84,13 +103,21 @@ PRESETS: dict[str, dict[str, int]] = {
     "gpt2-small-like": dict(n_embd=768, n_layer=12, n_head=12, vocab_size=50257, seq=512, batch=8),
     "gpt2-medium-like": dict(n_embd=1024, n_layer=24, n_head=16, vocab_size=50257, seq=512, batch=8),
     "gpt2-large-like": dict(n_embd=1280, n_layer=36, n_head=20, vocab_size=50257, seq=512, batch=8),
+    # Llama-3.2-1B's shapes (1.24 B parameters, tied embeddings, GQA 32/8, SwiGLU 8192), and a
+    # tiny model of the same family for CPU runs of the Llama path.
+    "llama-3.2-1b-like": dict(arch="llama", n_embd=2048, n_layer=16, n_head=32, n_kv_head=8, ffn=8192,
+                              vocab_size=128256, seq=512, batch=8),
+    "llama-smoke": dict(arch="llama", n_embd=64, n_layer=2, n_head=4, n_kv_head=2, ffn=128, vocab_size=256,
+                        seq=32, batch=2),
 }
 
 SUMMARY_KEYS = (
     "ratio_offload_vs_plain", "ratio_offload_vs_plain_paired", "ratios_by_window", "tokens_per_s", "stats_per_step",
     "cpu_adam_hidden_fraction", "first_block_ready_fraction", "forward_stall_fraction", "speculation",
-    "target_ratio_cpu", "meets_target",
+    "bound", "ratio_to_bound", "ratio_to_bound_by_variant", "peers", "target_ratio_cpu", "meets_target",
 )
+#: The overlap bound's terms, each in seconds per step (see `overlap_bound`).
+BOUND_TERMS = ("compute_s", "cpu_adam_s", "h2d_s", "d2h_s")
 
 
 def emit(obj: dict) -> None:
@@ -98,17 +125,46 @@ def emit(obj: dict) -> None:
 
 
 # ---------------------------------------------------------------------------- model and data
-def build_model(shape: dict[str, int], seed: int = 0):
+def build_model(shape: dict, seed: int = 0):
+    """GPT-2 (or, with ``arch="llama"``, Llama) of ``shape``, with cheap random weights.
+
+    Built under transformers' ``no_init_weights`` and filled from one tiled block of N(0, 0.02)
+    values (norm weights 1, biases 0): the per-module init of a billion parameters takes
+    20-40 s on a few cores (shared/gpu: 43 s in bench_estimate), and a step's time does not
+    depend on what the weights are. Deterministic in ``seed``."""
     import transformers
+    from transformers.initialization import no_init_weights
 
     transformers.logging.set_verbosity_error()
-    cfg = transformers.AutoConfig.for_model(
-        "gpt2", n_embd=shape["n_embd"], n_layer=shape["n_layer"], n_head=shape["n_head"],
-        n_positions=max(shape["seq"], 64), vocab_size=shape["vocab_size"], bos_token_id=0, eos_token_id=0,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    if shape.get("arch", "gpt2") == "llama":
+        cfg = transformers.AutoConfig.for_model(
+            "llama", hidden_size=shape["n_embd"], num_hidden_layers=shape["n_layer"],
+            num_attention_heads=shape["n_head"], num_key_value_heads=shape.get("n_kv_head", shape["n_head"]),
+            intermediate_size=shape.get("ffn", 4 * shape["n_embd"]), vocab_size=shape["vocab_size"],
+            max_position_embeddings=max(shape["seq"], 64), tie_word_embeddings=True, rope_theta=500000.0,
+            bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        )
+    else:
+        cfg = transformers.AutoConfig.for_model(
+            "gpt2", n_embd=shape["n_embd"], n_layer=shape["n_layer"], n_head=shape["n_head"],
+            n_positions=max(shape["seq"], 64), vocab_size=shape["vocab_size"], bos_token_id=0, eos_token_id=0,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )
+    with no_init_weights():
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    model.tie_weights()  # no_init_weights skips init_weights, which ties them
+    g = torch.Generator().manual_seed(seed)
+    tile = torch.randn(1 << 20, generator=g) * 0.02  # fp32 [2**20]
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # a tied weight is listed once
+            flat = p.view(-1)
+            if p.dim() == 1:
+                flat.fill_(1.0 if name.endswith("weight") else 0.0)
+                continue
+            src = tile.roll(int(torch.randint(0, tile.numel(), (1,), generator=g)))  # tensors do not start alike
+            for off in range(0, flat.numel(), src.numel()):
+                n = min(src.numel(), flat.numel() - off)
+                flat[off : off + n].copy_(src[:n])
     model.train()
     return model
 
@@ -177,7 +233,7 @@ def plain_variant(base, device: torch.device, precision: str, lr: float, max_nor
     return Variant("plain", step)
 
 
-def offload_variant(base, device: torch.device, precision: str, lr: float, window_size: int, cpu_threads: int | None,
+def offload_variant(base, device: torch.device, precision: str, lr: float, window_size: int | str, cpu_threads: int | None,
                     speculative: str, max_norm: float, non_block: bool = True, host_worker: str = "auto") -> Variant:
     from stronghold_hf import StrongholdConfig, offload_model
 
@@ -213,19 +269,35 @@ def offload_variant(base, device: torch.device, precision: str, lr: float, windo
         return {"forward": t1 - t0, "backward": t2 - t1, "clip": t3 - t2, "step": t4 - t3, "loss": float(loss.detach())}
 
     suffix = ("" if speculative == "auto" else f"_spec_{speculative}") + ("" if non_block else "_nb_off")
-    v = Variant(f"offload_w{window_size}{suffix}", step, drain=engine.synchronize, engine=engine, window_size=window_size)
+    name = "offload_auto" if window_size == "auto" else f"offload_w{window_size}"
+    v = Variant(f"{name}{suffix}", step, drain=engine.synchronize, engine=engine, window_size=window_size)
     return v
 
 
-def zero_offload_variant(base, device: torch.device, precision: str, lr: float, max_norm: float) -> Variant | None:
-    """DeepSpeed ZeRO-2 with the optimizer on the CPU (ZeRO-Offload), when `deepspeed` imports.
-
-    Never a dependency of this project: on a machine without it the variant is skipped."""
+def peer_skip_reason(peer: str, device: torch.device) -> str | None:
+    """Why a peer system cannot run here (None: it can)."""
     import importlib.util
+
+    if peer == "zero_offload":
+        if importlib.util.find_spec("deepspeed") is None:
+            return "deepspeed is not importable (never a dependency of stronghold_hf; scripts/build_gpu_wheels.sh carries it)"
+        if device.type != "cuda":
+            return "DeepSpeed ZeRO-Offload needs a CUDA device"
+        return None
+    raise ValueError(f"unknown peer {peer!r}; use one of {PEERS}")
+
+
+def zero_offload_variant(base, device: torch.device, precision: str, lr: float, max_norm: float,
+                         batch: int) -> tuple[Variant | None, str | None]:
+    """DeepSpeed ZeRO-2 with the optimizer on the CPU (ZeRO-Offload): (variant, None), or
+    (None, why not). Driven through ``deepspeed.initialize`` and a config dict only.
+
+    DeepSpeed is never a dependency of this project: without it the peer is skipped."""
     import socket
 
-    if device.type != "cuda" or importlib.util.find_spec("deepspeed") is None:
-        return None
+    reason = peer_skip_reason("zero_offload", device)
+    if reason is not None:
+        return None, reason
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -237,15 +309,15 @@ def zero_offload_variant(base, device: torch.device, precision: str, lr: float, 
 
         model = copy.deepcopy(base)
         cfg = {
-            "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": max_norm,
+            "train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "gradient_clipping": max_norm,
             "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01}},
             "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
             "bf16": {"enabled": precision == "bf16"},
+            "steps_per_print": 1 << 30, "wall_clock_breakdown": False,
         }
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     except Exception as err:  # a broken DeepSpeed install must not cost the other variants their run
-        emit({"bench": "step", "variant": "zero_offload", "error": f"{type(err).__name__}: {err}"[:300]})
-        return None
+        return None, f"deepspeed.initialize failed: {type(err).__name__}: {err}"[:300]
     sync = _sync_fn(device)
 
     def step(b: dict) -> dict[str, float]:
@@ -256,12 +328,101 @@ def zero_offload_variant(base, device: torch.device, precision: str, lr: float, 
         engine.backward(loss)
         sync()
         t2 = time.perf_counter()
-        engine.step()
+        engine.step()  # clips (gradient_clipping) and steps DeepSpeedCPUAdam
         sync()
         t3 = time.perf_counter()
         return {"forward": t1 - t0, "backward": t2 - t1, "clip": 0.0, "step": t3 - t2, "loss": float(loss.detach())}
 
-    return Variant("zero_offload", step)
+    return Variant("zero_offload", step), None
+
+
+#: Other systems `--peers` can run next to ours (none is a dependency).
+PEERS = ("zero_offload",)
+
+
+# ---------------------------------------------------------------------------- the overlap bound
+def measure_link_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: int = 5) -> dict:
+    """Bytes per second of one copy each way: pinned host <-> device on CUDA (the library's own
+    `measure_link`, CUDA events on a side stream), a host memcpy on CPU (what the engine's
+    copies are there)."""
+    if device.type == "cuda":
+        from stronghold_hf.planner import measure_link
+
+        link = measure_link(device, nbytes=nbytes, repeats=repeats)
+        return {"kind": "pinned", "nbytes": nbytes, "h2d_bytes_per_s": link.h2d_bytes_per_s,
+                "d2h_bytes_per_s": link.d2h_bytes_per_s}
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    bw = nbytes / statistics.median(times)
+    return {"kind": "memcpy", "nbytes": nbytes, "h2d_bytes_per_s": bw, "d2h_bytes_per_s": bw}
+
+
+def measure_cpu_adam(numel: int, *, bf16_copy: bool, threads: int | None = None, max_numel: int = 256 << 20,
+                     repeats: int = 3) -> dict:
+    """Seconds of one `CPUAdam` step over ``numel`` fp32 parameters (with a bf16 copy-out of
+    each, as the engine writes its bf16 host image, when ``bf16_copy``), on ``threads`` threads
+    (default: this thread's team, which is the engine's worker team by default).
+
+    The kernel streams 28 B/param (32 with the copy) from and to memory, so its time is linear
+    in the count: above ``max_numel`` it is measured on ``max_numel`` (far larger than any
+    cache) and scaled, which keeps the host RAM this costs to ~4.5 GB."""
+    from stronghold_hf import CPUAdam
+
+    measured = max(1, min(numel, max_numel))
+    chunk = 1 << 24
+    sizes = [chunk] * (measured // chunk) + ([measured % chunk] if measured % chunk else [])
+    params = [torch.zeros(n) for n in sizes]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    opt = CPUAdam(params, lr=1e-4, weight_decay=0.01)
+    if bf16_copy:
+        for p in params:
+            opt.register_copy_out(p, torch.empty(p.shape, dtype=torch.bfloat16))
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        opt.step()  # creates the state
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
+    per_param = statistics.median(times) / measured
+    return {"s_per_param": per_param, "measured_params": measured, "threads": threads or before,
+            "kernel": opt.kernel, "bf16_copy": bf16_copy}
+
+
+def overlap_bound(step_s: float, compute_s: float, offloaded_params: int, h2d_bytes: float, d2h_bytes: float,
+                  link: dict, adam: dict) -> dict:
+    """The fastest an offloaded step can be if every transfer and the CPU Adam work hide
+    behind compute (or behind each other): the max of plain's compute time per step, the CPU
+    Adam time for the offloaded parameters, and the bytes each way over the measured
+    bandwidth. ``ratio_to_bound`` = bound / measured step (1.0: nothing left to overlap)."""
+    terms = {
+        "compute_s": compute_s,
+        "cpu_adam_s": adam["s_per_param"] * offloaded_params,
+        "h2d_s": h2d_bytes / link["h2d_bytes_per_s"],
+        "d2h_s": d2h_bytes / link["d2h_bytes_per_s"],
+    }
+    bound = max(terms.values())
+    return {
+        **{k: round(v, 5) for k, v in terms.items()},
+        "bound_s": round(bound, 5), "limited_by": max(terms, key=terms.get), "step_s": round(step_s, 5),
+        "ratio_to_bound": round(bound / step_s, 3),
+        "h2d_bytes_per_step": int(h2d_bytes), "d2h_bytes_per_step": int(d2h_bytes),
+        "h2d_gb_per_s": round(link["h2d_bytes_per_s"] / 1e9, 2), "d2h_gb_per_s": round(link["d2h_bytes_per_s"] / 1e9, 2),
+        "link_kind": link["kind"], "offloaded_params": offloaded_params,
+        "cpu_adam_measured_params": adam["measured_params"], "cpu_adam_threads": adam["threads"],
+        "cpu_adam_kernel": adam["kernel"],
+    }
 
 
 # ---------------------------------------------------------------------------- measurement
@@ -345,6 +506,8 @@ def report(v: Variant, tokens_per_step: int, device: torch.device, plain_v: Vari
         "phase_median_s": {k: round(_median(x), 4) for k, x in v.phases.items()},
         "final_loss": round(v.losses[-1], 4) if v.losses else None,
     }
+    if v.engine is not None:
+        row["window_chosen"] = v.engine.window_size  # what "auto" picked
     if plain is not None:
         row["ratio_vs_plain"] = round(row["tokens_per_s"] / plain["tokens_per_s"], 3)
         # The same comparison within each round (robust to drift between rounds).
@@ -384,7 +547,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab_size", type=int)
     p.add_argument("--seq", type=int)
     p.add_argument("--batch", type=int)
-    p.add_argument("--windows", default="2", help="comma-separated window sizes, one offloaded variant each (e.g. 1,2,4)")
+    p.add_argument("--windows", default="2",
+                   help="comma-separated window sizes, one offloaded variant each (e.g. 1,2,4; auto: the default config)")
+    p.add_argument("--peers", default=",".join(PEERS),
+                   help="other systems to run next to ours: zero_offload (DeepSpeed ZeRO-2 with the optimizer on "
+                        "the CPU; needs CUDA and deepspeed, else reported skipped with the reason) or none")
+    p.add_argument("--bound", choices=["on", "off"], default="on",
+                   help="measure the overlap bound (pinned copies each way, CPU Adam on the offloaded count)")
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                    help="bf16: autocast for both variants and bf16 device copies of the offloaded blocks")
     p.add_argument("--cpu_threads", type=int, default=None, help="StrongholdConfig.cpu_threads (default: auto)")
@@ -409,6 +578,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also write a torch.profiler table per variant (2 steps each) into DIR")
     args = p.parse_args(argv)
     args.device = torch.device(args.device)
+    if args.device.type == "cuda" and args.device.index is None:
+        # torch.cuda helpers want an index (torch 2.11 raised "Expected a torch.device with a
+        # specified index" for a bare "cuda" in set_per_process_memory_fraction).
+        args.device = torch.device("cuda", 0)
     if args.precision == "bf16" and args.device.type == "cpu":
         # GPT-2's nn.LayerNorm gets bf16 weights (the offloaded blocks' bf16 device copies) and an
         # fp32 input: CUDA autocast runs layer_norm in fp32, CPU autocast does not, and the CPU
@@ -420,11 +593,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.device.type not in ("cpu", "cuda"):
         p.error(f"--device {args.device}: use cpu or cuda")
     try:
-        args.windows = [int(w) for w in str(args.windows).split(",") if w.strip()]
+        args.windows = [w.strip() if w.strip() == "auto" else int(w) for w in str(args.windows).split(",") if w.strip()]
     except ValueError:
-        p.error(f"--windows {args.windows!r}: use comma-separated ints, e.g. 1,2,4")
-    if not args.windows or min(args.windows) < 1:
-        p.error("--windows needs at least one window size >= 1")
+        p.error(f"--windows {args.windows!r}: use comma-separated ints or auto, e.g. 1,2,4 or auto,1")
+    if not args.windows or min((w for w in args.windows if w != "auto"), default=1) < 1:
+        p.error("--windows needs at least one window size (auto or an int >= 1)")
+    args.peers = [x.strip() for x in str(args.peers).split(",") if x.strip() and x.strip() != "none"]
+    unknown = sorted(set(args.peers) - set(PEERS))
+    if unknown:
+        p.error(f"--peers: unknown {unknown}; use {','.join(PEERS)} or none")
     preset = args.model or ("smoke" if args.smoke else "bench-small")
     shape = dict(PRESETS[preset])
     for k in ("n_embd", "n_layer", "n_head", "vocab_size", "seq", "batch"):
@@ -499,9 +676,14 @@ def main(argv=None) -> int:
     if "off" in [m.strip() for m in args.non_block.split(",")]:
         variants.append(offload_variant(base, device, args.precision, args.lr, args.windows[0], args.cpu_threads,
                                         modes[0], args.max_grad_norm, non_block=False))
-    zero = zero_offload_variant(base, device, args.precision, args.lr, args.max_grad_norm)
-    if zero is not None:
-        variants.append(zero)
+    peer_skipped: dict[str, str] = {}
+    if "zero_offload" in args.peers:
+        zero, reason = zero_offload_variant(base, device, args.precision, args.lr, args.max_grad_norm, shape["batch"])
+        if zero is not None:
+            variants.append(zero)
+        else:
+            peer_skipped["zero_offload"] = reason
+            emit({"bench": "step", "peer": "zero_offload", "skipped": True, "reason": reason})
     del base
     if args.profile:
         profile_variants(variants, batches, args.profile)
@@ -511,18 +693,50 @@ def main(argv=None) -> int:
     plain = report(variants[0], tokens, device, params=n_params)
     emit(plain)
     rows = [report(v, tokens, device, variants[0], plain, params=n_params) for v in variants[1:]]
-    for row in rows:
-        emit(row)
+    offloaded = {v.name: v.engine.memory_stats()["offloaded_trainable_params"] for v in variants if v.engine}
+    nb_paired = _paired(variants[1], next((v for v in variants if v.name.endswith("_nb_off")), None))
     for v in variants[1:]:
         if v.engine is not None:
             v.engine.close()
+    del variants
+    ours = [r for r in rows if r["variant"] in offloaded]
+    peer_rows = {r["variant"]: r for r in rows if r["variant"] not in offloaded}
+    bounds: dict[str, dict] = {}
+    if args.bound == "on":
+        # After the run and with the engines closed: the copies and the CPU Adam step have
+        # the machine to themselves, as the bound assumes of each.
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        link = measure_link_bandwidth(device, nbytes=(256 << 20) if device.type == "cuda" else (64 << 20))
+        adam = measure_cpu_adam(max(offloaded.values()), bf16_copy=args.precision == "bf16", threads=args.cpu_threads)
+        emit({"bench": "step", "measured_for_bound": True, "link": link, "cpu_adam": adam})
+        for r in ours:
+            st = r["stats_per_step"]
+            bounds[r["variant"]] = overlap_bound(r["median_step_s"], plain["median_step_s"], offloaded[r["variant"]],
+                                                 st["h2d_bytes"], st["d2h_bytes"], link, adam)
+            r["bound"] = bounds[r["variant"]]
+    for row in rows:
+        emit(row)
     first = rows[0]
+    peers = {}
+    for peer in args.peers:
+        if peer in peer_rows:
+            pr = peer_rows[peer]
+            peers[peer] = {"tokens_per_s": pr["tokens_per_s"], "median_step_s": pr["median_step_s"],
+                           "ratio_ours_vs_peer": round(first["tokens_per_s"] / pr["tokens_per_s"], 3),
+                           "ours": first["variant"], "skipped": None}
+        else:
+            peers[peer] = {"tokens_per_s": None, "median_step_s": None, "ratio_ours_vs_peer": None,
+                           "ours": first["variant"], "skipped": peer_skipped.get(peer, "not run")}
     summary = {
         "bench": "step", "summary": True, "device": str(device), "model": args.preset, "params": n_params,
-        "mode": args.mode, "window_size": first["window_size"], "rounds_run": rounds_run,
+        "precision": args.precision, "mode": args.mode, "window_size": first["window_size"],
+        "window_chosen": first.get("window_chosen"), "rounds_run": rounds_run,
         "ratio_offload_vs_plain": first["ratio_vs_plain"],
         "ratio_offload_vs_plain_paired": first["ratio_vs_plain_paired"]["median"],
-        "ratios_by_window": {str(r["window_size"]): r["ratio_vs_plain"] for r in rows if "_spec_" not in r["variant"]},
+        "ratios_by_window": {str(r["window_size"]): r["ratio_vs_plain"] for r in ours
+                             if "_spec_" not in r["variant"] and not r["variant"].endswith("_nb_off")},
         "ratios_by_variant": {r["variant"]: r["ratio_vs_plain_paired"]["median"] for r in rows},
         "tokens_per_s": {r["variant"]: r["tokens_per_s"] for r in [plain, *rows]},
         "median_step_s": {r["variant"]: r["median_step_s"] for r in [plain, *rows]},
@@ -531,10 +745,12 @@ def main(argv=None) -> int:
         "first_block_ready_fraction": first.get("first_block_ready_fraction"),
         "forward_stall_fraction": first.get("forward_stall_fraction"),
         "speculation": {r["variant"]: r.get("speculation") for r in rows if "speculation" in r},
-        "ratio_non_block_on_vs_off_paired": _paired(variants[1], next(
-            (v for v in variants if v.name.endswith("_nb_off")), None)),
-        "ratio_offload_vs_zero_offload": next(
-            (round(first["tokens_per_s"] / r["tokens_per_s"], 3) for r in rows if r["variant"] == "zero_offload"), None),
+        "ratio_non_block_on_vs_off_paired": nb_paired,
+        "bound": bounds.get(first["variant"]),
+        "ratio_to_bound": bounds[first["variant"]]["ratio_to_bound"] if first["variant"] in bounds else None,
+        "ratio_to_bound_by_variant": {name: b["ratio_to_bound"] for name, b in bounds.items()},
+        "peers": peers,
+        "ratio_offload_vs_zero_offload": peers.get("zero_offload", {}).get("ratio_ours_vs_peer"),
         "target_ratio_cpu": 0.85,
         "meets_target": bool(first["ratio_vs_plain"] >= 0.85) if device.type == "cpu" else None,
     }

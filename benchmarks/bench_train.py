@@ -32,10 +32,23 @@ default; ``--memory none`` skips it). That peak includes the
 interpreter, torch and transformers (reported alone as ``rss_baseline_bytes``, measured
 after the imports) and the initial model, identical in every variant.
 
+Peers. ``--peers zero2,zero3,fsdp2`` (the default) picks the systems run next to ours, each in
+a subprocess per round; ``--variants`` picks among plain and the STRONGHOLD variants. DeepSpeed
+is driven through ``TrainingArguments(deepspeed=<config dict>)`` only; it needs CUDA and an
+importable ``deepspeed`` (never a dependency), else it is reported skipped with the reason.
+
+The overlap bound (as in bench_step.py): per STRONGHOLD variant, the max of plain's median step
+(``compute_s``), `CPUAdam` stepping the offloaded parameter count in this process
+(``cpu_adam_s``), and the bytes each way per step (the engine's ledger counters, read at every
+``on_step_end`` and averaged over the timed steps) over one pinned copy's bandwidth each way
+(a memcpy's on CPU); ``ratio_to_bound`` = bound / the variant's median step.
+
 Output: one JSON object per line (``"skipped": true`` with a reason for variants that cannot
 run here); the LAST line is the summary, with ``ratio_stronghold_vs_plain`` (tokens/s of
-stronghold_auto over plain) and ``ratio_stronghold_vs_zero_offload`` (over ZeRO-2 offload;
-null when DeepSpeed is absent).
+stronghold_auto over plain), ``ratio_stronghold_vs_zero_offload`` (over ZeRO-2 offload;
+null when DeepSpeed is absent), ``bound``, ``ratio_to_bound``, ``ratio_to_bound_by_variant``
+and ``peers`` (per peer: tokens/s, median step, ``ratio_ours_vs_peer`` or the reason it did
+not run).
 
     python benchmarks/bench_train.py --quick                      # CPU, < 5 min on 2 cores
     python benchmarks/bench_train.py --smoke                      # seconds (CI)
@@ -75,14 +88,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from bench_step import PRESETS, build_model, emit  # noqa: E402
+from bench_step import (  # noqa: E402
+    PRESETS, build_model, emit, measure_cpu_adam, measure_link_bandwidth, overlap_bound,
+)
 
 IN_PROCESS = ("plain", "stronghold_auto", "stronghold_w1", "stronghold_w2")
 SUBPROCESS = ("deepspeed_zero2_offload", "deepspeed_zero3_offload", "fsdp2_cpu_offload")
 ALL_VARIANTS = IN_PROCESS + SUBPROCESS
+#: ``--peers`` names -> the variant each one runs (every peer runs in a subprocess).
+PEERS = {"zero2": "deepspeed_zero2_offload", "zero3": "deepspeed_zero3_offload", "fsdp2": "fsdp2_cpu_offload"}
 SUMMARY_KEYS = (
     "ratio_stronghold_vs_plain", "ratio_stronghold_vs_zero_offload", "ratio_stronghold_vs_fsdp2_offload",
-    "tokens_per_s", "peak_memory_bytes", "skipped",
+    "tokens_per_s", "peak_memory_bytes", "skipped", "bound", "ratio_to_bound", "ratio_to_bound_by_variant", "peers",
 )
 _WINDOW = {"stronghold_auto": "auto", "stronghold_w1": "1", "stronghold_w2": "2"}
 
@@ -135,7 +152,8 @@ class RandomTokens(torch.utils.data.Dataset):
 def skip_reason(variant: str, device: torch.device) -> str | None:
     if variant.startswith("deepspeed"):
         if importlib.util.find_spec("deepspeed") is None:
-            return "deepspeed is not importable (it is never a dependency of stronghold_hf; pip install deepspeed to compare)"
+            return ("deepspeed is not importable (it is never a dependency of stronghold_hf; pip install deepspeed, "
+                    "or scripts/build_gpu_wheels.sh for the GPU machine)")
         if device.type != "cuda":
             return "DeepSpeed ZeRO-Offload through the Trainer needs a CUDA device"
     if variant == "fsdp2_cpu_offload":
@@ -153,15 +171,23 @@ def _timer_callback(device: torch.device):
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
-        """Wall clock at the end of every optimizer step (device synchronised)."""
+        """Wall clock at the end of every optimizer step (device synchronised), and under
+        STRONGHOLD the engine's cumulative bytes each way (the ledger's counters) at that moment."""
 
         def __init__(self) -> None:
             self.marks: list[float] = []
+            self.traffic: list[tuple[int, int]] = []  # (h2d_bytes, d2h_bytes) at each mark
 
         def on_step_end(self, args, state, control, **kwargs):
             if device.type == "cuda":
                 torch.cuda.synchronize()
             self.marks.append(time.perf_counter())
+            from stronghold_hf import get_engine
+
+            engine = get_engine(kwargs["model"]) if kwargs.get("model") is not None else None
+            if engine is not None:
+                stats = engine.memory_stats()
+                self.traffic.append((stats["h2d_bytes"], stats["d2h_bytes"]))
 
     return StepTimer()
 
@@ -201,7 +227,8 @@ def _apply_fsdp2(model, device: torch.device):
         torch.cuda.set_device(device.index or 0)
     mesh = init_device_mesh(device.type, (1,))
     policy = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-    for block in model.transformer.h:
+    blocks = model.transformer.h if hasattr(model, "transformer") else model.model.layers  # GPT-2, Llama
+    for block in blocks:
         fully_shard(block, mesh=mesh, offload_policy=policy)
     fully_shard(model, mesh=mesh, offload_policy=policy)
     return model
@@ -263,6 +290,13 @@ def run_variant(variant: str, base, opts, steps: int) -> dict:
     engine = getattr(trainer, "stronghold_engine", None)
     if engine is not None:
         result["window_size"] = engine.window_size
+        result["offloaded_params"] = engine.memory_stats()["offloaded_trainable_params"]
+        if len(timer.traffic) >= 2:
+            # Bytes each way per step, over the step intervals that are timed (after --skip).
+            first = min(opts.skip, len(timer.traffic) - 2)
+            (h0, d0), (h1, d1) = timer.traffic[first], timer.traffic[-1]
+            n = len(timer.traffic) - 1 - first
+            result["h2d_bytes_per_step"], result["d2h_bytes_per_step"] = (h1 - h0) / n, (d1 - d0) / n
         result["stronghold_metrics"] = {k: v for k, v in (logs[-1] if logs else {}).items() if k.startswith("stronghold_")}
         engine.close()
     if device.type == "cuda":
@@ -332,7 +366,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     for k in ("n_embd", "n_layer", "n_head", "vocab_size", "seq", "batch"):
         p.add_argument(f"--{k}", type=int, help=f"override the preset's {k}")
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="bf16: --bf16 for every variant")
-    p.add_argument("--variants", default=",".join(ALL_VARIANTS), help="comma-separated subset of " + ",".join(ALL_VARIANTS))
+    p.add_argument("--variants", default=",".join(IN_PROCESS),
+                   help="comma-separated subset of " + ",".join(ALL_VARIANTS) + " (the peers also come from --peers)")
+    p.add_argument("--peers", default=",".join(PEERS),
+                   help="other systems next to ours, each in a subprocess: zero2 (DeepSpeed ZeRO-2 with the optimizer "
+                        "on the CPU), zero3 (ZeRO-3, parameters offloaded too), fsdp2 (FSDP2 CPUOffloadPolicy), or none. "
+                        "DeepSpeed needs CUDA and `deepspeed`; without them it is reported skipped with the reason")
+    p.add_argument("--bound", choices=["on", "off"], default="on",
+                   help="measure the overlap bound (pinned copies each way, CPU Adam on the offloaded count)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
     p.add_argument("--skip", type=int, default=None, help="step intervals dropped at the start of each run (warm-up)")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds")
@@ -349,6 +390,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--_worker_steps", type=int, default=3, help=argparse.SUPPRESS)
     opts = p.parse_args(argv)
     opts.device = torch.device(opts.device)
+    if opts.device.type == "cuda" and opts.device.index is None:
+        opts.device = torch.device("cuda", 0)  # torch.cuda helpers want an index (torch 2.11)
     if opts.device.type not in ("cpu", "cuda"):
         p.error(f"--device {opts.device}: use cpu or cuda")
     if opts.precision == "bf16" and opts.device.type == "cpu":
@@ -369,8 +412,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = sorted(set(variants) - set(ALL_VARIANTS))
     if unknown:
         p.error(f"--variants: unknown {unknown}; choose from {','.join(ALL_VARIANTS)}")
+    peers = [x.strip() for x in opts.peers.split(",") if x.strip() and x.strip() != "none"]
+    unknown = sorted(set(peers) - set(PEERS))
+    if unknown:
+        p.error(f"--peers: unknown {unknown}; choose from {','.join(PEERS)} or none")
     if opts.smoke and opts.variants == p.get_default("variants"):
-        variants = ["plain", "stronghold_w1", *SUBPROCESS]  # subprocess ones only report skipped/unavailable
+        variants = ["plain", "stronghold_w1"]  # the peers (subprocesses) only report skipped/unavailable
+    variants += [PEERS[x] for x in peers if PEERS[x] not in variants]
+    opts.peer_variants = [v for v in variants if v in SUBPROCESS]
     opts.variant_list = variants
     mode = "smoke" if opts.smoke else "quick" if opts.quick else "default"
     steps, skip, rounds = {"smoke": (4, 1, 1), "quick": (8, 2, 2), "default": (12, 2, 3)}[mode]
@@ -438,7 +487,8 @@ def main(argv=None) -> int:
             times[v] += res["step_times"][opts.skip:]
             run_medians[v].append(statistics.median(res["step_times"][opts.skip:]))
             info = extra[v]
-            for key in ("window_size", "stronghold_metrics", "loss", "peak_memory_kind", "rss_baseline_bytes"):
+            for key in ("window_size", "stronghold_metrics", "loss", "peak_memory_kind", "rss_baseline_bytes",
+                        "offloaded_params", "h2d_bytes_per_step", "d2h_bytes_per_step"):
                 if key in res:
                     info[key] = res[key]
             if "peak_memory_bytes" in res:
@@ -489,9 +539,30 @@ def main(argv=None) -> int:
             return None
         return round(statistics.median(o / s for o, s in zip(run_medians[other], run_medians[sh_name])), 3)
 
+    bounds: dict[str, dict] = {}
+    measured = [v for v in rows if "h2d_bytes_per_step" in rows[v] and "offloaded_params" in rows[v]]
+    if opts.bound == "on" and "plain" in rows and measured and not (
+            deadline is not None and time.monotonic() > deadline + 10):
+        # In this process, after every run: the copies and the CPU Adam step have the machine
+        # to themselves, as the bound assumes of each.
+        link = measure_link_bandwidth(device, nbytes=(256 << 20) if device.type == "cuda" else (64 << 20))
+        adam = measure_cpu_adam(max(rows[v]["offloaded_params"] for v in measured),
+                                bf16_copy=opts.precision == "bf16", threads=opts.threads)
+        emit({"bench": "train", "measured_for_bound": True, "link": link, "cpu_adam": adam})
+        for v in measured:
+            r = rows[v]
+            bounds[v] = overlap_bound(r["median_step_s"], rows["plain"]["median_step_s"], r["offloaded_params"],
+                                      r["h2d_bytes_per_step"], r["d2h_bytes_per_step"], link, adam)
+            emit({"bench": "train", "variant": v, "bound": bounds[v]})
+    peers = {}
+    for v in opts.peer_variants:
+        peers[v] = {"tokens_per_s": tps(v), "median_step_s": rows[v]["median_step_s"] if v in rows else None,
+                    "ratio_ours_vs_peer": ratio(v), "ours": sh_name,
+                    "skipped": None if v in rows else skipped.get(v) or failed.get(v) or "not run"}
+
     emit({
         "bench": "train", "summary": True, "device": str(device), "model_size": opts.preset, "params": n_params,
-        "mode": opts.mode, "stronghold_variant": sh_name,
+        "precision": opts.precision, "mode": opts.mode, "stronghold_variant": sh_name,
         "ratio_stronghold_vs_plain": ratio("plain"),
         "ratio_stronghold_vs_plain_paired": paired("plain"),
         "ratio_stronghold_vs_zero_offload": ratio("deepspeed_zero2_offload"),
@@ -500,6 +571,10 @@ def main(argv=None) -> int:
         "tokens_per_s": {v: r["tokens_per_s"] for v, r in rows.items()},
         "peak_memory_bytes": {v: r["peak_memory_bytes"] for v, r in rows.items()},
         "skipped": skipped, "failed": failed, "not_run_for_time": truncated,
+        "bound": bounds.get(sh_name),
+        "ratio_to_bound": bounds[sh_name]["ratio_to_bound"] if sh_name in bounds else None,
+        "ratio_to_bound_by_variant": {v: b["ratio_to_bound"] for v, b in bounds.items()},
+        "peers": peers,
     })
     return 0
 

@@ -21,10 +21,12 @@ CASES = {
     "bench_step.py": (
         "ratio_offload_vs_plain", "ratio_offload_vs_plain_paired", "ratios_by_window", "tokens_per_s",
         "median_step_s", "stats_per_step", "cpu_adam_hidden_fraction", "target_ratio_cpu", "meets_target",
+        "bound", "ratio_to_bound", "ratio_to_bound_by_variant", "peers",
     ),
     "bench_train.py": (
         "ratio_stronghold_vs_plain", "ratio_stronghold_vs_zero_offload", "ratio_stronghold_vs_fsdp2_offload",
         "tokens_per_s", "peak_memory_bytes", "skipped", "failed",
+        "bound", "ratio_to_bound", "ratio_to_bound_by_variant", "peers",
     ),
     "bench_max_model.py": (
         "max_params_plain", "max_params_stronghold", "max_params_zero_offload",
@@ -37,8 +39,11 @@ CASES = {
 def smoke_runs():
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    # bench_step runs the Llama path and the default ("auto") window next to W=1, the variants
+    # and shape family scripts/gpu_check.sh measures; bench_train stays on GPT-2.
+    extra = {"bench_step.py": ["--model", "llama-smoke", "--windows", "1,auto"]}
     procs = {
-        name: subprocess.Popen([sys.executable, str(BENCH / name), "--smoke"], cwd=ROOT, env=env,
+        name: subprocess.Popen([sys.executable, str(BENCH / name), "--smoke", *extra.get(name, [])], cwd=ROOT, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for name in CASES
     }
@@ -68,13 +73,40 @@ def test_smoke_summary(smoke_runs, name):
     assert not missing, f"{name}: summary lacks {missing}: {summary}"
 
 
+def _assert_bound(bound: dict, step_s: float) -> None:
+    """The overlap bound's four terms are positive numbers; the bound is their max, over the step."""
+    terms = ("compute_s", "cpu_adam_s", "h2d_s", "d2h_s")
+    assert all(isinstance(bound[k], (int, float)) and bound[k] > 0 for k in terms), bound
+    assert bound["bound_s"] == max(bound[k] for k in terms) and bound["limited_by"] in terms
+    assert bound["h2d_bytes_per_step"] > 0 and bound["d2h_bytes_per_step"] > 0
+    assert bound["h2d_gb_per_s"] > 0 and bound["d2h_gb_per_s"] > 0 and bound["link_kind"] == "memcpy"
+    assert bound["ratio_to_bound"] == pytest.approx(bound["bound_s"] / step_s, rel=0.02, abs=2e-3)
+
+
+def _assert_peers_skipped_on_cpu(peers: dict, names) -> None:
+    """No peer runs on a CPU: each is reported, with nulls and the reason."""
+    assert set(peers) == set(names)
+    for peer in peers.values():
+        assert peer["tokens_per_s"] is None and peer["ratio_ours_vs_peer"] is None
+        assert isinstance(peer["skipped"], str) and peer["skipped"]
+
+
 def test_step_smoke_values(smoke_runs):
-    summary = _json_lines(smoke_runs["bench_step.py"][1])[-1]
+    lines = _json_lines(smoke_runs["bench_step.py"][1])
+    summary = lines[-1]
     assert summary["ratio_offload_vs_plain"] > 0
     assert summary["stats_per_step"]["h2d_bytes"] > 0 and summary["stats_per_step"]["d2h_bytes"] > 0
     assert summary["stats_per_step"]["cpu_adam_s"] > 0
-    variants = [row["variant"] for row in _json_lines(smoke_runs["bench_step.py"][1]) if "variant" in row]
-    assert variants == ["plain", "offload_w2"]
+    variants = [row["variant"] for row in lines if "variant" in row]
+    assert variants == ["plain", "offload_w1", "offload_auto"]
+    assert summary["model"] == "llama-smoke" and set(summary["ratios_by_window"]) == {"1", "auto"}
+    assert set(summary["ratio_to_bound_by_variant"]) == {"offload_w1", "offload_auto"}
+    assert all(r > 0 for r in summary["ratio_to_bound_by_variant"].values())
+    assert summary["bound"]["compute_s"] == summary["median_step_s"]["plain"]
+    _assert_bound(summary["bound"], summary["median_step_s"]["offload_w1"])
+    assert summary["ratio_to_bound"] == summary["bound"]["ratio_to_bound"]
+    _assert_peers_skipped_on_cpu(summary["peers"], ["zero_offload"])
+    assert summary["ratio_offload_vs_zero_offload"] is None
 
 
 def test_train_smoke_values(smoke_runs):
@@ -85,6 +117,11 @@ def test_train_smoke_values(smoke_runs):
     runs = {row["variant"]: row for row in lines if "tokens_per_s" in row and "variant" in row}
     assert set(runs) >= {"plain", "stronghold_w1"}
     assert runs["stronghold_w1"]["window_size"] == 1
+    _assert_bound(summary["bound"], runs["stronghold_w1"]["median_step_s"])
+    assert summary["bound"]["compute_s"] == pytest.approx(runs["plain"]["median_step_s"], abs=1e-4)
+    assert summary["ratio_to_bound_by_variant"] == {"stronghold_w1": summary["ratio_to_bound"]}
+    _assert_peers_skipped_on_cpu(summary["peers"], ["deepspeed_zero2_offload", "deepspeed_zero3_offload",
+                                                    "fsdp2_cpu_offload"])
     # Same seed, data and hyperparameters: the offloaded Trainer reaches the same loss.
     assert runs["stronghold_w1"]["loss"] == pytest.approx(runs["plain"]["loss"], rel=1e-4)
 
