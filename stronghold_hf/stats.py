@@ -29,6 +29,7 @@ _FIELDS = (
     "speculation_hits",
     "speculation_misses",
     "late_gradients",  # parameters whose gradient arrived after their unit left the device
+    "image_refreshes",  # compute-dtype images re-derived from the masters at a fetch (training thread)
     "steps",
 )
 

@@ -319,10 +319,34 @@ class Unit:
                 p.data = value
                 self._materialized[k] = (value.data_ptr(), p._version)
 
+    @property
+    def image_stale(self) -> bool:
+        """The compute-dtype image lags the masters: refresh it before a fetch reads it."""
+        return self._image_stale
+
+    @image_stale.setter
+    def image_stale(self, stale: bool) -> None:
+        self._image_stale = stale
+        self.image_undone = None  # a lag of any other cause: only a refresh clears it
+
+    def image_lags_undo(self, params) -> None:
+        """An undone speculative update left the image of ``params`` (indices) behind the
+        masters. Until anything else makes it stale, a step that writes those images through
+        its copy-out clears the lag (`image_rewritten`), so a redo costs no refresh."""
+        fresh = not self._image_stale
+        self.image_stale = True
+        self.image_undone = frozenset(params) if fresh else None
+
+    def image_rewritten(self, params) -> None:
+        """A CPU Adam step wrote the image of ``params`` (its copy-out) along with the masters."""
+        if self._image_stale and self.image_undone is not None and self.image_undone <= set(params):
+            self.image_stale = False
+
     def refresh_image(self) -> None:
         """Re-derives the compute-dtype image of trainable parameters from the fp32 masters."""
         if not self.image_stale:
             return
+        self.transfer.stats.add("image_refreshes", 1)  # a conversion pass on the fetching thread
         with torch.no_grad():
             for e, img, master in zip(self.layout.entries, self.image_views, self.masters):
                 if e.trainable and img is not None and master is not None and img.data_ptr() != master.data_ptr():

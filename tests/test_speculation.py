@@ -220,3 +220,25 @@ def test_a_skipped_step_after_speculation_undoes_exactly():
     for k, v in results[0].items():
         # Undo rounding on ~0 gradients stays far below the 1e-2 an undo with a zeroed gradient gives.
         torch.testing.assert_close(results[1][k], v, rtol=1e-4, atol=1e-4, msg=lambda m: f"{k}: {m}")
+
+
+def test_a_missed_speculation_leaves_no_image_to_refresh():
+    """A miss undoes the speculative update and redoes it; the redo's copy-out rewrites the
+    compute-dtype image, so the next forward's fetches convert nothing on the training thread
+    (on the H200 a stale flag left after the redo cost 91 ms of copies per step)."""
+    model = tiny_model("llama", num_hidden_layers=4)
+    engine = offload_model(model, StrongholdConfig(window_size=1, speculative_step="on", param_dtype="bf16"),
+                           device="cpu")
+    assert engine.host_image
+    opt = engine.build_optimizer(lr=LR)
+    for step in range(3):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**batch("llama", seed=step)).loss
+        loss.backward()
+        engine.clip_grad_norm_(1e-3)  # clips: every speculative update is a miss
+        opt.step()
+        opt.zero_grad()
+    engine.synchronize()
+    stats = engine.stats.as_dict()
+    assert stats["speculation_misses"] >= 2 and stats["rollback_s"] > 0
+    assert stats["image_refreshes"] == 0

@@ -220,6 +220,8 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         if isinstance(self.cpu_optimizer, CPUAdam):
             with self._state_of(block):
                 self.cpu_optimizer.step_groups(groups, inv_loss_scale=grad_mul)
+            if not block.layout.masters_in_image:
+                block.image_rewritten(k for k, g in grads if g is not None)  # a redo after an undo: nothing to refresh
             return
         if grad_mul != 1.0:
             for m in block.masters:
@@ -287,7 +289,8 @@ class StrongholdOptimizer(torch.optim.Optimizer):
                         used.append(grads[k])
                         states.append(self.cpu_optimizer.state.get(m, {}))
                 undo_adamw_(params, used, states, hyper, record.grad_mul)
-        block.image_stale = not block.layout.masters_in_image  # the copy-out holds the undone values
+        if not block.layout.masters_in_image:
+            block.image_lags_undo(grads)  # the copy-out holds the undone values until a redo rewrites them
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.device_optimizer is not None:
