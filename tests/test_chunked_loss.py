@@ -321,6 +321,7 @@ def test_replaced_forward_is_not_analysed():
 
 
 def test_trl_fused_head_wrapper_keeps_the_chunked_path():
+    pytest.importorskip("trl")
     from trl.trainer.utils import add_fused_lm_head
 
     model, reference = pair("llama")
