@@ -42,6 +42,7 @@ class StepScalars(NamedTuple):
     found_inf: bool
     clip_coef: float
     inv_loss_scale: float
+    norm_ratio: float | None = None  # the gradient norm over max_norm, when this step was clipped
 
 
 def _state_bytes(optimizer) -> int:
@@ -69,6 +70,7 @@ class StepCoordinator:
         self._step_started_at: float | None = None
         self._first_ticket: Ticket | None = None  # the step's task for the first block the next forward needs
         self._clip_coef: float | None = None
+        self._norm_ratio: float | None = None
         self._found_inf: bool | None = None
         self._resident_unscaled = False
         self.last_grad_norm: float | None = None
@@ -304,6 +306,7 @@ class StepCoordinator:
             return total
         coef = min(1.0, float(max_norm) / (float(total) + 1e-6))
         self._clip_coef = coef
+        self._norm_ratio = float(total) / float(max_norm) if max_norm > 0 else None
         self.last_grad_norm = float(total)
         resident = self.resident_grads()
         if resident and coef * inv_scale != 1.0:
@@ -326,6 +329,7 @@ class StepCoordinator:
             resident = self.resident_grads()
             if resident:
                 torch._foreach_mul_(resident, inv_scale)
-        out = StepScalars(bool(found_inf), self._clip_coef if self._clip_coef is not None else 1.0, inv_scale)
-        self._clip_coef, self._found_inf, self._resident_unscaled = None, None, False
+        out = StepScalars(bool(found_inf), self._clip_coef if self._clip_coef is not None else 1.0, inv_scale,
+                          self._norm_ratio if self._clip_coef is not None else None)
+        self._clip_coef, self._found_inf, self._resident_unscaled, self._norm_ratio = None, None, False, None
         return out

@@ -15,7 +15,7 @@ import torch
 
 from stronghold_hf import StrongholdConfig, offload_model
 from stronghold_hf.optim.cpu_adam import CPUAdam
-from stronghold_hf.speculation import undo_adamw_
+from stronghold_hf.speculation import SpeculationPolicy, undo_adamw_
 from stronghold_hf.testing import simulated_device
 from tiny_models import batch, tiny_model
 
@@ -242,3 +242,31 @@ def test_a_missed_speculation_leaves_no_image_to_refresh():
     stats = engine.stats.as_dict()
     assert stats["speculation_misses"] >= 2 and stats["rollback_s"] > 0
     assert stats["image_refreshes"] == 0
+
+
+def test_auto_speculates_only_with_a_margin_below_the_clip_norm():
+    policy = SpeculationPolicy("auto")
+    policy.record_step(clean=True, speculated=False, hit=False, norm_ratio=0.95)
+    assert not policy.should_speculate()  # just under max_norm: the next step may well clip
+    policy.record_step(clean=True, speculated=False, hit=False, norm_ratio=0.5)
+    assert policy.should_speculate()
+    policy.record_step(clean=True, speculated=False, hit=False, norm_ratio=None)  # not clipped at all
+    assert policy.should_speculate()
+    policy.record_step(clean=False, speculated=False, hit=False, norm_ratio=1.5)
+    assert not policy.should_speculate()
+
+
+def test_the_step_tells_the_policy_how_close_to_the_clip_norm_it_was():
+    model = tiny_model("gpt2")
+    engine = offload_model(model, StrongholdConfig(window_size=1, host_worker="thread"), device="cpu")
+    opt = engine.build_optimizer(lr=LR)
+    for ratio in (0.9, 0.5):
+        model(**batch("gpt2", seed=0)).loss.backward()
+        engine.clip_grad_norm_(float(engine.global_grad_norm()) / ratio)
+        opt.step()
+        opt.zero_grad()
+        assert engine.coordinator.policy.last_norm_ratio == pytest.approx(ratio, rel=1e-3)
+        assert engine.coordinator.policy.should_speculate() is (ratio <= 0.8)
+    model(**batch("gpt2", seed=1)).loss.backward()
+    opt.step()  # not clipped: no ratio
+    assert engine.coordinator.policy.last_norm_ratio is None

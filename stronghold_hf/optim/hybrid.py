@@ -202,7 +202,7 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         if speculated:
             engine.stats.add("speculation_hits" if misses == 0 else "speculation_misses", 1)
         coordinator.policy.record_step(clean=not found_inf and clip_coef == 1.0, speculated=bool(speculated),
-                                       hit=bool(speculated) and misses == 0)
+                                       hit=bool(speculated) and misses == 0, norm_ratio=scalars.norm_ratio)
         return loss
 
     @staticmethod
