@@ -137,8 +137,16 @@ class HeadTransform:
 
 def _rows(hidden: Tensor, index: Tensor) -> tuple[Tensor, ...]:
     # Flat row numbers -> one index tensor per leading dim, so a non-contiguous hidden (a
-    # slice) is gathered row by row instead of being copied whole by ``reshape``.
-    return torch.unravel_index(index, hidden.shape[:-1])
+    # slice) is gathered row by row instead of being copied whole by ``reshape``. Divided by
+    # Python ints on the index's device: ``torch.unravel_index`` builds its divisors with
+    # ``torch.tensor(..., device=...)``, two pageable copies (and host syncs) per chunk on a GPU.
+    lead = hidden.shape[:-1]
+    out: list[Tensor] = []
+    for size in reversed(lead[1:]):
+        out.append(index % size)
+        index = index // size
+    out.append(index)
+    return tuple(reversed(out))
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):

@@ -494,3 +494,18 @@ def test_one_chunk_for_every_token_runs_the_plain_path():
     model2, _ = pair("llama")
     ChunkedLoss.install(model2, chunk_tokens=rows - 1)
     assert model2(**batch).logits is None  # two chunks: chunked
+
+
+def test_the_loss_builds_no_tensor_from_host_data(monkeypatch):
+    """Each tensor built from Python data on a GPU is a pageable copy and a host sync: the
+    chunked loss has none per chunk (it had two, through torch.unravel_index)."""
+    hidden = torch.randn(3, 40, 16)[:, 4:, :]  # a slice: rows are gathered, not reshaped
+    weight, labels = torch.randn(VOCAB, 16), torch.randint(0, VOCAB, (3, 36))
+    expected = chunked_linear_cross_entropy(hidden, weight, None, labels, chunk_tokens=8)
+    made = []
+    real = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: made.append(a) or real(*a, **k))
+    got = chunked_linear_cross_entropy(hidden, weight, None, labels, chunk_tokens=8)
+    assert made == [] and torch.equal(got, expected)
+    plain = F.cross_entropy((hidden @ weight.T)[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+    torch.testing.assert_close(got, plain)
