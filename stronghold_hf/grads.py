@@ -239,6 +239,8 @@ class GradientQueue:
             self._free.notify_all()
 
     def _wait(self, ticket: Ticket) -> None:
+        if not ticket.done():
+            self.transfer.stats.count_host_block()
         ticket.wait()
 
     def drain(self) -> None:

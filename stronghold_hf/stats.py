@@ -30,8 +30,13 @@ _FIELDS = (
     "speculation_misses",
     "late_gradients",  # parameters whose gradient arrived after their unit left the device
     "image_refreshes",  # compute-dtype images re-derived from the masters at a fetch (training thread)
+    "host_blocks",  # waits that blocked the training or autograd thread (not the engine's own threads)
     "steps",
 )
+
+#: The engine's own threads (host worker, copy and conversion threads, NVMe I/O): their waits
+#: are their work, not the training thread's.
+ENGINE_THREAD_PREFIX = "stronghold-"
 
 
 class EngineStats:
@@ -49,6 +54,13 @@ class EngineStats:
     def add(self, name: str, value: float) -> None:
         with self._lock:
             setattr(self, name, getattr(self, name) + value)
+
+    def count_host_block(self) -> None:
+        """A wait that blocked its thread; counted when that thread trains (see ``host_blocks``).
+        A CPU proxy of the GPU's real-time budget: on the training and autograd threads this
+        count per step must not grow with depth."""
+        if not threading.current_thread().name.startswith(ENGINE_THREAD_PREFIX):
+            self.add("host_blocks", 1)
 
     def as_dict(self) -> dict[str, float]:
         with self._lock:

@@ -177,6 +177,8 @@ class StepCoordinator:
             self.undo_speculation(block)
         ticket = self._tickets.pop(block.index, None)
         if ticket is not None:
+            if not ticket.done():
+                self.stats.count_host_block()
             waited = ticket.wait()
             self.stats.add("blocked_s", waited)
             if forward:
@@ -187,12 +189,16 @@ class StepCoordinator:
     def _wait_ticket(self, block) -> None:
         ticket = self._tickets.get(block.index)
         if ticket is not None:
+            if not ticket.done():
+                self.stats.count_host_block()
             self.stats.add("blocked_s", ticket.wait())
 
     def synchronize(self) -> None:
         """Waits for every in-flight CPU task (before reading masters, saving, clipping)."""
         for index in list(self._tickets):
             ticket = self._tickets.pop(index)
+            if not ticket.done():
+                self.stats.count_host_block()
             self.stats.add("blocked_s", ticket.wait())
             if self._first_ticket is ticket:
                 self._account_first_block()

@@ -376,8 +376,10 @@ class TransferContext:
             event = event.issued()  # a stream cannot wait for an event not yet recorded
         if self.mode == "cuda":
             torch.cuda.current_stream(self.device).wait_event(event)
-        else:
-            self.host_wait(event)
+        elif not event.query():
+            self._block_on(event, host_side=False)  # stands in for the stream's wait: not the host's
+        elif isinstance(event, _HostEvent):
+            event.synchronize()  # re-raises a failed simulated copy
 
     # ------------------------------------------------------------------ device -> host
     def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor, *, continues: bool = False):
@@ -454,10 +456,12 @@ class TransferContext:
         elif isinstance(event, _HostEvent):
             event.synchronize()  # re-raises a failed simulated copy
 
-    def _block_on(self, event) -> None:
+    def _block_on(self, event, host_side: bool = True) -> None:
         t0 = time.perf_counter()
         event.synchronize()
         self.stats.add("blocked_s", time.perf_counter() - t0)
+        if host_side:
+            self.stats.count_host_block()
 
     def close(self) -> None:
         if self.mode == "delayed":
