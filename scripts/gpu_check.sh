@@ -1,169 +1,237 @@
 #!/usr/bin/env bash
-# One-shot GPU check for a CUDA machine (written for an H200 session with a strict budget:
-# this script must finish within 8 minutes; the device session has 15 minutes in all,
-# including the machine's start).
+# One-shot GPU check for a CUDA machine, written for issue #34 ("Fast on a real GPU") on an H200
+# session with a strict budget: it ends within 8 minutes (the device session has 15 in all,
+# the machine's start included), and ends with ONE summary in which every piece is a number and
+# every target of #34 is listed as met or unmet.
 #
-#   bash scripts/gpu_check.sh            # from the repository root; results in ${OUT:-out}/
+#   bash scripts/build_gpu_wheels.sh     # here, before: DeepSpeed & co into .whl/ (git-ignored)
+#   bash scripts/gpu_check.sh            # there, from anywhere in the repository (device tool: carry .whl)
+#   bash scripts/gpu_check.sh --cpu      # dry run on a CPU: the same pieces on tiny shapes, same summary
 #
-# What it runs, in order, each under `timeout` with its own budget (seconds):
-#   setup                       ~20  import check, nvidia-smi
-#   pytest -m gpu               120  the CUDA tests (tests/test_gpu.py): parity, ledger vs allocator,
-#                                    deep == shallow peak, a model 3x the capped device trains
-#   bench_memory.py             60   the ledger at 4/16/64 blocks next to torch.cuda.max_memory_allocated,
-#                                    and the deepest model under a cap of 1/3 of its blocks
-#   bench_estimate.py           75   the estimator against torch.cuda.max_memory_allocated on a
-#                                    Llama-3-8B-shaped model (2 blocks, 128k vocabulary, 4096 tokens, bf16)
-#   bench_step.py (fp32)        80   plain vs offloaded W=1,2,4 (+ speculation off, + DeepSpeed ZeRO-Offload
-#                                    when it imports) on a GPT-2-medium-like model: paired ratios,
-#                                    first_block_ready_fraction, forward_stall_fraction, miss rate
-#   bench_max_model.py --quick  60   largest trainable model under a 32 GB cap
-#   bench_train.py --quick      70   HF Trainer: plain vs --stronghold (auto, 1, 2), FSDP2 offload
-#   bench_nvme.py               45   only if 45 s are left: the disk, then RAM vs NVMe tier vs masters on NVMe
-#   bench_fetch.py              30   only if 30 s are left: fp32->bf16 conversion against the H2D copy it feeds
-#   bench_step.py (bf16)        rest only if at least 60 s of the 8 minutes are left
-#   total                       <= 485 + the optional runs, capped at 490
-# A piece that fails or times out is recorded and the script goes on: one broken piece must
-# not cost the others their (expensive) device time. The exit status is non-zero if any
-# piece failed.
+# Setup (~15 s): when .whl/ holds wheels and this is Python 3.12, they go into /tmp/site
+# (`pip install --no-index --no-deps --target`; PYTHONPATH after the repository root). With
+# DeepSpeed among them, its CPU Adam starts compiling in the background at once (JIT, about a
+# minute), so that the peers that need it, several minutes later, load it from the cache.
 #
-# Output (which the device tool collects from $OUT):
-#   env.txt  gpu_tests.txt  bench_memory_cuda.jsonl  bench_estimate_cuda.jsonl  bench_step_cuda.jsonl
-#   bench_max_model.jsonl  bench_train_cuda.jsonl  bench_nvme_cuda.jsonl  bench_fetch_cuda.jsonl
-#   bench_step_cuda_bf16.jsonl
-#   stderr.log  summary.txt
-set -euo pipefail
+# The pieces, in order of priority, each under `timeout` for min(its budget, what is left of the
+# 465 s); a piece is skipped (and says so) when fewer than its minimum seconds are left. A
+# benchmark's own --time_budget_s is its timeout minus a margin, so it stops starting rounds and
+# still prints its summary line.
+#   id               budget/min  what
+#   pytest_gpu         90/40     the CUDA tests (tests/test_gpu.py), no -x: parity, delay injection, the
+#                                ledger against the allocator (what it held at its peak, by who
+#                                allocated it: ledger_vs_allocator.json), deep == shallow peak, ...
+#   step_gpt2_fp32     60/35     bench_step, GPT-2-medium shape (354 M), fp32: plain, auto, W=1; the bound
+#   step_gpt2_bf16     65/40     the same in bf16, with DeepSpeed ZeRO-Offload next to it
+#   step_llama_bf16    85/50     bench_step, Llama-3.2-1B shape (1.24 B), bf16, with ZeRO-Offload
+#   step_llama_fp32    80/50     the same in fp32, without the peer
+#   train              90/50     bench_train (Trainer, GPT-2-small): plain, --stronghold auto and W=1,
+#                                ZeRO-Offload (TrainingArguments(deepspeed=...)), FSDP2 CPUOffloadPolicy
+#   estimate           50/35     bench_estimate: the estimator against the allocator, Llama-3-8B shapes, 2 blocks
+#   memory             55/35     bench_memory: ledger vs allocator at 4/16/64 blocks (first step apart,
+#                                autograd's saved tensors counted, allocator history at the peak), sweeps
+#   max_model          50/40     optional: bench_max_model --quick under a 32 GB cap
+#   nvme               40/30     optional: bench_nvme
+#   fetch              30/25     optional: bench_fetch
+# A piece that fails or times out is recorded and the script goes on. The exit status is
+# non-zero if any piece failed (a failing test included).
+#
+# Output in ${OUT:-out}/ (the device tool brings back at most 8 files, so there are two):
+#   summary.txt      the log, each benchmark's summary line, then the #34 summary (scripts/gpu_summary.py)
+#   details.tar.gz   every piece's output (<id>.jsonl, gpu_tests.txt), pieces.tsv, targets.json,
+#                    env.txt, stderr.log, the allocator diagnostics (*.json); refreshed after each piece
+set -uo pipefail
 export PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+MODE=cuda
+case "${1:-}" in
+    "") ;;
+    --cpu) MODE=cpu ;;
+    *) echo "usage: bash scripts/gpu_check.sh [--cpu]" >&2; exit 2 ;;
+esac
 
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-out}"
 mkdir -p "$OUT_DIR"
+DETAILS=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
+export STRONGHOLD_DIAG_DIR="$DETAILS"  # where tests/test_gpu.py and bench_memory write their diagnostics
 SUMMARY="$OUT_DIR/summary.txt"
-ERR="$OUT_DIR/stderr.log"
+ERR="$DETAILS/stderr.log"
+PIECES="$DETAILS/pieces.tsv"
 : >"$SUMMARY"
 : >"$ERR"
+: >"$PIECES"
+# 480 s in all: 15 s stay for the summary and the tarball. The CPU dry run checks the plumbing,
+# not the time: its budgets are 4x and its total 30 min.
+TOTAL=${GPU_CHECK_TOTAL_S:-$([ "$MODE" = cuda ] && echo 465 || echo 1800)}
+SCALE=$([ "$MODE" = cuda ] && echo 1 || echo 4)  # budgets x4 on a (shared, 2-core) CPU
 START=$SECONDS
 FAILED=0
 
 log() { echo "[$((SECONDS - START))s] $*" | tee -a "$SUMMARY"; }
+left() { echo $((TOTAL - (SECONDS - START))); }
+pack() {
+    cp "$SUMMARY" "$DETAILS/summary.txt" 2>/dev/null
+    tar -czf "$OUT_DIR/details.tar.gz.part" -C "$DETAILS" . 2>/dev/null && mv -f "$OUT_DIR/details.tar.gz.part" "$OUT_DIR/details.tar.gz"
+}
+trap 'pack; exit 143' TERM INT
 
-# run_piece NAME BUDGET_S OUTFILE CMD...: stdout to OUTFILE, stderr to stderr.log, never aborts.
-run_piece() {
-    local name=$1 budget=$2 outfile=$3
-    shift 3
-    local t0=$SECONDS rc=0
-    echo "===== $name ($*)" >>"$ERR"
-    timeout --kill-after=10 "$budget" "$@" >"$outfile" 2>>"$ERR" || rc=$?
-    if [ "$rc" -eq 0 ]; then
-        log "$name: ok in $((SECONDS - t0))s"
-    else
-        FAILED=1
-        if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
-            log "$name: TIMED OUT after ${budget}s"
-        else
-            log "$name: FAILED (exit $rc) after $((SECONDS - t0))s"
-        fi
-    fi
-    # The last line of a benchmark is its JSON summary; copy it into summary.txt.
-    if [[ "$outfile" == *.jsonl ]] && [ -s "$outfile" ]; then
-        tail -n 1 "$outfile" >>"$SUMMARY"
-    fi
+record() {  # record ID STATUS SECONDS NOTE: one line of pieces.tsv (read by gpu_summary.py)
+    printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >>"$PIECES"
 }
 
-# ---------------------------------------------------------------------------- setup (~20 s)
-# The machine has torch with CUDA but not this package; the repository root on PYTHONPATH is
-# enough (an editable pip install would need setuptools from an index the machine cannot reach).
+# run_piece ID BUDGET MIN MARGIN CMD...: CMD under `timeout` for min(BUDGET, time left), stdout
+# into $DETAILS/ID.jsonl (gpu_tests.txt for the tests), stderr into stderr.log. Skipped when
+# under MIN s are left. An argument @SOFT@ becomes the timeout minus MARGIN.
+run_piece() {
+    local id=$1 budget=$(($2 * SCALE)) min=$3 margin=$4
+    shift 4
+    local avail t
+    avail=$(($(left) - 5))  # timeout's --kill-after
+    t=$((budget < avail ? budget : avail))
+    if [ "$t" -lt "$min" ]; then
+        record "$id" "skipped" 0 "${avail}s of the ${TOTAL}s left, needs ${min}s"
+        log "$id: skipped, ${avail}s left, needs ${min}s"
+        return 0
+    fi
+    local args=() a
+    for a in "$@"; do
+        [ "$a" = "@SOFT@" ] && a=$((t - margin))
+        args+=("$a")
+    done
+    local outfile="$DETAILS/$id.jsonl"
+    [ "$id" = pytest_gpu ] && outfile="$DETAILS/gpu_tests.txt"
+    echo "===== $id (timeout ${t}s): ${args[*]}" >>"$ERR"
+    local t0=$SECONDS rc=0 status
+    timeout --kill-after=5 "$t" "${args[@]}" >"$outfile" 2>>"$ERR" || rc=$?
+    if [ "$rc" -eq 0 ]; then
+        status=ok
+    elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+        status="timed out after ${t}s"
+        FAILED=1
+    else
+        status="failed (exit $rc)"
+        FAILED=1
+    fi
+    record "$id" "$status" "$((SECONDS - t0))" ""
+    log "$id: $status in $((SECONDS - t0))s"
+    if [ "$id" = pytest_gpu ]; then
+        tail -n 3 "$outfile" >>"$SUMMARY"
+    elif [ -s "$outfile" ]; then
+        tail -n 1 "$outfile" >>"$SUMMARY"  # a benchmark's last line is its summary
+    fi
+    pack
+}
+
+skip_piece() {  # skip_piece ID REASON
+    record "$1" "skipped" 0 "$2"
+    log "$1: skipped, $2"
+}
+
+# ---------------------------------------------------------------------------- setup (~15 s)
+# The repository root on PYTHONPATH (the machine has torch but not this package, and no index
+# for an editable install), then the carried wheels, ahead of the image's site-packages.
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    if python -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))'; then
+        if python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            .whl/*.whl >>"$ERR" 2>&1; then
+            export PYTHONPATH="$PWD:/tmp/site"
+            log "wheels: $(ls .whl/*.whl | wc -l) from .whl/ installed into /tmp/site"
+        else
+            log "wheels: pip install failed (stderr.log); going on with the image's packages"
+        fi
+    else
+        log "wheels: not installed, they are cp312 and this is Python $(python -c 'import sys; print(sys.version.split()[0])')"
+    fi
+else
+    log "wheels: no .whl/ (scripts/build_gpu_wheels.sh makes it): no DeepSpeed, the image's transformers"
+fi
 {
     date -u
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || true
-} >"$OUT_DIR/env.txt" 2>&1
-# One interpreter for the whole check: importing transformers takes seconds.
+    nproc
+} >"$DETAILS/env.txt" 2>&1
 ENV_CHECK='import importlib.util as u, torch, transformers, accelerate, stronghold_hf
 print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
 print("transformers", transformers.__version__, "accelerate", accelerate.__version__,
       "deepspeed", u.find_spec("deepspeed") is not None)'
-if ! python -c "$ENV_CHECK" >>"$OUT_DIR/env.txt" 2>>"$ERR"; then
-    log "transformers/accelerate missing: trying pip install (needs a reachable index)"
-    pip install -q "transformers>=5.0" "accelerate>=1.10" datasets evaluate >>"$ERR" 2>&1 || true
-    if ! python -c "$ENV_CHECK" >>"$OUT_DIR/env.txt" 2>>"$ERR"; then
-        log "FATAL: cannot import torch/transformers/accelerate/stronghold_hf; see stderr.log"
-        exit 2
-    fi
+if ! python -c "$ENV_CHECK" >>"$DETAILS/env.txt" 2>>"$ERR"; then
+    log "FATAL: cannot import torch/transformers/accelerate/stronghold_hf; see stderr.log"
+    record setup "failed" "$((SECONDS - START))" "imports"
+    python scripts/gpu_summary.py "$DETAILS" | tee -a "$SUMMARY"
+    pack
+    exit 2
 fi
+log "$(tail -n 2 "$DETAILS/env.txt" | tr '\n' ' ')"
+if [ "$MODE" = cuda ] && ! python -c 'import torch, sys; sys.exit(not torch.cuda.is_available())'; then
+    log "FATAL: no CUDA device (use --cpu for a dry run)"
+    exit 2
+fi
+# DeepSpeed's CPU Adam is a JIT extension (ninja, g++): built once in the background into
+# TORCH_EXTENSIONS_DIR; a peer that starts before it is done waits on the build's lock file.
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/torch_extensions}"
+if [ "$MODE" = cuda ] && python -c 'import importlib.util as u, sys; sys.exit(u.find_spec("deepspeed") is None)'; then
+    (timeout 300 python -c 'from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()' \
+        >"$DETAILS/deepspeed_cpu_adam_build.log" 2>&1; echo "exit $?" >>"$DETAILS/deepspeed_cpu_adam_build.log") &
+    log "deepspeed: its CPU Adam compiles in the background (into $TORCH_EXTENSIONS_DIR)"
+fi
+record setup ok "$((SECONDS - START))" ""
 log "setup done"
+pack
 
-# ---------------------------------------------------------------------------- CUDA tests (120 s)
-run_piece "pytest -m gpu" 120 "$OUT_DIR/gpu_tests.txt" python -m pytest -m gpu tests -q -x -p no:cacheprovider
-tail -n 3 "$OUT_DIR/gpu_tests.txt" >>"$SUMMARY" || true
+# ---------------------------------------------------------------------------- the pieces
+if [ "$MODE" = cuda ]; then
+    DEV=(--device cuda)
+    GPT2=(--model gpt2-medium-like --warmup 2 --rounds 3 --block_steps 3)
+    LLAMA=(--model llama-3.2-1b-like --warmup 2 --rounds 2 --block_steps 3)
+    TRAIN=(--quick --model_size gpt2-small-like --worker_timeout 45)
+    MEMORY=(--width 512 --depths 4,16,64 --seq 32 --batch 1 --cap_third --vocab_sweep 4096,131072
+            --seq_sweep 512,8192 --depth_sweep 2,32)
+    ESTIMATE=(--layers 2 --seq 4096)
+else
+    DEV=(--device cpu)
+    GPT2=(--model smoke --warmup 1 --rounds 2 --block_steps 3 --threads 1)
+    LLAMA=(--model llama-smoke --warmup 1 --rounds 2 --block_steps 3 --threads 1)
+    TRAIN=(--model_size smoke --steps 4 --skip 1 --rounds 1 --memory none --threads 1 --worker_timeout 120)
+    MEMORY=(--width 32 --depths 4,8 --steps 2 --seq 8 --sweep_hidden 64 --sweep_seq 64 --sweep_vocab 1024
+            --vocab_sweep 512,4096 --seq_sweep 64,256 --depth_sweep 2,8)
+    ESTIMATE=(--hidden 256 --ffn 512 --heads 4 --kv_heads 2 --vocab 8192 --seq 256)
+fi
+STEP=(python benchmarks/bench_step.py "${DEV[@]}" --windows auto,1 --time_budget_s @SOFT@)
 
-# ---------------------------------------------------------------------------- bench_memory (60 s)
-# Width 512 (~3.2 M parameters, 12.6 MB per block): device peak, host B/param and fetches per step
-# at 4, 16 and 64 blocks, the ledger against the CUDA allocator, and 64 blocks under a cap of 1/3.
-run_piece "bench_memory cuda" 60 "$OUT_DIR/bench_memory_cuda.jsonl" \
-    python benchmarks/bench_memory.py --device cuda --width 512 --depths 4,16,64 --seq 32 --batch 1 --cap_third
-
-# ---------------------------------------------------------------------------- bench_estimate (75 s)
-# Llama-3-8B's shapes with 2 blocks (1.5 B parameters, ~27 GB of host RAM): one training step; the
-# estimator's device total against the allocator's peak, the ledger against gpu_engine_bytes.
-run_piece "bench_estimate cuda" 75 "$OUT_DIR/bench_estimate_cuda.jsonl" \
-    python benchmarks/bench_estimate.py --device cuda --layers 2 --seq 4096
-
-# ---------------------------------------------------------------------------- bench_step fp32 (90 s)
-# GPT-2-medium-like: n_embd 1024, 24 layers, 16 heads, seq 512, batch 8. Each variant: 2 warm-up
-# steps, then 3 rounds x 3 steps (2 counted per round): 6 counted steps, 4 variants; no new round
-# after 70 s.
-run_piece "bench_step cuda fp32" 80 "$OUT_DIR/bench_step_cuda.jsonl" \
-    python benchmarks/bench_step.py --device cuda --model gpt2-medium-like --n_embd 1024 --n_layer 24 \
-    --seq 512 --batch 8 --windows 1,2,4 --speculative auto,off --non_block on,off --warmup 2 --rounds 3 --block_steps 3 \
-    --time_budget_s 60
-
-# ---------------------------------------------------------------------------- bench_max_model (60 s)
-# hidden 2048, 16 heads; --quick: seq 512, batch 2, host RAM capped at 48 GiB; search budget 40 s
-# (after ~15 s of imports and estimator bounds), probes bounded by what is left.
-run_piece "bench_max_model quick 32GB" 60 "$OUT_DIR/bench_max_model.jsonl" \
-    python benchmarks/bench_max_model.py --quick --gpu_memory 32GB --time_budget_s 40
-
-# ---------------------------------------------------------------------------- bench_train (90 s)
-# GPT-2-small-like (n_embd 768, 12 layers, seq 512, batch 8): 2 rounds x 8 steps per variant; no new
-# run after 65 s (round 0 of plain and stronghold always runs), so the summary line always comes.
-run_piece "bench_train cuda quick" 70 "$OUT_DIR/bench_train_cuda.jsonl" \
-    python benchmarks/bench_train.py --device cuda --quick --model_size gpt2-small-like --worker_timeout 40 \
-    --time_budget_s 50
-
-# ---------------------------------------------------------------------------- optional bench_nvme (45 s)
-# The NVMe tier on this machine's disk: its read/write GB/s, then an 8-block Llama's step with the
-# state in RAM, the moments on disk, and masters and moments on disk (ratio_of_disk_bound: the
-# update phase against the disk's bound). Only when 45 s of the 490 are left.
-if [ $((490 - (SECONDS - START))) -ge 45 ]; then
+run_piece pytest_gpu 90 40 0 python -m pytest -m gpu tests -q -p no:cacheprovider
+run_piece step_gpt2_fp32 60 35 20 "${STEP[@]}" "${GPT2[@]}" --peers none
+if [ "$MODE" = cuda ]; then
+    run_piece step_gpt2_bf16 65 40 22 "${STEP[@]}" "${GPT2[@]}" --precision bf16 --peers zero_offload
+    run_piece step_llama_bf16 85 50 30 "${STEP[@]}" "${LLAMA[@]}" --precision bf16 --peers zero_offload
+else
+    skip_piece step_gpt2_bf16 "bf16 needs CUDA (CPU autocast refuses GPT-2's bf16 LayerNorm)"
+    skip_piece step_llama_bf16 "bf16 needs CUDA in bench_step"
+fi
+run_piece step_llama_fp32 80 50 30 "${STEP[@]}" "${LLAMA[@]}" --peers none
+run_piece train 90 50 25 python benchmarks/bench_train.py "${DEV[@]}" "${TRAIN[@]}" \
+    --variants plain,stronghold_auto,stronghold_w1 --peers zero2,fsdp2 --time_budget_s @SOFT@
+run_piece estimate 50 35 0 python benchmarks/bench_estimate.py "${DEV[@]}" "${ESTIMATE[@]}"
+run_piece memory 55 35 0 python benchmarks/bench_memory.py "${DEV[@]}" "${MEMORY[@]}"
+if [ "$MODE" = cuda ]; then
+    run_piece max_model 50 40 0 python benchmarks/bench_max_model.py --quick --gpu_memory 32GB --time_budget_s 30
     NVME_DIR=$(mktemp -d "${TMPDIR:-/tmp}/stronghold-nvme-XXXX")
-    run_piece "bench_nvme cuda" 45 "$OUT_DIR/bench_nvme_cuda.jsonl" \
-        python benchmarks/bench_nvme.py --nvme_path "$NVME_DIR" --disk_mb 512 --layers 8 --steps 3
+    run_piece nvme 40 30 0 python benchmarks/bench_nvme.py --nvme_path "$NVME_DIR" --disk_mb 512 --layers 8 --steps 3
     rm -rf "$NVME_DIR"
+    run_piece fetch 30 25 0 python benchmarks/bench_fetch.py --numel 218e6 --repeats 3 --steps 4
 else
-    log "bench_nvme cuda: skipped, under 45 s left"
+    skip_piece max_model "needs CUDA"
+    NVME_DIR=$(mktemp -d "${TMPDIR:-/tmp}/stronghold-nvme-XXXX")
+    run_piece nvme 120 30 0 python benchmarks/bench_nvme.py --nvme_path "$NVME_DIR" --disk_mb 16 --layers 2 \
+        --hidden 64 --seq 16 --steps 2
+    rm -rf "$NVME_DIR"
+    skip_piece fetch "its conversion-vs-copy part needs CUDA"
 fi
 
-# ---------------------------------------------------------------------------- optional bench_fetch (30 s)
-# host_image=False: fp32 -> bf16 conversion of a Llama-3-8B block (218 M elements) against the pinned
-# copy it feeds, and a bf16 Llama's step with the image kept and dropped (bench_fetch.py).
-# Only when 30 s of the 490 are left, so the worst case stays as it was.
-if [ $((490 - (SECONDS - START))) -ge 30 ]; then
-    run_piece "bench_fetch cuda" 30 "$OUT_DIR/bench_fetch_cuda.jsonl" \
-        python benchmarks/bench_fetch.py --numel 218e6 --repeats 3 --steps 4
-else
-    log "bench_fetch cuda: skipped, under 30 s left"
-fi
-
-# ---------------------------------------------------------------------------- optional bf16 step
-LEFT=$((490 - (SECONDS - START)))
-if [ "$LEFT" -ge 60 ]; then
-    run_piece "bench_step cuda bf16" "$LEFT" "$OUT_DIR/bench_step_cuda_bf16.jsonl" \
-        python benchmarks/bench_step.py --device cuda --model gpt2-medium-like --seq 512 --batch 8 \
-        --windows 1,2,4 --precision bf16 --warmup 2 --rounds 3 --block_steps 3 --time_budget_s $((LEFT - 20))
-else
-    log "bench_step cuda bf16: skipped, only ${LEFT}s left"
-fi
-
+# ---------------------------------------------------------------------------- the summary
 log "done in $((SECONDS - START))s, failed=$FAILED"
+python scripts/gpu_summary.py "$DETAILS" | tee -a "$SUMMARY"
+pack
 exit "$FAILED"

@@ -127,3 +127,42 @@ def test_allocator_trace_summary_finds_the_peak_and_who_allocated_it():
     assert top[0]["category"] == "no_python_frame" and "cuBLAS" in top[0]["note"]
     assert top[1]["where"].startswith("stronghold_hf/memory.py:1")
     assert top[2]["where"].startswith("transformers/models/gpt2/modeling_gpt2.py:1")
+
+
+def test_gpu_summary_lists_every_target_and_why_one_did_not_run(tmp_path):
+    """scripts/gpu_summary.py ends scripts/gpu_check.sh: every #34 target met or unmet with its
+    number, and a piece that timed out, was skipped or never ran leaves "unmet (not run: why)"."""
+    (tmp_path / "pieces.tsv").write_text(
+        "setup\tok\t12\t\npytest_gpu\tfailed (exit 1)\t50\t\nstep_gpt2_fp32\tok\t55\t\n"
+        "step_gpt2_bf16\ttimed out after 65s\t70\t\ntrain\tok\t80\t\nmemory\tskipped\t0\t20s of the 465s left, needs 35s\n")
+    (tmp_path / "gpu_tests.txt").write_text("..F.\nFAILED tests/test_gpu.py::x\n1 failed, 16 passed, 626 deselected in 38.9s\n")
+    step = {"bench": "step", "summary": True, "ratio_to_bound": 0.8,
+            "ratio_to_bound_by_variant": {"offload_auto": 0.8, "offload_w1": 0.9}}
+    (tmp_path / "step_gpt2_fp32.jsonl").write_text('{"bench": "step", "config": true}\n' + json.dumps(step) + "\n")
+    (tmp_path / "step_gpt2_bf16.jsonl").write_text('{"bench": "step", "config": true}\n')  # killed before its summary
+    train = {"bench": "train", "summary": True, "ratio_stronghold_vs_plain": 0.41, "peers": {
+        "deepspeed_zero2_offload": {"ratio_ours_vs_peer": None, "skipped": "deepspeed is not importable"},
+        "fsdp2_cpu_offload": {"ratio_ours_vs_peer": 1.94, "skipped": None}}}
+    (tmp_path / "train.jsonl").write_text(json.dumps(train) + "\n")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_summary.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    lines = [ln for ln in out.splitlines() if ln.startswith("target ")]
+
+    def verdict(start: str) -> str:
+        return next(ln for ln in out.splitlines() if ln.startswith("target " + start)).split("  ")[-1].strip()
+
+    assert verdict("streamed GPT-2-medium fp32 W=1") == "met (0.900)"
+    assert verdict("streamed GPT-2-medium fp32 auto") == "unmet (0.800)"
+    assert verdict("streamed GPT-2-medium bf16 W=1") == (
+        "unmet (not run: bench_step GPT-2-medium bf16 timed out after 65s)")
+    assert verdict("streamed Llama-3.2-1B fp32 auto") == (
+        "unmet (not run: bench_step Llama-3.2-1B fp32 is not in this run)")
+    assert "deepspeed is not importable" in verdict("bench_train: tokens/s vs ZeRO-Offload")
+    assert verdict("bench_train: tokens/s vs FSDP2") == "met (1.940)"
+    assert "targets met: 2/12" in out and len(lines) == 12
+    assert "tests failed = 1\n" in out  # the pytest piece's number
+    assert "20s of the 465s left, needs 35s" in out
+    targets = json.loads((tmp_path / "targets.json").read_text())["targets"]
+    assert [t["met"] for t in targets].count(True) == 2

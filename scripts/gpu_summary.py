@@ -1,0 +1,209 @@
+"""The one summary at the end of scripts/gpu_check.sh: every piece as a number, every target of
+issue #34 ("Fast on a real GPU") as met or unmet.
+
+    python scripts/gpu_summary.py DETAILS_DIR        # prints the block; writes DETAILS_DIR/targets.json
+
+DETAILS_DIR holds what gpu_check.sh wrote: ``pieces.tsv`` (one line per piece: id, status,
+seconds, note) and each piece's output (``<id>.jsonl``, ``gpu_tests.txt``). A piece that did not
+run, failed, or printed no summary line leaves its targets "unmet (not run: <why>)", never a
+guess. The targets:
+
+* streamed, W=1 and ``auto``, fp32 and bf16, a GPT-2-medium and a Llama-3.2-1B shape:
+  ``ratio_to_bound`` >= 0.85 (bench_step: the bound is the max of plain's step, the CPU Adam
+  time, and the bytes each way over the pinned bandwidth, all measured in the same run);
+* tokens/s >= 2x DeepSpeed ZeRO-Offload's (bench_step's bf16 runs and bench_train);
+* tokens/s >= 1.5x FSDP2 with CPUOffloadPolicy (bench_train).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+SHAPES = {"gpt2": "GPT-2-medium", "llama": "Llama-3.2-1B"}
+BOUND_TARGET, ZERO_TARGET, FSDP2_TARGET = 0.85, 2.0, 1.5
+
+#: piece id (its output is <id>.jsonl) -> what it is
+PIECES = {
+    "pytest_gpu": "pytest -m gpu",
+    "step_gpt2_fp32": "bench_step GPT-2-medium fp32",
+    "step_gpt2_bf16": "bench_step GPT-2-medium bf16",
+    "step_llama_bf16": "bench_step Llama-3.2-1B bf16",
+    "step_llama_fp32": "bench_step Llama-3.2-1B fp32",
+    "train": "bench_train (Trainer, GPT-2-small)",
+    "memory": "bench_memory (ledger vs allocator)",
+    "estimate": "bench_estimate (estimator vs allocator)",
+    "max_model": "bench_max_model --quick",
+    "nvme": "bench_nvme",
+    "fetch": "bench_fetch",
+}
+
+
+def read_pieces(details: Path) -> dict[str, dict]:
+    pieces = {}
+    path = details / "pieces.tsv"
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            parts = line.split("\t")
+            if len(parts) >= 3:
+                pieces[parts[0]] = {"status": parts[1], "seconds": parts[2], "note": parts[3] if len(parts) > 3 else ""}
+    return pieces
+
+
+def last_summary(path: Path) -> dict | None:
+    """The piece's summary line (bench_estimate's only line), or None."""
+    if not path.exists():
+        return None
+    rows = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    summaries = [r for r in rows if r.get("summary") is True or r.get("part") == "summary"]
+    if summaries:
+        return summaries[-1]
+    only = rows[0] if len(rows) == 1 else {}
+    return only if only and not only.get("config") else None  # bench_estimate prints one line, its result
+
+
+def pytest_counts(path: Path) -> dict | None:
+    if not path.exists():
+        return None
+    text = path.read_text(encoding="utf-8", errors="replace")
+    lines = [ln for ln in text.splitlines() if re.search(r"\d+ (passed|failed|skipped|error)", ln)]
+    if not lines:
+        return None
+    counts = {k: 0 for k in ("passed", "failed", "skipped", "error")}
+    for n, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?)", lines[-1]):
+        counts["error" if kind.startswith("error") else kind] += int(n)
+    return counts
+
+
+class Report:
+    def __init__(self, details: Path) -> None:
+        self.details = details
+        self.pieces = read_pieces(details)
+        self.summaries = {pid: last_summary(details / f"{pid}.jsonl") for pid in PIECES if pid != "pytest_gpu"}
+        self.tests = pytest_counts(details / "gpu_tests.txt")
+
+    def why_missing(self, pid: str) -> str:
+        """Why piece ``pid`` has no usable summary."""
+        info = self.pieces.get(pid)
+        if info is None:
+            return f"{PIECES.get(pid, pid)} is not in this run"
+        if info["status"] != "ok":
+            return f"{PIECES.get(pid, pid)} {info['status']}" + (f": {info['note']}" if info["note"] else "")
+        return f"{PIECES.get(pid, pid)} printed no summary line"
+
+    def value(self, pid: str, *keys) -> tuple[float | None, str | None]:
+        """(number, None) from the piece's summary along ``keys``, or (None, why not)."""
+        summary = self.summaries.get(pid)
+        if summary is None:
+            return None, self.why_missing(pid)
+        node = summary
+        for k in keys:
+            if not isinstance(node, dict) or node.get(k) is None:
+                return None, f"{PIECES[pid]}: no {'.'.join(map(str, keys))} in its summary" + self._skip_note(summary, keys)
+            node = node[k]
+        if isinstance(node, bool) or not isinstance(node, (int, float)):
+            return None, f"{PIECES[pid]}: {'.'.join(map(str, keys))} is not a number ({node!r})"
+        return float(node), None
+
+    @staticmethod
+    def _skip_note(summary: dict, keys) -> str:
+        """The peer's recorded reason, when a peer's number is what is missing."""
+        if len(keys) >= 2 and keys[0] == "peers":
+            peer = (summary.get("peers") or {}).get(keys[1]) or {}
+            if peer.get("skipped"):
+                return f" ({peer['skipped']})"
+        return ""
+
+    def targets(self) -> list[dict]:
+        rows = []
+
+        def add(name: str, pid: str, keys: tuple, threshold: float) -> None:
+            value, why = self.value(pid, *keys)
+            rows.append({"target": name, "threshold": threshold, "value": value,
+                         "met": value is not None and value >= threshold, "why_not_run": why})
+
+        for shape, label in SHAPES.items():
+            for precision in ("fp32", "bf16"):
+                for variant, w in (("offload_w1", "W=1"), ("offload_auto", "auto")):
+                    add(f"streamed {label} {precision} {w}: ratio_to_bound >= {BOUND_TARGET}",
+                        f"step_{shape}_{precision}", ("ratio_to_bound_by_variant", variant), BOUND_TARGET)
+        for shape, label in SHAPES.items():
+            add(f"{label} bf16 bench_step: tokens/s vs ZeRO-Offload >= {ZERO_TARGET}x",
+                f"step_{shape}_bf16", ("peers", "zero_offload", "ratio_ours_vs_peer"), ZERO_TARGET)
+        add(f"bench_train: tokens/s vs ZeRO-Offload (Trainer) >= {ZERO_TARGET}x",
+            "train", ("peers", "deepspeed_zero2_offload", "ratio_ours_vs_peer"), ZERO_TARGET)
+        add(f"bench_train: tokens/s vs FSDP2 CPUOffloadPolicy >= {FSDP2_TARGET}x",
+            "train", ("peers", "fsdp2_cpu_offload", "ratio_ours_vs_peer"), FSDP2_TARGET)
+        return rows
+
+    def piece_rows(self) -> list[dict]:
+        """Each piece with its status, seconds and one headline number."""
+        headline = {
+            "step_gpt2_fp32": ("ratio_to_bound",), "step_gpt2_bf16": ("ratio_to_bound",),
+            "step_llama_bf16": ("ratio_to_bound",), "step_llama_fp32": ("ratio_to_bound",),
+            "train": ("ratio_stronghold_vs_plain",), "memory": ("unexplained_vs_ledger_max_abs",),
+            "estimate": ("measured_vs_estimate",), "max_model": ("max_params_stronghold",),
+            "nvme": ("ratio_of_disk_bound",), "fetch": ("convert_vs_h2d",),
+        }
+        rows = []
+        for pid, label in PIECES.items():
+            info = self.pieces.get(pid, {"status": "not in this run", "seconds": "-", "note": ""})
+            if pid == "pytest_gpu":
+                c = self.tests
+                number, what = (c["failed"] + c["error"], "tests failed") if c else (None, "tests failed")
+            else:
+                what = headline[pid][0]
+                number, _ = self.value(pid, *headline[pid])
+                model = (self.summaries.get(pid) or {}).get("model") or (self.summaries.get(pid) or {}).get("model_size")
+                if model:
+                    what = f"[{model}] {what}"  # the shape that ran (the --cpu dry run uses tiny ones)
+            rows.append({"piece": pid, "label": label, "status": info["status"], "seconds": info["seconds"],
+                         "number": number, "what": what, "note": info.get("note", "")})
+        return rows
+
+
+def _fmt(x: float | int | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.0f}" if isinstance(x, int) or abs(x) >= 1000 else f"{x:.3f}"
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print(__doc__.split("\n\n")[1], file=sys.stderr)
+        return 2
+    details = Path(argv[0])
+    report = Report(details)
+    pieces, targets = report.piece_rows(), report.targets()
+    out = ["", "==================== #34 GPU check: summary ===================="]
+    for p in pieces:
+        note = f"   ({p['note']})" if p["note"] else ""
+        out.append(f"piece  {p['label']:<42} {p['status']:<22} {p['seconds']:>5} s   {p['what']} = {_fmt(p['number'])}{note}")
+    if report.tests:
+        c = report.tests
+        out.append(f"tests  passed {c['passed']}, failed {c['failed']}, errors {c['error']}, skipped {c['skipped']}")
+    out.append("")
+    for t in targets:
+        if t["value"] is None:
+            verdict = f"unmet (not run: {t['why_not_run']})"
+        else:
+            verdict = ("met" if t["met"] else "unmet") + f" ({_fmt(t['value'])})"
+        out.append(f"target {t['target']:<62} {verdict}")
+    met = sum(t["met"] for t in targets)
+    out.append(f"targets met: {met}/{len(targets)}")
+    print("\n".join(out))
+    (details / "targets.json").write_text(json.dumps({"pieces": pieces, "targets": targets}, indent=1), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
