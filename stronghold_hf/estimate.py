@@ -535,7 +535,11 @@ def _assemble(
 
     # GPU: the window, the gradient lanes, what stays outside the window, activations, loss.
     state_per_param = 16 if c == 4 else 18
-    lanes = grad_buffers * lane
+    # A unit used at several positions (a tied embedding) keeps a lane of its own between its
+    # backward uses: one more lane each (schedule.release).
+    parked = sum(1 for i, u in enumerate(units) if u.kind != "resident" and u.trainable
+                 and counts.sequence.count(i) > 1)
+    lanes = (grad_buffers + parked) * lane
     if offload_non_block:
         outside = sum(u.device_bytes + u.grad_bytes for u in resident) + counts.buffer_bytes
     else:

@@ -169,6 +169,10 @@ class GradientQueue:
         return sum(lane.staging.numel() + _NORM_BYTES for lane in self._lanes)
 
     @property
+    def num_lanes(self) -> int:
+        return self._num_lanes
+
+    @property
     def busy(self) -> int:
         return sum(lane.state is not LaneState.FREE for lane in self._lanes)
 

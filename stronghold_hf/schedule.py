@@ -122,6 +122,9 @@ class WindowSchedule:
         self.activations = None  # activations.ActivationStore when checkpointed inputs are offloaded
         self.checkpoint_watch = None  # checkpointing.CheckpointWatch: the model's checkpoint calls
         self._lanes: dict[int, GradLane] = {}  # unit index -> its lane while it has one
+        # Units evicted between two backward uses with their lane kept on the device (see
+        # `release`): unit index -> the parameters the lane holds a gradient for.
+        self._parked: dict[int, list[int]] = {}
         self._backward_task: int | None = None  # graph task whose end-of-backward callback is queued
         self._stack: list[_Open] = []
         self._open_regions: set[int] = set()  # head units whose region (discovery.HeadRegion) is open
@@ -152,11 +155,42 @@ class WindowSchedule:
         u.begin_fetch()
 
     def release(self, u: Unit) -> None:
-        """Ships a unit's gradients (if it has a lane) and evicts it."""
+        """Ships a unit's gradients (if it has a lane) and evicts it.
+
+        A unit with another use still to come in this backward (a tied embedding, whose head
+        use is done long before its input use; ALBERT's shared layer) keeps its lane instead:
+        the lane is *parked* on the device and the next use accumulates into it, so the
+        gradient crosses once, whole, with its norm taken on the device. Flushed after each use,
+        a tied GPT-2 embedding crossed twice per step and its norm was taken on the host at clip
+        (about 65 ms of a 292 ms step on the H200). Only a unit at several positions of the
+        sequence parks: the queue has one lane more for each, so the blocks keep their K (a
+        block used again by a second forward flushes as before)."""
         if u.has_grad_buffer:
-            self.flush(u)
+            if self.phase is Phase.BACKWARD and u.pending_backward > 0 and len(self.positions_of.get(u.index, ())) > 1:
+                self._park(u)
+            else:
+                self.flush(u)
         if u.state is not Residency.ON_HOST:
             u.evict()
+
+    def _park(self, u: Unit) -> None:
+        self._parked[u.index] = u.collect_into_buffer()
+        u.detach_grad_buffer()
+
+    def _unpark(self, u: Unit, lane: GradLane) -> None:
+        """The next use of a parked unit: its lane goes back under the parameters' ``.grad``."""
+        touched = self._parked.pop(u.index)
+        late = [(k, p.grad) for k, p in enumerate(u.params) if p.grad is not None]  # arrived while parked
+        u.attach_grad_buffer(lane.device_buffer)
+        with torch.no_grad():
+            for k, g in late:
+                u.params[k].grad.add_(g.to(device=self.device, dtype=lane.dtype))
+                touched.append(k)
+        for k in touched:
+            u.grad_touched[k] = True
+
+    def _has_lane(self, u: Unit) -> bool:
+        return u.has_grad_buffer or u.index in self._parked
 
     def _evict_idle(self, keep: set[int]) -> None:
         for idx in sorted(self.pool.in_use):
@@ -501,7 +535,9 @@ class WindowSchedule:
                         self.release(later)
         self._make_resident(u, direction=-1, pos=use.position)
         u.wait_resident()
-        if u.trainable and not u.has_grad_buffer:
+        if u.trainable and u.index in self._parked:
+            self._unpark(u, self._lanes[u.index])
+        elif u.trainable and not u.has_grad_buffer:
             queue = self.grad_queue if self.streamed(u) else self.resident_queue
             lane = queue.acquire(u.index, u.layout.padded_grad_numel, u.layout.grad_dtype)
             self._lanes[u.index] = lane
@@ -558,8 +594,11 @@ class WindowSchedule:
         this one did not, and every rank must issue the same collectives ([Note: collective
         order] in distributed.py)."""
         lane = self._lanes.pop(u.index)
-        touched = u.collect_into_buffer()
-        u.detach_grad_buffer()
+        if u.index in self._parked:
+            touched = self._parked.pop(u.index)
+        else:
+            touched = u.collect_into_buffer()
+            u.detach_grad_buffer()
         queue = self.grad_queue if self.streamed(u) else self.resident_queue
         if self.dp is not None:
             touched = [k for k, e in enumerate(u.layout.entries) if e.trainable]
@@ -601,8 +640,9 @@ class WindowSchedule:
 
     def _discard_lane(self, u: Unit) -> None:
         lane = self._lanes.pop(u.index)
-        u.collect_into_buffer()
-        u.detach_grad_buffer()
+        if self._parked.pop(u.index, None) is None:
+            u.collect_into_buffer()
+            u.detach_grad_buffer()
         (self.grad_queue if self.streamed(u) else self.resident_queue).discard(lane)
 
     @staticmethod
@@ -636,7 +676,7 @@ class WindowSchedule:
         self._backward_task = None
         for u in self.units:
             u.backward_holds = 0
-            if u.has_grad_buffer:
+            if self._has_lane(u):
                 self.flush(u)
         late = [u for u in self.units if u.trainable and self._late_params(u)]
         if self.dp is not None:  # which units have late gradients is the ranks' union
@@ -678,7 +718,7 @@ class WindowSchedule:
             u.backward_holds = 0
             if not self._stack:
                 u.forward_holds = 0
-            if u.has_grad_buffer:
+            if self._has_lane(u):
                 self._discard_lane(u)
             for k, e in enumerate(u.layout.entries):
                 if e.trainable and u.params[k].grad is not None and u.params[k].grad is not u.grad_views[k]:

@@ -163,7 +163,11 @@ class WindowEngine:
         resident = [u for u in self.units if u.kind == "resident" and u.trainable]
         # Pinned staging of the largest block's gradient shard: larger units cross in pieces (grads.py).
         blocks = [self._shard_bytes(u) for u in streamed if u.kind == "block"]
-        self.grad_queue = GradientQueue(config.grad_buffers, max(u.grad_nbytes_device for u in streamed), device=device,
+        # One lane more per trainable unit used at several positions: it keeps its lane between
+        # its backward uses (schedule.release), and the blocks still have K.
+        uses = {i: plan.sequence.count(i) for i in set(plan.sequence)}
+        parked_lanes = sum(1 for u in streamed if u.trainable and uses.get(u.index, 0) > 1)
+        self.grad_queue = GradientQueue(config.grad_buffers + parked_lanes, max(u.grad_nbytes_device for u in streamed), device=device,
                                         host=self.host, transfer=self.transfer, ledger=self.ledger,
                                         staging_bytes=max(blocks or [self._shard_bytes(u) for u in streamed]))
         resident_queue = None
@@ -368,6 +372,7 @@ class WindowEngine:
         queue = self.schedule.resident_queue
         out["resident_grad_bytes"] = queue.max_bytes * queue._num_lanes if queue is not None else 0
         out["grad_buffer_bytes"] = self.grad_queue.max_bytes
+        out["grad_lanes"] = self.grad_queue.num_lanes  # K, plus one per unit used at several positions
         # The pinned compute-dtype image of trainable parameters (0 with fp32 compute, where the
         # masters cross, or with host_image=False), and the staging ring that replaces it.
         out["host_image_bytes"] = sum(u.image_trainable.numel() for u in self.units

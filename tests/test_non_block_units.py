@@ -24,8 +24,8 @@ LR = 1e-2
 BIG_VOCAB = dict(vocab_size=1024)  # 1024 x 32 embedding: larger than half a block, so it streams
 
 
-def _device_bound(stats, lanes=2):
-    return (stats["window_bound_bytes"] + lanes * stats["grad_buffer_bytes"] + stats["resident_unit_bytes"]
+def _device_bound(stats):
+    return (stats["window_bound_bytes"] + stats["grad_lanes"] * stats["grad_buffer_bytes"] + stats["resident_unit_bytes"]
             + stats["resident_grad_bytes"])
 
 
@@ -121,8 +121,25 @@ def test_tied_embedding_is_one_unit_used_at_both_ends():
         # Each position crosses once per forward and once per backward, minus the W the turn
         # finds resident; the resident unit once.
         assert stats["fetches"] - before == 2 * len(seq) - 1 + stats["resident_units"]
-    # Its two uses flushed twice into one host gradient: the parity tests check the sum.
     assert engine.stats.as_dict()["late_gradients"] == 0
+
+
+def test_a_tied_embedding_crosses_once_per_step():
+    """Its lane stays on the device between the head's backward and the embedding's, so the
+    summed gradient crosses once, and its norm is the device's (no host pass at clip)."""
+    ref, model, engine = _pair(lambda: tiny_model("gpt2", n_layer=4, **BIG_VOCAB), window_size=1)
+    tied = engine.unit_of(model.lm_head.weight)
+    crossings = []
+    flush = engine.schedule.flush
+    engine.schedule.flush = lambda u: (crossings.append(u.index), flush(u))[1]
+    _train_both(ref, model, engine, _lm_loss("gpt2"), steps=2)
+    assert crossings.count(tied.index) == 2  # one per step
+    for u in engine.units:
+        if u.trainable:
+            assert crossings.count(u.index) == 2, u.fqn
+    stats = engine.memory_stats()
+    assert stats["grad_lanes"] == 2 + 1  # K, plus the tied unit's
+    assert stats["device_peak_bytes"] <= _device_bound(stats)
 
 
 def test_device_peak_does_not_grow_with_depth_with_streamed_units():
