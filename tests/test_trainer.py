@@ -82,8 +82,10 @@ def test_trainer_parity(family, tmp_path):
     logged = [h for h in t.state.log_history if "loss" in h][-1]
     for key in ("stronghold_window_size", "stronghold_h2d_GBps", "stronghold_d2h_GBps", "stronghold_blocked_ms",
                 "stronghold_cpu_adam_ms", "stronghold_device_peak_MiB", "stronghold_pinned_host_GiB",
-                "stronghold_pageable_host_GiB", "stronghold_host_bytes_per_param", "stronghold_fetches"):
+                "stronghold_pageable_host_GiB", "stronghold_host_bytes_per_param", "stronghold_fetches",
+                "stronghold_host_blocks", "stronghold_promises_broken"):
         assert key in logged
+    assert logged["stronghold_promises_broken"] == 0
     # The ledger in the logs: 16 B per offloaded parameter with fp32 compute, plus bounded staging.
     assert 16.0 <= logged["stronghold_host_bytes_per_param"] < 24.0
     assert logged["stronghold_window_size"] == 1

@@ -506,6 +506,10 @@ class _StrongholdTrainerMixin:
             "stronghold_speculation_miss_rate": round(engine.coordinator.policy.miss_rate, 3),
             "stronghold_speculative_update_ms": round(1e3 * counters["speculative_update_s"] / steps, 3),
             "stronghold_rollback_ms": round(1e3 * counters["rollback_s"] / steps, 3),
+            # Waits that blocked the training or autograd thread, per step (stats.py), and the
+            # promises the first step found broken (promises.py; the warning names each).
+            "stronghold_host_blocks": round(counters["host_blocks"] / steps, 2),
+            "stronghold_promises_broken": mem["promises_broken"],
         }
         stats.reset()
         self._stronghold_log_t0, self._stronghold_log_steps = now, self.state.global_step
