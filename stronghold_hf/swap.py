@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import socket
+import threading
 import uuid
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -164,7 +165,9 @@ class StateFile:
             self.direct = False
             self.fd = os.open(path, os.O_RDWR)
             self._finalizer = weakref.finalize(self, _close_fd, self.fd)
-        self.pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="stronghold-nvme")
+        self.io_threads = io_threads
+        self._pool: ThreadPoolExecutor | None = None  # started by the first request
+        self._pool_lock = threading.Lock()
         logger.info("stronghold: NVMe tier: %s (%s) in %s (%s)", self.holds, _format_bytes(nbytes), path,
                     "O_DIRECT" if self.direct else "buffered I/O, pages dropped after use")
 
@@ -202,8 +205,11 @@ class StateFile:
     def submit(self, write: bool, buf: Tensor, offset: int) -> list[Future]:
         """Requests covering ``buf`` (uint8, page-aligned) at file ``offset``; one per chunk."""
         view = memoryview(buf.numpy())
-        return [self.pool.submit(self._io, write, view[i: i + IO_CHUNK], offset + i)
-                for i in range(0, len(view), IO_CHUNK)]
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="stronghold-nvme")
+            return [self._pool.submit(self._io, write, view[i: i + IO_CHUNK], offset + i)
+                    for i in range(0, len(view), IO_CHUNK)]
 
     def _io(self, write: bool, view: memoryview, offset: int) -> None:
         done, n = 0, len(view)
@@ -237,8 +243,16 @@ class StateFile:
             return torch.empty(0, dtype=torch.uint8)
         return torch.from_numpy(np.memmap(self.path, dtype=np.uint8, mode="c", offset=offset, shape=(nbytes,)))
 
+    def stop_threads(self) -> None:
+        """Finishes the requests in flight and joins the I/O threads; the next request starts
+        them again (lifecycle.py: no engine thread outlives training)."""
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
+        self.stop_threads()
         self._finalizer()
 
 

@@ -95,23 +95,38 @@ class _HostEvent:
 
 
 class _CopyThread:
-    """One simulated stream: copies run in submission order, each after ``delay_s``."""
+    """One simulated stream: copies run in submission order, each after ``delay_s``. The
+    thread starts at the first copy and `close` joins it; a later copy starts a new one."""
 
     def __init__(self, name: str, delay_s: float) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        # The thread holds only its queue; a dropped context still stops it (finalizer).
-        self._thread = threading.Thread(target=_run_copies, args=(self._jobs, delay_s), name=name, daemon=True)
-        self._thread.start()
-        weakref.finalize(self, self._jobs.put, None)
+        self.name = name
+        self.delay_s = delay_s
+        self._jobs: queue.SimpleQueue | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # the fetch conversion thread issues copies too
 
     def submit(self, dst: torch.Tensor, src: torch.Tensor) -> _HostEvent:
         event = _HostEvent()
-        self._jobs.put((dst, src, event))
+        with self._lock:
+            if self._thread is None:
+                self._jobs = queue.SimpleQueue()
+                # The thread holds only its queue; a dropped context still stops it (finalizer).
+                self._thread = threading.Thread(target=_run_copies, args=(self._jobs, self.delay_s), name=self.name,
+                                                daemon=True)
+                self._thread.start()
+                self._finalizer = weakref.finalize(self, self._jobs.put, None)
+            self._jobs.put((dst, src, event))
         return event
 
     def close(self) -> None:
-        self._jobs.put(None)
-        self._thread.join()
+        """Lands the copies already queued, then joins the thread."""
+        with self._lock:
+            thread, jobs = self._thread, self._jobs
+            self._thread = self._jobs = None
+        if thread is not None:
+            self._finalizer.detach()
+            jobs.put(None)
+            thread.join()
 
 
 def _run_copies(jobs: queue.SimpleQueue, delay_s: float) -> None:
@@ -239,7 +254,7 @@ class FetchStaging:
             self._thread = threading.Thread(target=_run_conversions, args=(self._jobs,),
                                             name="stronghold-fetch-convert", daemon=True)
             self._thread.start()
-            weakref.finalize(self, self._jobs.put, None)
+            self._finalizer = weakref.finalize(self, self._jobs.put, None)
         self._jobs.put((lambda: self._convert(dst, master, dtype, fetch, after), pending))
         return pending
 
@@ -288,6 +303,7 @@ class FetchStaging:
     def close(self) -> None:
         """Finishes the queued conversions and stops the thread (restarted by the next fetch)."""
         if self._thread is not None:
+            self._finalizer.detach()
             self._jobs.put(None)
             self._thread.join()
             self._thread = self._jobs = None
@@ -463,8 +479,14 @@ class TransferContext:
         if host_side:
             self.stats.count_host_block()
 
-    def close(self) -> None:
+    def stop_threads(self) -> None:
+        """Lands every queued copy and joins the simulated copy threads (``"delayed"`` mode);
+        the next copy starts them again."""
         if self.mode == "delayed":
             self._h2d_thread.close()
             self._d2h_thread.close()
+
+    def close(self) -> None:
+        if self.mode == "delayed":
+            self.stop_threads()
             self.mode = "sync"
