@@ -200,6 +200,8 @@ class WindowEngine:
         self.update_order = sorted(self.units, key=lambda u: (u.kind != "resident",
                                                               first_position.get(u.index, len(self.units) + u.index)))
         self._closed = False
+        from . import lifecycle
+        lifecycle.register(self)  # threads and process groups stopped before interpreter exit
         self._handles: list[Any] = self.schedule.install()
         self._handles.append(self.schedule.checkpoint_watch)  # removing it gives back the checkpoint functions
         for u in self.units:
@@ -561,10 +563,25 @@ class WindowEngine:
         self.coordinator.synchronize()
 
     def shutdown_workers(self) -> None:
-        """Finishes pending work and joins the host worker (restarted on demand)."""
-        self.coordinator.synchronize()
-        self.schedule.drain_gradients()
-        self.worker.shutdown()
+        """Finishes pending work and stops every thread the engine started: the host worker,
+        the fetch conversion thread, the simulated copy threads and the NVMe I/O pools (each
+        restarts on demand); then waits until the process group holds no tensor of the
+        engine's collectives (distributed.py, [Note: the process group's last reference]).
+        Local: safe on one rank alone. The end of ``Trainer.train()`` and `close` call it, and
+        lifecycle.py at interpreter exit for engines never closed."""
+        try:
+            self.coordinator.synchronize()
+            self.schedule.drain_gradients()
+        finally:  # a failed task re-raises above; the threads stop all the same
+            self.worker.shutdown()
+            if self.fetch_staging is not None:
+                self.fetch_staging.close()
+            self.transfer.stop_threads()
+            for disk in (getattr(self.coordinator.optimizer, "nvme", None), self.disk_masters):
+                if disk is not None:
+                    disk.file.stop_threads()
+            if self.dp is not None:
+                self.dp.settle()
 
     # ------------------------------------------------------------------ lifecycle
     def close(self, device: str | torch.device | None = None) -> nn.Module:
@@ -606,6 +623,8 @@ class WindowEngine:
             self.fetch_staging.close()
         self.transfer.close()
         self.host.release_all()
+        if self.dp is not None:  # after the last collective (full_values above)
+            self.dp.close()
         if getattr(self.model, _ENGINE_ATTR, None) is self:
             delattr(self.model, _ENGINE_ATTR)
         self._closed = True
