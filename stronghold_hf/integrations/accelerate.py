@@ -14,7 +14,9 @@ field falls back to its ``STRONGHOLD_*`` variable in ``__post_init__``.
 offloads the model, builds the engine's optimizer, and lets accelerate add autocast and the
 gradient-accumulation/gradient-scaler logic, but neither device placement nor DDP (the
 engine places the model and averages gradients itself). It also routes
-``accelerator.clip_grad_norm_(model.parameters(), ...)`` to the engine's exact global clip.
+``accelerator.clip_grad_norm_(model.parameters(), ...)`` to the engine's exact global clip,
+and has ``accelerator.end_training()``, which destroys the process group, stop the engine's
+threads and settle its collectives first (lifecycle.py).
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ def prepare_stronghold(
     model = accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
     optimizer = accelerator.prepare_optimizer(optimizer, device_placement=False)
     _route_clip_grad_norm(accelerator, engine)
+    _settle_before_end_training(accelerator, engine)
     return model, optimizer, engine
 
 
@@ -110,3 +113,17 @@ def _route_clip_grad_norm(accelerator, engine: WindowEngine) -> None:
         return engine.clip_grad_norm_(max_norm, norm_type=norm_type)
 
     accelerator.clip_grad_norm_ = clip_grad_norm_
+
+
+def _settle_before_end_training(accelerator, engine: WindowEngine) -> None:
+    """``end_training()`` destroys the process group: the engine's threads stop and the group
+    lets go of the engine's tensors before that (distributed.py, [Note: the process group's
+    last reference]). The engine stays usable on one process; its threads restart on demand."""
+    original = accelerator.end_training
+
+    def end_training():
+        if not engine.closed:
+            engine.shutdown_workers()
+        return original()
+
+    accelerator.end_training = end_training
