@@ -245,11 +245,17 @@ class StateFile:
 
     def stop_threads(self) -> None:
         """Finishes the requests in flight and joins the I/O threads; the next request starts
-        them again (lifecycle.py: no engine thread outlives training)."""
+        them again (lifecycle.py: no engine thread outlives training). A request made while
+        they stop (a read-ahead started from a completion) is refused with ``RuntimeError``
+        rather than started on a new pool; the owner stops its read-ahead first."""
         with self._pool_lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+            pool = self._pool
+        if pool is None:
+            return
+        pool.shutdown(wait=True)
+        with self._pool_lock:
+            if self._pool is pool:
+                self._pool = None
 
     def close(self) -> None:
         self.stop_threads()

@@ -569,15 +569,18 @@ class WindowEngine:
         engine's collectives (distributed.py, [Note: the process group's last reference]).
         Local: safe on one rank alone. The end of ``Trainer.train()`` and `close` call it, and
         lifecycle.py at interpreter exit for engines never closed."""
+        nvme = getattr(self.coordinator.optimizer, "nvme", None)
         try:
             self.coordinator.synchronize()
             self.schedule.drain_gradients()
+            if nvme is not None:
+                nvme.flush()  # its read-ahead for the next step ends: no I/O starts after this
         finally:  # a failed task re-raises above; the threads stop all the same
             self.worker.shutdown()
             if self.fetch_staging is not None:
                 self.fetch_staging.close()
             self.transfer.stop_threads()
-            for disk in (getattr(self.coordinator.optimizer, "nvme", None), self.disk_masters):
+            for disk in (nvme, self.disk_masters):
                 if disk is not None:
                     disk.file.stop_threads()
             if self.dp is not None:
