@@ -273,8 +273,10 @@ def test_shutdown_workers_stops_every_engine_thread_and_training_goes_on(tmp_pat
 
     monkeypatch.setenv("STRONGHOLD_SIMULATE_COPY_DELAY_MS", "1")
 
+    others = set(threading.enumerate())  # engines other tests left open keep theirs
+
     def engine_threads():
-        return sorted(t.name for t in threading.enumerate() if t.name.startswith("stronghold"))
+        return sorted(t.name for t in set(threading.enumerate()) - others if t.name.startswith("stronghold"))
 
     def train(model, nvme, stop_between):
         config = StrongholdConfig(window_size=1, host_worker="thread", host_image=False, param_dtype=torch.bfloat16,
@@ -360,9 +362,9 @@ def test_accelerate_end_training_stops_the_engine_threads_first(monkeypatch):
     from stronghold_hf import StrongholdConfig, prepare_stronghold
     from tiny_models import batch, tiny_model
 
-    calls = []
+    calls, others = [], set(threading.enumerate())
     monkeypatch.setattr(Accelerator, "end_training", lambda self: calls.append(
-        sorted(t.name for t in threading.enumerate() if t.name.startswith("stronghold"))))
+        sorted(t.name for t in set(threading.enumerate()) - others if t.name.startswith("stronghold"))))
     acc = Accelerator(cpu=True)
     model, opt, engine = prepare_stronghold(acc, tiny_model("gpt2"), dict(lr=1e-2),
                                             config=StrongholdConfig(window_size=1, host_worker="thread"))
