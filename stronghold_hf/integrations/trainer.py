@@ -521,7 +521,9 @@ class _StrongholdTrainerMixin:
             return super().train(*args, **kwargs)
         finally:
             if self._stronghold_on and self.stronghold_engine is not None:
-                # No worker threads outlive training; later steps restart them on demand.
+                # No engine thread outlives training, and the process group holds none of the
+                # engine's tensors (lifecycle.py); later steps restart the threads on demand.
+                # The engine stays open: the model is still offloaded and usable.
                 self.stronghold_engine.shutdown_workers()
             if self._stronghold_on and self.args.should_save:
                 # Each checkpoint empties its own staging folder; the root goes with training,
