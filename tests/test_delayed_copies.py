@@ -18,10 +18,12 @@ from stronghold_hf.transfer import TransferContext
 from tiny_models import batch, tiny_model
 
 
-def _grads_match_reference(window_size=1):
+def _grads_match_reference(window_size=1, d2h_delay=None):
     ref = tiny_model("gpt2")
     model = copy.deepcopy(ref)
     engine = offload_model(model, StrongholdConfig(window_size=window_size), device="cpu")
+    if d2h_delay is not None:
+        engine.transfer._d2h_thread.delay_s = d2h_delay  # gradients land well after the host work starts
     b = batch("gpt2", seed=0)
     ref(**b).loss.backward()
     model(**b).loss.backward()
@@ -47,10 +49,18 @@ def test_a_missing_fetch_wait_gives_wrong_numbers(monkeypatch):
 
 
 def test_a_missing_gradient_wait_gives_wrong_numbers(monkeypatch):
+    # Host work is delayed like the copies, so the gradient copies are made slower still: a
+    # fold that does not wait then reads its staging buffer before the gradient is in it.
     monkeypatch.setattr(TransferContext, "host_wait", lambda self, event: None)
     with simulated_device(0.02):
-        ok, _ = _grads_match_reference()
+        ok, _ = _grads_match_reference(d2h_delay=0.2)
     assert not ok
+
+
+def test_with_every_wait_slow_gradient_copies_are_exact():
+    with simulated_device(0.02):
+        ok, _ = _grads_match_reference(d2h_delay=0.2)
+    assert ok
 
 
 def test_the_environment_variable_turns_it_on(monkeypatch):
