@@ -78,12 +78,11 @@ class CallRecord:
     """One checkpointed call of a block in a differentiable forward: how often its function ran
     in forward and in backward (the recompute), and whether its inputs were to leave the device."""
 
-    __slots__ = ("unit_index", "position", "offload_here", "forwards", "recomputes", "differentiable")
+    __slots__ = ("unit_index", "position", "offload_here", "forwards", "recomputes")
 
     def __init__(self, unit_index: int, position: int, offload_here: bool) -> None:
         self.unit_index, self.position, self.offload_here = unit_index, position, offload_here
         self.forwards = self.recomputes = 0
-        self.differentiable = False
 
     def counted(self, function: Callable) -> Callable:
         @functools.wraps(function)
@@ -172,8 +171,7 @@ class CheckpointWatch:
         if self.style is None:
             self.style = "forward"  # the call ran without the block's pre-hook inside it
             logger.info("stronghold: gradient checkpointing wraps the blocks' forward (module hooks run outside it)")
-        record.differentiable = requires_grad_anywhere(output)
-        if record.differentiable:
+        if requires_grad_anywhere(output):  # a backward may replay it
             self.records.append(record)
 
     def stats(self) -> dict[str, float]:

@@ -39,14 +39,6 @@ class Promises:
     def checked(self, name: str) -> bool:
         return name in self._outcome
 
-    def held(self, name: str) -> bool | None:
-        """True or False once checked; None before."""
-        outcome = self._outcome.get(name)
-        return None if outcome is None else outcome[0]
-
-    def detail(self, name: str) -> str:
-        return self._outcome.get(name, (None, ""))[1]
-
     def keep(self, name: str, seen: str) -> None:
         assert name in PROMISE_NAMES, name
         self._outcome[name] = (True, seen)

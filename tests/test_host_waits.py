@@ -15,7 +15,6 @@ from __future__ import annotations
 import statistics
 
 import pytest
-import torch
 
 from stronghold_hf import StrongholdConfig, offload_model
 from stronghold_hf.testing import simulated_device
