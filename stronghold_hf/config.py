@@ -71,6 +71,27 @@ class StrongholdConfig:
     resident on the device with a device AdamW (the first version's behaviour: for Llama-3-8B
     that is 1.05 B parameters at 16-18 B each on the GPU)."""
 
+    resident: int | bool | Literal["auto"] = "auto"
+    """How much of the model stays on the device instead of streaming (``split.py``). A
+    resident unit keeps its parameters, gradients and Adam state on the device and is stepped
+    there by a fused AdamW with the same math (fp32 parameters, the same clipping, loss scale
+    and weight decay); it never crosses the link and costs no CPU Adam. ``"auto"``: the split
+    that makes the step fastest within ``gpu_memory``: the small parameters outside the blocks
+    first, then the units that cross the link twice per step (a tied embedding, the first
+    blocks, whose CPU update the next forward waits for first), then the rest in forward order.
+    On a CPU compute device nothing is resident unless ``gpu_memory`` is given. An int keeps
+    that many blocks resident (the first in forward order); ``False`` streams everything.
+    Only units whose trainable parameters are fp32 can be resident (their parameters are their
+    masters); others stream."""
+
+    gpu_memory: int | str | None = None
+    """The device bytes the engine may hold for the model (``"20GB"``, ``"512MiB"`` or bytes):
+    the resident units' parameters, gradients and Adam state, plus the streamed part's window,
+    gradient lanes and resident unit. Activations, the CUDA context and the allocator's cache
+    come on top. ``None``: on CUDA, the free device memory at ``offload_model`` less the reserve
+    (``split.device_reserve_bytes``: a tenth of the device, at least 2 GiB, for activations and
+    workspaces); on a CPU device, no budget (nothing resident under ``resident="auto"``)."""
+
     cpu_threads: int | None = None
     """CPU threads inside each host-side kernel (CPU Adam, gradient folds), which run one block
     at a time in block order, so block 0 is ready first. ``None``: the intra-op thread count
@@ -280,6 +301,22 @@ class StrongholdConfig:
                 f"StrongholdConfig.grad_buffers={self.grad_buffers!r}; use an int >= 1 (gradient buffers in flight "
                 "to the host at once; 2 is the default)."
             )
+        res = self.resident
+        if not (res == "auto" or res is False or (isinstance(res, int) and not isinstance(res, bool) and res >= 0)):
+            raise ValueError(
+                f"StrongholdConfig.resident={res!r}; use \"auto\" (the split chosen within gpu_memory), an int >= 0 "
+                "(that many blocks stay on the device) or False (everything streams)."
+            )
+        if self.gpu_memory is not None:
+            from .estimate import parse_memory  # estimate imports this module at load time
+
+            try:
+                budget = parse_memory(self.gpu_memory)
+            except ValueError as err:
+                raise ValueError(f"StrongholdConfig.gpu_memory: {err}") from None
+            if budget <= 0:
+                raise ValueError(f"StrongholdConfig.gpu_memory={self.gpu_memory!r}; use a positive size such as \"20GB\".")
+            object.__setattr__(self, "gpu_memory", budget)
         if self.max_pinned_bytes is not None:
             from .estimate import parse_memory  # estimate imports this module at load time
 

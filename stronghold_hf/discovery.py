@@ -186,13 +186,15 @@ def _largest_homogeneous(lists: list[tuple[str, nn.ModuleList]]) -> list[tuple[s
     return []
 
 
-def build_block_specs(model: nn.Module, stacks: list[BlockStack]) -> list[BlockSpec]:
+def build_block_specs(model: nn.Module, stacks: list[BlockStack], keep: frozenset[int] = frozenset()) -> list[BlockSpec]:
     """Lays the stacks out as one sequence and assigns each block the parameters it alone owns.
 
     A module that appears several times (the same layer object at several positions of a
     list) is one block: it is streamed once per use. A parameter is owned by a block when
     every module that registers it lies inside that block, so weights tied across blocks or
-    shared with resident modules stay resident.
+    shared with resident modules stay resident. Parameters in ``keep`` (``id()``s: what the
+    device/host split keeps on the device, split.py) belong to no block; a block left with
+    nothing is not a unit.
     """
     registrars: dict[int, set[int]] = {}  # id(param) -> ids of the modules registering it
     for module in model.modules():
@@ -209,7 +211,7 @@ def build_block_specs(model: nn.Module, stacks: list[BlockStack]) -> list[BlockS
             inside = {id(m) for m in block.modules()}
             owned: list[tuple[str, nn.Parameter]] = []
             for name, p in block.named_parameters():  # unique tensors, first name
-                if registrars[id(p)] <= inside and p.is_floating_point():
+                if registrars[id(p)] <= inside and p.is_floating_point() and id(p) not in keep:
                     owned.append((name, p))
             if owned:  # a block whose weights all live elsewhere has nothing to stream
                 specs.append(UnitSpec(len(specs), f"{stack.fqn}.{local_name}" if stack.fqn else local_name,
@@ -270,22 +272,25 @@ def _registrars(model: nn.Module) -> tuple[dict[int, list[tuple[nn.Module, str]]
 
 
 def plan_units(model: nn.Module, stacks: list[BlockStack], *, offload_non_block: bool = True,
-               stream_min_params: int | None = None) -> UnitPlan:
+               stream_min_params: int | None = None, keep: frozenset[int] = frozenset()) -> UnitPlan:
     """The units of ``model``: its blocks and, with ``offload_non_block``, everything else.
 
     Parameters outside the blocks are grouped by the modules that register them (a weight
     registered by two modules, as a tied embedding and LM head, joins their groups). A group
     registered only by modules outside the blocks, and holding at least ``stream_min_params``
     elements (default: half the largest block), streams through the window as its own unit;
-    every other non-block parameter joins the one resident unit."""
-    blocks = build_block_specs(model, stacks)
+    every other non-block parameter joins the one resident unit. Parameters in ``keep``
+    (``id()``s, split.py) stay on the device, in no unit; the rest is grouped as if they were
+    in theirs, so a split changes which units exist, never what a unit holds."""
+    every_block = build_block_specs(model, stacks)
+    blocks = build_block_specs(model, stacks, keep) if keep else every_block
     if not offload_non_block:
         sequence = tuple(range(len(blocks)))
         entry = {id(s.module): (s.index,) for s in blocks}
         return UnitPlan(tuple(blocks), sequence, entry, ())
     regs, paths = _registrars(model)
-    in_block = {id(p) for s in blocks for _, p in s.params}
-    inside_blocks = {id(m) for s in blocks for m in s.module.modules()}
+    in_block = {id(p) for s in every_block for _, p in s.params}
+    inside_blocks = {id(m) for s in every_block for m in s.module.modules()}
     holds_blocks = {id(m) for m in model.modules() if any(id(c) in inside_blocks for c in m.children())}
     holds_blocks |= {id(m) for m in model.modules() if any(id(d) in holds_blocks for d in m.children())}
     free = [(n, p) for n, p in model.named_parameters() if id(p) not in in_block and p.is_floating_point()]
@@ -310,7 +315,7 @@ def plan_units(model: nn.Module, stacks: list[BlockStack], *, offload_non_block:
     groups: dict[int, list[tuple[str, nn.Parameter]]] = {}
     for name, p in free:
         groups.setdefault(find(id(regs[id(p)][0][0])), []).append((name, p))
-    largest_block = max((sum(p.numel() for _, p in s.params) for s in blocks), default=0)
+    largest_block = max((sum(p.numel() for _, p in s.params) for s in every_block), default=0)
     threshold = max(1, largest_block // 2) if stream_min_params is None else stream_min_params
 
     def streamable(members: list[tuple[str, nn.Parameter]]) -> bool:
@@ -322,10 +327,12 @@ def plan_units(model: nn.Module, stacks: list[BlockStack], *, offload_non_block:
     units: list[UnitSpec] = list(blocks)
     resident: list[tuple[str, nn.Parameter]] = []
     for members in groups.values():  # in the order of their first parameter
+        if all(id(p) in keep for _, p in members):
+            continue  # the split keeps the whole group on the device
         if streamable(members):
             units.append(_non_block_spec(len(units), members, regs, "streamed"))
         else:
-            resident.extend(members)
+            resident.extend(p for p in members if id(p) not in keep)
     # The resident rest: one unit per dtype of its trainable parameters (a unit's gradients
     # share one dtype; a bf16 embedding next to fp32 norms, as PEFT's k-bit preparation leaves
     # them, makes two). Frozen parameters join the first.

@@ -123,6 +123,25 @@ class DataParallel:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
+    def average_resident_grads_at_backward_end(self, params) -> list:
+        """Hooks that average the gradients of ``params()`` (the parameters the engine leaves on
+        the device: resident units of the split, everything outside the blocks with
+        ``offload_non_block=False``) once per backward, at its end, as DDP would. A backward
+        that accumulates none of them communicates nothing for them. Returns the handles."""
+        pending = {"task": None}
+
+        def average() -> None:
+            pending["task"] = None
+            self.average_resident_grads_([p for p in params() if p.requires_grad])
+
+        def hook(_param) -> None:
+            task = torch._C._current_graph_task_id()
+            if pending["task"] != task:
+                pending["task"] = task
+                torch.autograd.Variable._execution_engine.queue_callback(average)
+
+        return [p.register_post_accumulate_grad_hook(hook) for p in params() if p.requires_grad]
+
     def broadcast_(self, tensors: list[torch.Tensor], src: int = 0) -> None:
         """Rank ``src``'s values everywhere; host tensors through the host group."""
         for t in tensors:

@@ -40,6 +40,7 @@ from .memory import GRAD_ALIGN, DeviceSlotPool, HostAllocator, element_size, lay
 from .optim import quant8
 from .promises import Promises
 from .schedule import Phase, WindowSchedule
+from .split import TRAINABLE_EXTRA_BYTES, DeviceSplit, choose_split, device_reserve_bytes
 from .state_dict import install_state_dict_hooks
 from .stats import EngineStats
 from .stepping import StepCoordinator
@@ -103,13 +104,24 @@ class WindowEngine:
         self.model = model
         self.config = config
         self.device = device
-        plan = plan_units(model, find_block_stacks(model, config.block_classes),
-                          offload_non_block=config.offload_non_block)
+        stacks = find_block_stacks(model, config.block_classes)
+        whole_plan = plan_units(model, stacks, offload_non_block=config.offload_non_block)
+        if not any(s.params for s in whole_plan.blocks):
+            raise ValueError(f"{type(model).__name__}: the discovered blocks ({describe(list(whole_plan.blocks))}) own "
+                             "no parameters to offload.")
+        # Data parallel whenever a process group exists (a group of one too: the same code path).
+        self.dp = None
+        if distributed.is_initialized():
+            shard = config.shard_cpu_state
+            self.dp = DataParallel(device, sharded=distributed.world_size() > 1 if shard is None else shard)
+        # The device/host split (split.py): what stays on the device is in no unit.
+        self.split = self._choose_split(whole_plan)
+        plan = whole_plan
+        if self.split.kept_param_ids:
+            plan = plan_units(model, stacks, offload_non_block=config.offload_non_block,
+                              keep=self.split.kept_param_ids)
         specs = list(plan.units)
         block_specs = [s for s in specs if s.kind == "block"]
-        if not any(s.params for s in block_specs):
-            raise ValueError(
-                f"{type(model).__name__}: the discovered blocks ({describe(block_specs)}) own no parameters to offload.")
         self.ledger = MemoryLedger()
         self.stats = EngineStats()
         self.transfer = TransferContext(device, self.ledger, self.stats)
@@ -117,11 +129,6 @@ class WindowEngine:
                                   max_pinned_bytes=config.max_pinned_bytes)
         window_size, probe_first_step = self._initial_window_size(len(block_specs), len(plan.sequence))
         self.pool = DeviceSlotPool(capacity=window_size + 1)
-        # Data parallel whenever a process group exists (a group of one too: the same code path).
-        self.dp = None
-        if distributed.is_initialized():
-            shard = config.shard_cpu_state
-            self.dp = DataParallel(device, sharded=distributed.world_size() > 1 if shard is None else shard)
         if self.dp is not None:
             # Ranks start from rank 0's weights, as DDP does; unit weights go through the host
             # group before each rank keeps its shard of them.
@@ -167,9 +174,9 @@ class WindowEngine:
         # its backward uses (schedule.release), and the blocks still have K.
         uses = {i: plan.sequence.count(i) for i in set(plan.sequence)}
         parked_lanes = sum(1 for u in streamed if u.trainable and uses.get(u.index, 0) > 1)
-        self.grad_queue = GradientQueue(config.grad_buffers + parked_lanes, max(u.grad_nbytes_device for u in streamed), device=device,
+        self.grad_queue = GradientQueue(config.grad_buffers + parked_lanes, max((u.grad_nbytes_device for u in streamed), default=0), device=device,
                                         host=self.host, transfer=self.transfer, ledger=self.ledger,
-                                        staging_bytes=max(blocks or [self._shard_bytes(u) for u in streamed]))
+                                        staging_bytes=max(blocks or [self._shard_bytes(u) for u in streamed] or [0]))
         resident_queue = None
         if resident:
             # A resident unit keeps its lane for the whole backward: one lane each, of their size.
@@ -203,6 +210,8 @@ class WindowEngine:
         from . import lifecycle
         lifecycle.register(self)  # threads and process groups stopped before interpreter exit
         self._handles: list[Any] = self.schedule.install()
+        if self.dp is not None:
+            self._handles.extend(self.dp.average_resident_grads_at_backward_end(self.resident_parameters))
         self._handles.append(self.schedule.checkpoint_watch)  # removing it gives back the checkpoint functions
         for u in self.units:
             self._handles.extend(install_state_dict_hooks(self.schedule, self.coordinator, u))
@@ -227,6 +236,8 @@ class WindowEngine:
             config.host_memory, self.host_image, (stats["pinned_host_bytes"] + stats["pageable_host_bytes"]) / 1e9, stats["host_bytes_per_param"],
             sum(p.numel() for p in self.resident_parameters()),
         )
+        if not self.split.streams_everything:
+            logger.info("stronghold: %s: %s", self.split.reason, ", ".join(self.split.resident))
 
     @staticmethod
     def _shard_bytes(u: Unit) -> int:
@@ -236,6 +247,8 @@ class WindowEngine:
     def _initial_window_size(self, num_blocks: int, sequence_length: int) -> tuple[int, bool]:
         """The window size to start with, and whether the first step is probed (``"auto"`` on CUDA)."""
         ws = self.config.window_size
+        if sequence_length == 0:
+            return 0, False  # the split keeps everything on the device: no window
         if ws == "auto":
             if self.device.type == "cuda":
                 # The first training step runs with the default; auto_window.py then decides.
@@ -252,6 +265,26 @@ class WindowEngine:
                 stacklevel=4,
             )
         return max(1, min(int(ws), sequence_length)), False
+
+    def _choose_split(self, plan) -> DeviceSplit:
+        """``config.resident`` within the device budget: ``gpu_memory``, or on CUDA the free
+        memory less the reserve; the smallest budget of all ranks under data parallelism, so
+        that every rank keeps the same units."""
+        config = self.config
+        budget = config.gpu_memory
+        if budget is None and self.device.type == "cuda" and config.resident == "auto":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = max(0, free - device_reserve_bytes(total))
+        if budget is not None and self.dp is not None:
+            budget = self.dp.min_int(int(budget))
+        in_units = {id(p) for u in plan.units for _, p in u.params}
+        outside = [p for p in self.model.parameters() if id(p) not in in_units]
+        base = sum(p.numel() * (p.element_size() + (TRAINABLE_EXTRA_BYTES if p.requires_grad else 0)) for p in outside)
+        ws = config.window_size if isinstance(config.window_size, int) else DEFAULT_WINDOW_SIZE
+        split = choose_split(plan, resident=config.resident, budget=budget, window_size=min(ws, len(plan.sequence)),
+                             grad_buffers=config.grad_buffers, param_dtype=config.param_dtype, base_bytes=base)
+        logger.info("stronghold: device/host split: %s", split.reason)
+        return split
 
     def _move_resident_parts(self, model: nn.Module, device: torch.device) -> None:
         with torch.no_grad():
@@ -286,9 +319,10 @@ class WindowEngine:
         self.schedule.probe = probe
 
     def resident_parameters(self) -> list[nn.Parameter]:
-        """Parameters the engine leaves on the device, stepped by a device AdamW: none by default;
-        everything outside the blocks with ``offload_non_block=False``; and parameters added to
-        the model after `offload_model` (adapters attached later)."""
+        """Parameters the engine leaves on the device, stepped by a device AdamW: the units the
+        device/host split keeps (``StrongholdConfig.resident``, split.py; none on a CPU device by
+        default); everything outside the blocks with ``offload_non_block=False``; and parameters
+        added to the model after `offload_model` (adapters attached later)."""
         seen: set[int] = set()
         out = []
         for p in self.model.parameters():
@@ -346,7 +380,13 @@ class WindowEngine:
         the NVMe tier's host ring, its file on disk, and its traffic (0 without ``nvme_path``).
         ``nvme_masters_file_bytes``, ``nvme_masters_read_bytes`` (fetches),
         ``nvme_masters_written_bytes`` (writes outside the step), ``nvme_masters_scratch_bytes``
-        (the buffer fetches read into): the masters on disk (0 without ``nvme_masters``)."""
+        (the buffer fetches read into): the masters on disk (0 without ``nvme_masters``).
+        The device/host split (``StrongholdConfig.resident``, split.py; the kept units' names
+        are ``engine.split.resident``): ``split_resident_units``, ``split_resident_blocks``,
+        ``split_resident_params``, ``split_resident_bytes`` (their parameters, gradients and
+        Adam state as planned), ``split_budget_bytes`` (0: none). Every parameter left on the
+        device (the split's, or outside the units): ``device_parameter_bytes`` and
+        ``device_grad_bytes`` now, and its Adam state in ``device_optimizer_bytes``."""
         self.transfer.collect_timings()
         out: dict[str, float] = dict(self.ledger.snapshot())
         opt_bytes = self.coordinator.optimizer_state_bytes()
@@ -368,7 +408,7 @@ class WindowEngine:
         out["sequence_length"] = len(self.schedule.sequence)
         out["resident_units"] = len(self.schedule.resident_units)
         streamed = [u for u in self.units if u.kind != "resident"]
-        out["slot_bytes"] = max(u.slot_bytes for u in streamed)
+        out["slot_bytes"] = max((u.slot_bytes for u in streamed), default=0)
         out["window_bound_bytes"] = sum(sorted((u.slot_bytes for u in streamed), reverse=True)[: self.window_size + 1])
         out["resident_unit_bytes"] = sum(u.slot_bytes for u in self.schedule.resident_units)
         queue = self.schedule.resident_queue
@@ -396,6 +436,16 @@ class WindowEngine:
         out["nvme_masters_read_bytes"] = disk.read_bytes if disk is not None else 0
         out["nvme_masters_written_bytes"] = disk.written_bytes if disk is not None else 0
         out["nvme_masters_scratch_bytes"] = self.fetch_staging.scratch_bytes if self.fetch_staging is not None else 0
+        # The device/host split (split.py): what it keeps on the device, and what that holds now.
+        split = self.split
+        out["split_resident_units"] = len(split.resident)
+        out["split_resident_blocks"] = split.resident_blocks
+        out["split_resident_params"] = split.resident_params
+        out["split_resident_bytes"] = split.resident_bytes
+        out["split_budget_bytes"] = split.budget or 0
+        kept = self.resident_parameters()
+        out["device_parameter_bytes"] = sum(p.numel() * p.element_size() for p in kept)
+        out["device_grad_bytes"] = sum(p.grad.numel() * p.grad.element_size() for p in kept if p.grad is not None)
         # What the first step checked (promises.py): promise_<name> 1.0 held, 0.0 not; absent until checked.
         out.update(self.promises.stats())
         out.update(self.schedule.checkpoint_watch.stats())

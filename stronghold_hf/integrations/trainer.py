@@ -619,9 +619,14 @@ class _StrongholdTrainerMixin:
         shard_files = sorted(f for f in os.listdir(checkpoint) if f.startswith("optimizer-rank"))
         if not os.path.isfile(sched_file):
             return
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps it
         if os.path.isfile(own) and (sharded or not shard_files):
             # CPU Adam state belongs in CPU RAM whatever the world size: map it there directly.
             state = torch.load(own, map_location="cpu", weights_only=True)
+            if sharded and not inner.layout_matches(state):
+                # Another device/host split: a parameter this rank now keeps whole on the device
+                # may have been sharded across every rank's file.
+                state = self._optimizer_state_for_this_layout(checkpoint, shard_files or [OPTIMIZER_NAME])
         elif shard_files or os.path.isfile(os.path.join(checkpoint, OPTIMIZER_NAME)):
             state = self._optimizer_state_for_this_layout(checkpoint, shard_files or [OPTIMIZER_NAME])
         else:
@@ -654,6 +659,18 @@ class _StrongholdTrainerMixin:
                 f"that wrote it, not {layout}, or start the optimizer afresh from its weights "
                 "(--model_name_or_path <checkpoint>)."
             )
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps it
+        if "cpu_names" in first:  # state by parameter name ([Note: state by parameter name], optim/hybrid.py)
+            del first
+
+            def written():  # one file at a time, memory-mapped: a rank never holds them all
+                for path in paths:
+                    yield torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+            state = inner.recut(written())
+            _hf_logger.info(f"STRONGHOLD: optimizer state of {checkpoint} ({len(files)} file(s)) re-cut for {layout} "
+                            "and this device/host split")
+            return state
         # Resident parameters, the loss scale and the public groups are the same on every rank.
         shared = {key: first[key] for key in ("device", "scaler", "param_groups")}
         del first
@@ -667,7 +684,6 @@ class _StrongholdTrainerMixin:
                         yield written["cpu_pieces"], written["cpu"]["state"]
                     del written
 
-            inner = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps it
             shapes = [p.shape for g in inner.cpu_optimizer.param_groups for p in g["params"]]
             mine["cpu"]["state"] = remap_cpu_state(mine["cpu_pieces"], shapes, saved())
         mine.update(shared)

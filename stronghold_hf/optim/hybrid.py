@@ -318,6 +318,11 @@ class StrongholdOptimizer(torch.optim.Optimizer):
             # data-parallel layout (a different world size, sharded or not). See `remap_cpu_state`.
             "cpu_pieces": self.cpu_pieces(),
             "device": self.device_optimizer.state_dict() if self.device_optimizer else None,
+            # [Note: state by parameter name] What every CPU and device state entry belongs to,
+            # by the model's parameter names: a checkpoint resumes under another device/host
+            # split (split.py), where a parameter's state moves between the two. See `recut`.
+            "cpu_names": self._cpu_names(),
+            "device_pieces": self._device_pieces(),
             "scaler": self.scaler.state_dict() if self.scaler else None,
             # Our own groups run one scheduler step ahead of the inner ones (see the note).
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
@@ -329,6 +334,8 @@ class StrongholdOptimizer(torch.optim.Optimizer):
                 "StrongholdOptimizer.load_state_dict: this state was not saved by a stronghold optimizer "
                 "(missing 'stronghold_format'). Resume from a checkpoint written with --stronghold."
             )
+        if not self.layout_matches(state_dict):
+            state_dict = self.recut([state_dict])  # another split, or pieces of another layout
         self.engine.coordinator.synchronize()
         if self.cpu_optimizer is not None and state_dict["cpu"] is not None:
             self.cpu_optimizer.load_state_dict(state_dict["cpu"])
@@ -357,6 +364,92 @@ class StrongholdOptimizer(torch.optim.Optimizer):
             )
         for public, saved in zip(self.param_groups, saved_public):
             public.update(saved)
+
+    # ------------------------------------------------------------------ state by parameter name
+    def _parameter_names(self) -> dict[int, str]:
+        return {id(p): name for name, p in self.engine.model.named_parameters()}
+
+    def _cpu_names(self) -> list[str] | None:
+        """The model's name of the parameter behind each CPU state entry (``cpu_pieces`` order)."""
+        if self.cpu_optimizer is None:
+            return None
+        names = self._parameter_names()
+        of_master = {id(m): names[id(p)] for u in self.engine.units for m, p in zip(u.masters, u.params)
+                     if m is not None}
+        return [of_master[id(m)] for g in self.cpu_optimizer.param_groups for m in g["params"]]
+
+    def _device_params(self) -> list[torch.Tensor]:
+        if self.device_optimizer is None:
+            return []
+        return [p for g in self.device_optimizer.param_groups for p in g["params"]]
+
+    def _device_pieces(self) -> list[tuple[str, int, int]]:
+        """``(name, 0, numel)`` of each device optimizer parameter, in its state's index order."""
+        names = self._parameter_names()
+        return [(names[id(p)], 0, p.numel()) for p in self._device_params()]
+
+    def layout_matches(self, state_dict: dict[str, Any]) -> bool:
+        """Whether ``state_dict`` was saved with this optimizer's layout (the same split, the
+        same pieces), so it loads entry by entry. A state saved before names were recorded is
+        taken as matching: its inner loads say so if it does not."""
+        if "cpu_names" not in state_dict:
+            return True
+        return (state_dict["cpu_names"] == self._cpu_names() and state_dict.get("cpu_pieces") == self.cpu_pieces()
+                and [tuple(x) for x in state_dict["device_pieces"]] == self._device_pieces())
+
+    def recut(self, saved: Iterable[dict[str, Any]]) -> dict[str, Any]:
+        """This optimizer's ``state_dict`` with its CPU and device Adam state taken, by parameter
+        name and element range, from states saved under another layout: another device/host
+        split (a parameter's state moves between CPU Adam and the device AdamW), another
+        data-parallel world size, sharded or not. ``saved`` yields the saved states (one per
+        rank file of a sharded checkpoint), one held at a time; the public groups and the loss
+        scale come from the first. A parameter the saved states do not cover raises, naming it."""
+        mine = self.state_dict()
+        cpu_names = mine["cpu_names"] or []
+        targets = [("", n, offset, count) for n, (_, _, offset, count) in zip(cpu_names, mine["cpu_pieces"] or [])]
+        n_cpu = len(targets)
+        device_params = self._device_params()
+        targets += [("", n, 0, count) for n, _, count in mine["device_pieces"]]
+        shapes = [m.shape for g in (self.cpu_optimizer.param_groups if self.cpu_optimizer is not None else [])
+                  for m in g["params"]] + [p.shape for p in device_params]
+        first: dict[str, Any] = {}
+
+        def entries():
+            for written in saved:
+                if "cpu_names" not in written:
+                    raise ValueError(
+                        "StrongholdOptimizer: this optimizer state was written before checkpoints recorded parameter "
+                        "names, with another device/host split or data-parallel layout than this run's; resume it "
+                        "with the StrongholdConfig(resident=..., gpu_memory=...) and world size that wrote it.")
+                pieces = [("", n, offset, count) for n, (_, _, offset, count)
+                          in zip(written["cpu_names"] or [], written["cpu_pieces"] or [])]
+                states = dict(written["cpu"]["state"]) if written.get("cpu") else {}
+                if not first:  # the device state is whole on every rank: the first file's
+                    first.update({k: written.get(k) for k in ("scaler", "param_groups")})
+                    for j, _ in enumerate(written["device_pieces"]):
+                        st = (written.get("device") or {}).get("state", {}).get(j)
+                        if st is not None:
+                            states[len(pieces) + j] = st
+                    pieces += [("", n, offset, count) for n, offset, count in written["device_pieces"]]
+                yield pieces, states
+                written = None  # the next file loads once this one is let go
+
+        flat = remap_cpu_state(targets, shapes, entries())
+        if mine["cpu"] is not None:
+            mine["cpu"]["state"] = {j: st for j, st in flat.items() if j < n_cpu}
+        if mine["device"] is not None:
+            device_state = {}
+            for j, st in flat.items():
+                if j >= n_cpu:
+                    p = device_params[j - n_cpu]
+                    if quant8.is_8bit(st):  # lean host memory: the device AdamW keeps fp32 moments
+                        st = quant8.state_to_fp32(st, p.shape)
+                    st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
+                    device_state[j - n_cpu] = st
+            mine["device"]["state"] = device_state
+        mine["scaler"] = first.get("scaler")
+        mine["param_groups"] = first.get("param_groups") or mine["param_groups"]
+        return mine
 
     def cpu_pieces(self) -> list[tuple[str, str, int, int]] | None:
         """Per CPU optimizer parameter, in ``state_dict`` index order: ``(block, parameter name,
@@ -505,22 +598,28 @@ def remap_cpu_state(pieces: list[tuple[str, str, int, int]], shapes: list[torch.
                 found[j] += hi - lo
                 if st is None:
                     continue
-                _copy_state_range(flat, j, st, my_count, lo - offset, lo - my_offset, hi - lo, f"{block}.{name}")
+                _copy_state_range(flat, j, st, my_count, lo - offset, lo - my_offset, hi - lo, _label(block, name))
                 covered[j] += hi - lo
         saved_pieces = saved_state = None  # let this file go before the next one loads
-    missing = [f"{block}.{name}" for j, (block, name, _, count) in enumerate(pieces) if found[j] != count]
+    missing = [_label(block, name) for j, (block, name, _, count) in enumerate(pieces) if found[j] != count]
     if missing:
         raise ValueError(f"The checkpoint's optimizer state does not cover {len(missing)} parameter piece(s) this rank "
-                         f"keeps ({', '.join(missing[:3])}...); it was written for another model.")
+                         f"keeps ({', '.join(missing[:3])}...): it was written for another model, or it is one rank's file of a "
+                         "sharded checkpoint, which covers that rank's pieces only (resume through the Trainer, which "
+                         "reads every rank's file).")
     for j, out in flat.items():
         block, name, _, count = pieces[j]
         if covered[j] != count:
             raise ValueError(f"The checkpoint's optimizer state covers {covered[j]} of the {count} elements of "
-                             f"{block}.{name} this rank keeps; it was written for another model.")
+                             f"{_label(block, name)} this rank keeps; it was written for another model.")
         for key in ("exp_avg", "exp_avg_sq"):  # fp32 moments have the parameter's shape; 8-bit ones stay flat
             if key in out:
                 out[key] = out[key].view(shapes[j])
     return flat
+
+
+def _label(unit: str, name: str) -> str:
+    return f"{unit}.{name}" if unit else name  # pieces keyed by the parameter's model name have no unit
 
 
 def _copy_state_range(flat: dict[int, dict[str, Any]], j: int, st: dict[str, Any], my_count: int, src: int, dst: int,
