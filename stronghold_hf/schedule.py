@@ -630,7 +630,8 @@ class WindowSchedule:
             finally:
                 queue.release(lane)
 
-        lane.ticket = self.worker.submit(f"gradient copy of {u.fqn}", land_and_fold)
+        # Urgent: it frees a lane the backward may be waiting for (workers.py, [Note: urgent tasks]).
+        lane.ticket = self.worker.submit(f"gradient copy of {u.fqn}", land_and_fold, unit=u.index, urgent=True)
         for k in local:
             u.grad_valid[k] = True
         u.flushes += 1

@@ -121,7 +121,7 @@ class StepCoordinator:
             stats.add(counter, elapsed)
             stats.add("update_total_s", elapsed)
 
-        ticket = self.worker.submit(f"{label} of {block.fqn}", timed)
+        ticket = self.worker.submit(f"{label} of {block.fqn}", timed, unit=block.index)
         self._tickets[block.index] = ticket
         if not ticket.done():
             block.guard()  # a read before it finishes waits for it (read_guard.py)

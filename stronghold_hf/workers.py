@@ -1,17 +1,37 @@
-"""The host worker: one thread that runs the engine's CPU work in order.
+"""The host worker: one thread that runs the engine's CPU work.
 
-Two kinds of task go through it, in submission order:
+Two kinds of task go through it:
 
 * gradient folds, during backward: wait for a block's device-to-host copy, then copy or add
   the staged gradient into the block's fp32 gradient (``grads.py``);
-* optimizer updates, after ``optimizer.step()``: CPU Adam on one block's masters, in the
-  order the next forward needs the blocks (block 0 first).
+* optimizer updates: CPU Adam on one block's masters, during backward when the step is
+  speculated (``speculation.py``), and after ``optimizer.step()`` in the order the next
+  forward needs the blocks (block 0 first); with them the undos of speculative updates.
 
 One thread, not a pool: each task runs with every CPU thread inside its kernel, so block 0
 is ready after about 1/N of the update work instead of when the first ``cores`` blocks all
 are (a pool of one-thread workers updates blocks side by side, each at a fraction of the
 memory bandwidth). The kernels release the GIL, so the training thread keeps launching
 device work meanwhile.
+
+[Note: urgent tasks] A fold is short, and the backward may be waiting for it: the fold frees
+a gradient lane (``grads.py``), and with all ``K`` lanes in flight the next block's backward
+cannot start until one is free. An update is long (a whole block's CPU Adam). Run in
+submission order, a speculating backward queues each fold behind the updates of the blocks
+before it, and the autograd thread waits for those updates, not for the copy. So a task is
+submitted *urgent* (the folds) or not: once the task in hand finishes, the worker runs the
+oldest urgent task that may go, and an ordinary one only when none may.
+
+What may go is decided by the task's *unit* (the block index it reads and writes; ``None``:
+anything). Two tasks *conflict* when they name the same unit or either names none, and
+conflicting tasks always run in submission order; only a task that conflicts with nothing
+queued before it may pass those tasks. That is every ordering the engine relies on, and it is
+per unit: a unit's speculative update reads the gradient its fold wrote (the fold is
+submitted first, ``schedule.flush``); a fold that adds more gradient into a speculated unit is
+submitted after that unit's undo, which must read the gradient the update read; a second
+fold of a unit adds onto what the first copied. Ordinary tasks never pass each other (the
+step's updates stay in the order the next forward needs them), and urgent tasks of other
+units may pass a fold held back by its own unit's update.
 
 A task's exception is stored on its ticket and re-raised in the training thread, naming the
 block, at the first wait. The thread starts lazily and `shutdown` joins it, so nothing
@@ -27,7 +47,6 @@ plain training with a worker thread and speculation, docs/performance.md).
 from __future__ import annotations
 
 import os
-import queue
 import threading
 import time
 import weakref
@@ -64,33 +83,82 @@ class Ticket:
         return time.perf_counter() - t0
 
 
+class _Task:
+    __slots__ = ("fn", "ticket", "unit", "urgent")
+
+    def __init__(self, fn: Callable[[], None] | None, ticket: Ticket | None, unit: int | None, urgent: bool) -> None:
+        self.fn = fn  # None: the stop marker
+        self.ticket = ticket
+        self.unit = unit
+        self.urgent = urgent
+
+    def conflicts(self, other: _Task) -> bool:
+        return self.unit is None or other.unit is None or self.unit == other.unit
+
+
+class _TaskQueue:
+    """The tasks not started yet, in submission order; `take` picks the next one to run
+    ([Note: urgent tasks])."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._tasks: list[_Task] = []
+        self._urgent = 0  # urgent tasks among them
+
+    def put(self, task: _Task) -> None:
+        with self._cond:
+            self._tasks.append(task)
+            self._urgent += task.urgent
+            self._cond.notify()
+
+    def stop(self) -> None:
+        """The stop marker: conflicts with everything, so it runs after all submitted before."""
+        self.put(_Task(None, None, None, False))
+
+    def take(self) -> _Task:
+        with self._cond:
+            while not self._tasks:
+                self._cond.wait()
+            tasks = self._tasks
+            pick = 0  # the oldest task conflicts with nothing before it
+            if self._urgent:
+                pick = next((i for i, t in enumerate(tasks)
+                             if t.urgent and not any(e.conflicts(t) for e in tasks[:i])), 0)
+            task = tasks.pop(pick)
+            self._urgent -= task.urgent
+            return task
+
+
 class HostWorker:
-    """A lazily started thread that runs submitted callables one after another (or, ``inline``,
-    the submitting thread running each at once)."""
+    """A lazily started thread that runs submitted callables one at a time, urgent ones first
+    where their unit allows ([Note: urgent tasks]); or, ``inline``, the submitting thread
+    running each at once."""
 
     def __init__(self, num_threads: int, *, inline: bool = False) -> None:
         assert num_threads >= 1
         self.num_threads = num_threads
         self.inline = inline
-        self._queue: queue.SimpleQueue | None = None
+        self._queue: _TaskQueue | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def submit(self, label: str, fn: Callable[[], None]) -> Ticket:
+    def submit(self, label: str, fn: Callable[[], None], *, unit: int | None = None, urgent: bool = False) -> Ticket:
+        """Queues ``fn``; ``unit``: the unit whose state it reads and writes (``None``: any),
+        ``urgent``: it may run before earlier tasks of other units (a fold)."""
         ticket = Ticket(label)
         if self.inline:
             _run_one(fn, ticket)
             return ticket
         with self._lock:
             if self._thread is None:
-                self._queue = queue.SimpleQueue()
+                self._queue = _TaskQueue()
                 # The thread holds only its queue, so an engine that is dropped without close()
                 # still lets it end (the finalizer posts the stop marker).
                 self._thread = threading.Thread(target=_run, args=(self._queue, self.num_threads),
                                                 name="stronghold-host-worker", daemon=True)
                 self._thread.start()
-                self._finalizer = weakref.finalize(self, self._queue.put, None)
-            self._queue.put((fn, ticket))
+                self._finalizer = weakref.finalize(self, self._queue.stop)
+            self._queue.put(_Task(fn, ticket, unit, urgent))
         return ticket
 
     def shutdown(self) -> None:
@@ -100,7 +168,7 @@ class HostWorker:
             self._thread = self._queue = None
         if thread is not None:
             self._finalizer.detach()
-            jobs.put(None)
+            jobs.stop()
             thread.join()
 
     @property
@@ -108,7 +176,7 @@ class HostWorker:
         return self._thread is not None
 
 
-def _run(jobs: queue.SimpleQueue, num_threads: int) -> None:
+def _run(jobs: _TaskQueue, num_threads: int) -> None:
     import torch
 
     # OpenMP's team size is a per-thread setting: this thread uses all the cores it was given.
@@ -116,15 +184,14 @@ def _run(jobs: queue.SimpleQueue, num_threads: int) -> None:
 
     torch.set_num_threads(num_threads)
     while True:
-        job = jobs.get()
-        if job is None:
+        task = jobs.take()
+        if task.fn is None:
             return
-        fn, ticket = job
         delay = simulated_copy_delay()  # testing.simulated_device: host work is slow, as on a large model,
         if delay:                       # so a read that does not wait for it sees old values
             time.sleep(delay)
-        _run_one(fn, ticket)
-        del fn, ticket, job  # do not keep the last task (and what it references) alive while idle
+        _run_one(task.fn, task.ticket)
+        del task  # do not keep the last task (and what it references) alive while idle
 
 
 def _run_one(fn: Callable[[], None], ticket: Ticket) -> None:
