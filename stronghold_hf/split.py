@@ -48,6 +48,9 @@ logger = logging.getLogger("stronghold_hf")
 #: gradient and the fused AdamW's two fp32 moments.
 TRAINABLE_EXTRA_BYTES = 4 + 8
 
+#: The device AdamW's step count: one fp32 scalar per trainable parameter tensor.
+STEP_BYTES = 4
+
 GiB = 2**30
 
 
@@ -85,7 +88,7 @@ def resident_bytes(spec: UnitSpec) -> int:
     for _, p in spec.params:
         out += p.numel() * p.element_size()
         if p.requires_grad:
-            out += p.numel() * TRAINABLE_EXTRA_BYTES
+            out += p.numel() * TRAINABLE_EXTRA_BYTES + STEP_BYTES
     return out
 
 
@@ -141,12 +144,14 @@ def preference(plan: UnitPlan, window_size: int) -> list[UnitSpec]:
 
 
 def choose_split(plan: UnitPlan, *, resident, budget: int | None, window_size: int, grad_buffers: int,
-                 param_dtype: torch.dtype | None, base_bytes: int = 0) -> DeviceSplit:
+                 param_dtype: torch.dtype | None, base_bytes: int = 0, explicit: bool = False) -> DeviceSplit:
     """The split for ``StrongholdConfig.resident`` within ``budget`` device bytes.
 
     ``base_bytes``: what is on the device whatever the split (parameters outside every unit,
     with ``offload_non_block=False``). ``resident=N`` keeps the first ``N`` blocks and raises
-    when a given budget cannot hold them; ``"auto"`` keeps what fits, in `preference` order."""
+    when a given budget cannot hold them; ``"auto"`` keeps what fits, in `preference` order.
+    ``explicit``: the budget is the user's ``gpu_memory``, and one that cannot even hold the
+    streamed window is refused (a measured budget that small leaves everything streaming)."""
 
     def total(kept: set[int]) -> int:
         return base_bytes + sum(resident_bytes(plan.units[i]) for i in kept) + streamed_bytes(
@@ -178,6 +183,11 @@ def choose_split(plan: UnitPlan, *, resident, budget: int | None, window_size: i
                 "resident=\"auto\".")
         return _split(plan, kept, need, budget, f"resident={count}: the first {len(kept)} blocks stay on the device")
     kept: set[int] = set()
+    if explicit and total(kept) > budget:
+        raise ValueError(
+            f"StrongholdConfig(gpu_memory={budget}) is below what streaming alone needs on the device: "
+            f"{total(kept) / 2**20:.1f} MiB for the window of {window_size} + 1 units and {grad_buffers} gradient "
+            "buffers (and the parameters outside the units). Raise gpu_memory, or lower window_size or grad_buffers.")
     for spec in preference(plan, window_size):
         if total(kept | {spec.index}) <= budget:
             kept.add(spec.index)

@@ -282,7 +282,8 @@ class WindowEngine:
         base = sum(p.numel() * (p.element_size() + (TRAINABLE_EXTRA_BYTES if p.requires_grad else 0)) for p in outside)
         ws = config.window_size if isinstance(config.window_size, int) else DEFAULT_WINDOW_SIZE
         split = choose_split(plan, resident=config.resident, budget=budget, window_size=min(ws, len(plan.sequence)),
-                             grad_buffers=config.grad_buffers, param_dtype=config.param_dtype, base_bytes=base)
+                             grad_buffers=config.grad_buffers, param_dtype=config.param_dtype, base_bytes=base,
+                             explicit=config.gpu_memory is not None)
         logger.info("stronghold: device/host split: %s", split.reason)
         return split
 

@@ -1,6 +1,7 @@
 """Trains a tiny GPT-2 with the HF Trainer under torchrun (gloo) or alone; writes what it saw.
 
     dp_train.py OUT_DIR PER_DEVICE_BATCH MODE [--max_steps N] [--save_steps N] [--resume DIR] [--family F] [--lean]
+                [--resident N]
 
 MODE: ``plain`` (Trainer, DDP when launched with several processes), ``sharded`` (STRONGHOLD,
 sharded CPU state) or ``replicated`` (STRONGHOLD, full CPU replicas). Writes
@@ -52,6 +53,7 @@ def main() -> None:
     ap.add_argument("--resume", default=None)
     ap.add_argument("--family", default="gpt2", help="llama: norms end each block, so ranks' shards mix decay groups")
     ap.add_argument("--lean", action="store_true", help="host_memory='lean', and MLPs wide enough for 8-bit moments")
+    ap.add_argument("--resident", type=int, default=None, help="StrongholdConfig(resident=N): N blocks on the device")
     opts = ap.parse_args()
     rank = int(os.environ.get("RANK", "0"))
     common = dict(
@@ -69,7 +71,8 @@ def main() -> None:
         args = StrongholdTrainingArguments(
             **common, stronghold=True, stronghold_window_size="1",
             stronghold_config={"shard_cpu_state": opts.mode == "sharded",
-                               "host_memory": "lean" if opts.lean else "exact"},
+                               "host_memory": "lean" if opts.lean else "exact",
+                               **({"resident": opts.resident} if opts.resident is not None else {})},
         )
         trainer = StrongholdTrainer(model=model, args=args, train_dataset=data)
     at_start = {}

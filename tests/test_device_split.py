@@ -1,0 +1,297 @@
+"""What fits stays resident: the device/host split (``StrongholdConfig(resident, gpu_memory)``).
+
+A resident unit keeps its parameters, gradients and Adam state on the device, stepped by the
+device AdamW; the rest streams. Each split must train like an untouched copy with torch AdamW,
+keep the device within ``gpu_memory``, cut the traffic and the CPU Adam work as it grows,
+and let a checkpoint written under one split resume under another. The CPU device stands in
+for the GPU: with a ``gpu_memory`` budget the same split is chosen there.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from transformers import HfArgumentParser, Trainer, TrainingArguments
+
+from stronghold_hf import StrongholdConfig, StrongholdTrainer, StrongholdTrainingArguments, get_engine, offload_model
+from test_non_block_units import BIG_VOCAB, _lm_loss, _pair, _train_both
+from test_trainer import COMMON, TinyDataset
+from tiny_models import batch, tiny_model
+
+WHOLE = "1GB"  # far more than any tiny model needs: everything stays on the device
+
+FAMILIES = {
+    "gpt2": dict(**BIG_VOCAB),  # tied wte / lm_head, streamed as one unit used at both ends
+    "llama": dict(tie_word_embeddings=False, **BIG_VOCAB),
+    "t5": {},
+    "bert": {},
+}
+
+
+def _device_total(stats) -> float:
+    """Everything the engine keeps on the device at its peak: the ledger's window, lanes and
+    resident unit, and the parameters left on the device with their gradients and Adam state."""
+    return (stats["device_peak_bytes"] + stats["device_parameter_bytes"] + stats["device_grad_bytes"]
+            + stats["device_optimizer_bytes"])
+
+
+@pytest.mark.parametrize("split", [dict(resident=1), dict(resident=2), dict(gpu_memory=WHOLE)],
+                         ids=["one-block", "two-blocks", "whole"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_parity_in_every_split(family, split):
+    ref, model, engine = _pair(lambda: tiny_model(family, **FAMILIES[family]), window_size=1, **split)
+    stats = engine.memory_stats()
+    if "resident" in split:
+        assert stats["split_resident_blocks"] == split["resident"]
+    else:
+        assert engine.units == [] and stats["offloaded_params"] == 0  # nothing streams
+    _train_both(ref, model, engine, _lm_loss(family))
+    stats = engine.memory_stats()
+    kept = stats["split_resident_params"]
+    assert kept > 0 and stats["offloaded_trainable_params"] == stats["model_trainable_params"] - kept
+
+
+def test_everything_streams_on_a_cpu_device_unless_given_a_budget():
+    _, _, engine = _pair(lambda: tiny_model("gpt2"), window_size=1)
+    stats = engine.memory_stats()
+    assert engine.split.streams_everything and stats["split_resident_units"] == 0
+    assert stats["split_budget_bytes"] == 0 and engine.resident_parameters() == []
+    _, _, off = _pair(lambda: tiny_model("gpt2"), window_size=1, resident=False, gpu_memory=WHOLE)
+    assert off.split.streams_everything
+
+
+def _budget_range(make):
+    """Budgets from below the all-streamed window to above the whole model."""
+    streamed = offload_model(make(), StrongholdConfig(window_size=1, resident=False), device="cpu")
+    whole = offload_model(make(), StrongholdConfig(window_size=1, gpu_memory=WHOLE), device="cpu")
+    low, high = streamed.split.streamed_bytes, whole.split.resident_bytes
+    assert streamed.split.streams_everything and whole.units == []
+    return [low] + [int(low + (high - low) * f) for f in (0.2, 0.4, 0.6, 0.8)] + [int(high * 1.05)]
+
+
+def test_auto_keeps_what_fits_and_the_device_stays_within_gpu_memory():
+    make = lambda: tiny_model("gpt2", n_layer=4, **BIG_VOCAB)  # noqa: E731
+    kept, h2d = [], []
+    for budget in _budget_range(make):
+        model = make()
+        engine = offload_model(model, StrongholdConfig(window_size=1, gpu_memory=budget), device="cpu")
+        opt = engine.build_optimizer(lr=1e-2)
+        for step in range(2):
+            model(**batch("gpt2", seed=step)).loss.backward()
+            engine.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=False)  # keeps the resident gradients: the peak holds them
+        engine.synchronize()
+        stats = engine.memory_stats()
+        assert _device_total(stats) <= budget, (budget, stats)
+        kept.append(stats["split_resident_params"])
+        h2d.append(stats["h2d_bytes"])
+    assert kept[0] == 0 and kept == sorted(kept) and kept[-1] == sum(p.numel() for p in make().parameters())
+    assert len(set(kept)) >= 4  # the budgets in between keep something in between
+    assert h2d == sorted(h2d, reverse=True) and h2d[-1] == 0
+
+
+def test_auto_keeps_the_small_rest_and_the_tied_embedding_before_the_blocks():
+    make = lambda: tiny_model("gpt2", n_layer=4, **BIG_VOCAB)  # noqa: E731
+    budgets = _budget_range(make)
+    engine = offload_model(make(), StrongholdConfig(window_size=1, gpu_memory=budgets[2]), device="cpu")
+    resident = engine.split.resident
+    assert any(name.startswith("<non-block parameters") for name in resident) and "transformer.wte" in resident
+    blocks = [name for name in resident if name.startswith("transformer.h.")]
+    assert blocks == [f"transformer.h.{i}" for i in range(len(blocks))]  # the first in forward order
+
+
+def test_traffic_and_cpu_adam_fall_with_the_resident_share():
+    make = lambda: tiny_model("gpt2", n_layer=4)  # noqa: E731
+    per_step, cpu_adam, device_state = [], [], []
+    for resident in range(5):
+        model = make()
+        engine = offload_model(model, StrongholdConfig(window_size=1, resident=resident), device="cpu")
+        opt = engine.build_optimizer(lr=1e-2)
+        for step in range(2):
+            model(**batch("gpt2", seed=step)).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        engine.synchronize()
+        stats = engine.memory_stats()
+        per_step.append((stats["h2d_bytes"] + stats["d2h_bytes"]) / 2)
+        cpu_adam.append(stats["offloaded_trainable_params"])
+        device_state.append(stats["device_optimizer_bytes"])
+    assert all(a > b for a, b in zip(per_step, per_step[1:])), per_step
+    assert all(a > b for a, b in zip(cpu_adam, cpu_adam[1:])), cpu_adam
+    assert all(a < b for a, b in zip(device_state, device_state[1:])), device_state
+
+
+def _state_by_name(opt) -> dict[str, dict[str, torch.Tensor]]:
+    sd = opt.state_dict()
+    out = {}
+    for i, name in enumerate(sd["cpu_names"] or []):
+        if i in sd["cpu"]["state"]:
+            out[name] = sd["cpu"]["state"][i]
+    for j, (name, _, _) in enumerate(sd["device_pieces"]):
+        if j in sd["device"]["state"]:
+            out[name] = sd["device"]["state"][j]
+    return out
+
+
+@pytest.mark.parametrize("before, after", [(dict(resident=False), dict(resident=2)),
+                                           (dict(resident=2), dict(resident=False)),
+                                           (dict(gpu_memory=WHOLE), dict(resident=1))],
+                         ids=["streamed-to-two", "two-to-streamed", "whole-to-one"])
+def test_a_checkpoint_resumes_under_another_split_bit_for_bit(before, after):
+    """The Adam state of every parameter moves between CPU Adam and the device AdamW unchanged,
+    and training goes on as it would have."""
+    ref = tiny_model("gpt2", n_layer=3, **BIG_VOCAB)
+    first = copy.deepcopy(ref)
+    engine = offload_model(first, StrongholdConfig(window_size=1, **before), device="cpu")
+    opt = engine.build_optimizer(lr=1e-2, weight_decay=0.01)
+    for step in range(4):
+        if step == 2:
+            saved_state, saved_weights = opt.state_dict(), engine.full_state_dict()
+            second = copy.deepcopy(ref)
+            second.load_state_dict(saved_weights)
+            engine2 = offload_model(second, StrongholdConfig(window_size=1, **after), device="cpu")
+            opt2 = engine2.build_optimizer(lr=1e-2, weight_decay=0.01)
+            assert not opt2.layout_matches(saved_state)
+            opt2.load_state_dict(saved_state)
+            want, got = _state_by_name(opt), _state_by_name(opt2)
+            assert want.keys() == got.keys() and len(want) == sum(1 for _ in ref.parameters())
+            for name, st in want.items():
+                assert float(got[name]["step"]) == float(st["step"]) == 2
+                for key in ("exp_avg", "exp_avg_sq"):
+                    assert torch.equal(got[name][key].cpu().reshape(-1), st[key].reshape(-1)), (name, key)
+        for m, e, o in [(first, engine, opt)] + ([(second, engine2, opt2)] if step >= 2 else []):
+            m(**batch("gpt2", seed=step)).loss.backward()
+            e.clip_grad_norm_(1.0)
+            o.step()
+            o.zero_grad()
+    engine.synchronize()
+    engine2.synchronize()
+    a, b = engine.full_state_dict(), engine2.full_state_dict()
+    for k in a:  # the global norm sums in another order under another split: Adam's slack only
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=0.02 * 1e-2 * 2, msg=lambda m: f"{k}: {m}")
+
+
+def test_an_old_checkpoint_under_another_split_is_refused_by_name():
+    _, _, engine = _pair(lambda: tiny_model("gpt2"), window_size=1)
+    opt = engine.build_optimizer(lr=1e-2)
+    model = engine.model
+    model(**batch("gpt2", seed=0)).loss.backward()
+    opt.step()
+    state = opt.state_dict()
+    for key in ("cpu_names", "device_pieces"):
+        del state[key]  # what a checkpoint of the previous release holds
+    _, _, other = _pair(lambda: tiny_model("gpt2"), window_size=1, resident=2)
+    opt2 = other.build_optimizer(lr=1e-2)
+    with pytest.raises(ValueError, match="param group|parameter"):
+        opt2.load_state_dict(state)
+
+
+@pytest.mark.parametrize("config, match", [
+    (dict(resident=-1), "resident"), (dict(resident="yes"), "resident"), (dict(resident=1.5), "resident"),
+    (dict(gpu_memory="lots"), "gpu_memory"), (dict(gpu_memory=0), "gpu_memory"),
+])
+def test_bad_split_settings_are_refused_by_name(config, match):
+    with pytest.raises(ValueError, match=match):
+        StrongholdConfig(**config)
+
+
+def test_a_fixed_split_that_does_not_fit_the_budget_is_refused_before_anything_moves():
+    model = tiny_model("gpt2")
+    with pytest.raises(ValueError, match=r"resident=3.*gpu_memory allows"):
+        offload_model(model, StrongholdConfig(window_size=1, resident=3, gpu_memory=4096), device="cpu")
+    assert get_engine(model) is None and all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
+
+
+def test_a_budget_below_the_streamed_window_is_refused_by_name():
+    model = tiny_model("gpt2")
+    with pytest.raises(ValueError, match=r"gpu_memory=4096\) is below what streaming alone needs"):
+        offload_model(model, StrongholdConfig(window_size=1, gpu_memory=4096), device="cpu")
+    assert get_engine(model) is None
+
+
+def test_bf16_trainable_blocks_stream_under_auto_and_are_refused_by_count():
+    make = lambda: tiny_model("gpt2").to(torch.bfloat16)  # noqa: E731
+    engine = offload_model(make(), StrongholdConfig(window_size=1, gpu_memory=WHOLE), device="cpu")
+    assert engine.split.resident_blocks == 0 and len(engine.blocks) == 3
+    with pytest.raises(ValueError, match="not fp32"):
+        offload_model(make(), StrongholdConfig(window_size=1, resident=1), device="cpu")
+
+
+def test_lora_on_a_frozen_base_with_resident_blocks():
+    peft = pytest.importorskip("peft")
+
+    def make():
+        base = tiny_model("llama", tie_word_embeddings=False, **BIG_VOCAB)
+        cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                              task_type="CAUSAL_LM")
+        return peft.get_peft_model(base, cfg)
+
+    ref, model, engine = _pair(make, window_size=1, resident=2)
+    assert engine.split.resident_blocks == 2
+    _train_both(ref, model, engine, _lm_loss("llama"))
+    lora = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert lora and all("lora_" in n for n in lora)
+
+
+def test_the_nvme_tier_of_the_streamed_part_is_bit_identical(tmp_path):
+    def train(**extra):
+        model = tiny_model("gpt2", n_layer=3)
+        engine = offload_model(model, StrongholdConfig(window_size=1, resident=1, **extra), device="cpu")
+        opt = engine.build_optimizer(lr=1e-2)
+        for step in range(3):
+            model(**batch("gpt2", seed=step)).loss.backward()
+            engine.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+        return engine.full_state_dict()
+
+    ram, disk = train(), train(nvme_path=str(tmp_path))
+    for k in ram:
+        assert torch.equal(ram[k], disk[k]), k
+
+
+def test_close_gives_back_a_plain_model_from_any_split():
+    for split in (dict(resident=1), dict(gpu_memory=WHOLE)):
+        ref, model, engine = _pair(lambda: tiny_model("gpt2"), window_size=1, **split)
+        _train_both(ref, model, engine, _lm_loss("gpt2"), steps=1)
+        engine.close()
+        assert get_engine(model) is None
+        torch.testing.assert_close(model(**batch("gpt2", seed=5)).loss, ref(**batch("gpt2", seed=5)).loss,
+                                   rtol=1e-4, atol=1e-5)
+
+
+def _args(tmp_path, name, config=None, **extra):
+    argv = ["--output_dir", str(tmp_path / name)]
+    if config is not None:
+        argv += ["--stronghold", "--stronghold_window_size", "1", "--stronghold_config", json.dumps(config)]
+    for key, value in {**COMMON, **extra}.items():
+        if key == "report_to":
+            argv += ["--report_to", "none"]
+        else:
+            argv += [f"--{key}", str(value)]
+    (args,) = HfArgumentParser(StrongholdTrainingArguments).parse_args_into_dataclasses(argv)
+    return args
+
+
+def test_trainer_command_line_split_matches_plain_and_resumes_under_another(tmp_path):
+    """``--stronghold_config '{"gpu_memory": ...}'`` keeps the whole model resident and trains like
+    the plain Trainer; a checkpoint it writes resumes under ``{"resident": 1}``."""
+    plain = Trainer(model=tiny_model("gpt2"), args=TrainingArguments(output_dir=str(tmp_path / "plain"), **COMMON),
+                    train_dataset=TinyDataset("gpt2"))
+    plain.train()
+    whole = StrongholdTrainer(model=tiny_model("gpt2"), train_dataset=TinyDataset("gpt2"),
+                              args=_args(tmp_path, "whole", {"gpu_memory": WHOLE}, save_strategy="steps",
+                                         save_steps=2))
+    whole.train()
+    assert whole.stronghold_engine.units == []
+    losses = lambda t: [h["loss"] for h in t.state.log_history if "loss" in h]  # noqa: E731
+    assert losses(whole) == pytest.approx(losses(plain), rel=1e-5)
+    resumed = StrongholdTrainer(model=tiny_model("gpt2"), train_dataset=TinyDataset("gpt2"),
+                                args=_args(tmp_path, "resumed", {"resident": 1}))
+    resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-2"))
+    assert resumed.stronghold_engine.split.resident_blocks == 1
+    assert losses(resumed) == pytest.approx(losses(whole), rel=1e-5)
