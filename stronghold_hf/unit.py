@@ -41,6 +41,7 @@ States and the only transitions (each method asserts where it starts)::
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 
 import torch
@@ -486,6 +487,31 @@ class Unit:
     def has_grad_buffer(self) -> bool:
         return self.grad_buffer is not None
 
+    @functools.cached_property
+    def _grad_geometry(self) -> list[tuple[torch.Size, tuple[int, ...], int] | None]:
+        """Per parameter, ``(shape, contiguous strides, element offset)`` of its ``.grad`` view in
+        the gradient layout (None: frozen). The layout is fixed, so it is worked out once."""
+        out = []
+        for e in self.layout.entries:
+            if not e.trainable:
+                out.append(None)
+                continue
+            strides, step = [], 1
+            for size in reversed(e.shape):
+                strides.append(step)
+                step *= size
+            out.append((e.shape, tuple(reversed(strides)), e.grad_offset))
+        return out
+
+    def _grad_views(self, buffer: torch.Tensor) -> list[torch.Tensor | None]:
+        """The ``.grad`` view of each trainable parameter into ``buffer``. One ``as_strided`` per
+        parameter instead of a slice and a view: the same memory, shapes and strides, at half
+        the ops on the autograd thread's hot path (a lane's buffer is a new tensor each backward
+        pass, so views of it are made per attach, not kept: held, they would keep a freed
+        buffer's memory alive)."""
+        base = buffer.storage_offset()
+        return [None if g is None else buffer.as_strided(g[0], g[1], base + g[2]) for g in self._grad_geometry]
+
     def _grad_view(self, e) -> torch.Tensor:
         return self.grad_buffer[e.grad_offset : e.grad_offset + e.numel].view(e.shape)
 
@@ -493,8 +519,9 @@ class Unit:
         """Points the trainable parameters' ``.grad`` at ``buffer`` (zeroed, in the gradient
         layout): autograd accumulates there."""
         assert self.grad_buffer is None and self.state is Residency.ON_DEVICE, f"{self.fqn}: attach in {self.state}"
+        assert buffer.is_contiguous() and buffer.numel() >= self.layout.padded_grad_numel, f"{self.fqn}: lane too small"
         self.grad_buffer = buffer
-        self._lane_views = [self._grad_view(e) if e.trainable else None for e in self.layout.entries]
+        self._lane_views = self._grad_views(buffer)
         for k, (p, view) in enumerate(zip(self.params, self._lane_views)):
             if view is not None:
                 p.grad = view

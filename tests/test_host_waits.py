@@ -17,6 +17,8 @@ import threading
 import time
 
 import pytest
+import torch
+from torch.overrides import TorchFunctionMode
 
 from stronghold_hf import StrongholdConfig, offload_model
 from stronghold_hf.optim.cpu_adam import CPUAdam
@@ -140,3 +142,47 @@ def test_folds_do_not_queue_behind_speculative_updates(monkeypatch):
             passed_by.append(sum(1 for e, k, _ in log[i:start] if e == "start" and k == "update"))
     # In submission order: up to 3 updates ahead of a fold here, 28 over the 18 folds.
     assert len(passed_by) >= 16 and max(passed_by) <= 1 and sum(passed_by) <= len(passed_by) // 4, passed_by
+
+
+# ---------------------------------------------------------------- the .grad views of a lane
+
+class _CountOps(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_lanes_grad_views_cost_one_op_per_parameter_and_alias_it_exactly():
+    """Attaching a lane runs on the autograd thread before every block's backward (about 2 ms
+    of Python per block on the H200, the hooks together). Each parameter's ``.grad`` view is one
+    ``as_strided`` from geometry worked out once per unit, not a slice and then a view; the
+    views are exactly those: the lane's memory at the parameter's offset, its shape, contiguous
+    (the parity tests train through them)."""
+    model = tiny_model("gpt2")
+    engine = offload_model(model, StrongholdConfig(window_size=1), device="cpu")
+    u = engine.schedule.blocks[0]
+    u.begin_fetch()
+    u.wait_resident()
+    n = u.layout.padded_grad_numel
+    storage = torch.zeros(n + 64, dtype=u.layout.grad_dtype)
+    lane = storage[64:]  # a lane need not start at its storage's start
+    trainable = [k for k, e in enumerate(u.layout.entries) if e.trainable]
+    for attach in range(2):
+        with _CountOps() as ops:
+            u.attach_grad_buffer(lane)
+        # Per parameter: its view and setting its .grad; a slice and a view took one op more each.
+        assert ops.calls <= 2 * len(trainable) + 3, ops.calls
+        lane.copy_(torch.arange(n, dtype=lane.dtype))
+        for k in trainable:
+            e, g = u.layout.entries[k], u.params[k].grad
+            reference = lane[e.grad_offset: e.grad_offset + e.numel].view(e.shape)
+            assert g.data_ptr() == reference.data_ptr() and g.shape == e.shape and g.stride() == reference.stride()
+            assert torch.equal(g, reference)
+        lane.zero_()
+        u.collect_into_buffer()
+        u.detach_grad_buffer()
+    u.evict()
