@@ -181,14 +181,18 @@ class _Counts:
 
 
 def _count(model: nn.Module, block_classes: tuple[str, ...] | None, encoder_decoder: bool, c: int,
-           offload_non_block: bool = True) -> _Counts:
+           offload_non_block: bool = True, keep: frozenset[int] = frozenset()) -> _Counts:
     """Units and shapes of ``model`` for a compute dtype of ``c`` bytes (its stored dtypes
-    decide the rest, as they do in the engine)."""
+    decide the rest, as they do in the engine); ``keep``: the parameters the device/host split
+    keeps on the device (split.py), in no unit. The layers are every block's, kept or not:
+    they all hold activations."""
     from .chunked_loss import analyse_causal_lm, is_causal_lm_class
     from .discovery import plan_units, unit_device_dtype
 
-    plan = plan_units(model, find_block_stacks(model, block_classes), offload_non_block=offload_non_block)
-    specs = [u for u in plan.units if u.kind == "block"]
+    stacks = find_block_stacks(model, block_classes)
+    whole = plan_units(model, stacks, offload_non_block=offload_non_block)
+    plan = plan_units(model, stacks, offload_non_block=offload_non_block, keep=keep) if keep else whole
+    specs = [u for u in whole.units if u.kind == "block"]
     layers = []
     for spec in specs:
         names = [n for n, _ in spec.params]
@@ -221,6 +225,7 @@ def _count(model: nn.Module, block_classes: tuple[str, ...] | None, encoder_deco
         ))
     block_params = sum(layer.params for layer in layers)
     total = sum(p.numel() for p in model.parameters())  # unique tensors: tied weights once
+    specs = [u for u in plan.units if u.kind == "block"]  # the streamed blocks, from here on
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     weight = getattr(out, "weight", None) if out is not None else None
     width = weight.shape[0] if weight is not None else 0
@@ -337,6 +342,12 @@ class Estimate:
     block_activation_bytes_checkpointed: int
     block_activation_bytes_full: int
     notes: tuple[str, ...] = ()
+    # The device/host split (StrongholdConfig.resident, split.py): units kept on the GPU, in
+    # gpu_resident_bytes with their gradients and AdamW state (and, in 16-bit compute, autocast's copy).
+    resident_units: int = 0
+    resident_params_on_gpu: int = 0
+    gpu_split_bytes: int = 0
+    split: str = "everything streams"
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -440,7 +451,7 @@ def _assemble(
     offload_non_block: bool = True, chunked_loss: bool = True, offload_activations: bool | str = "auto",
     loss_chunk_tokens: int | str = "auto", host_memory: str = "exact", host_image: bool | str = "auto",
     host_grads: str = "auto", gradient_accumulation_steps: int = 1, nvme_memory_bytes: int | None = None,
-    nvme: bool | str = "auto", nvme_ring_buffers: int = 3, nvme_masters: bool | str = "auto",
+    nvme: bool | str = "auto", nvme_ring_buffers: int = 3, nvme_masters: bool | str = "auto", split: Any = None,
 ) -> Estimate:
     if nvme not in (True, False, "auto"):
         raise ValueError(f"nvme={nvme!r}; use \"auto\", True or False.")
@@ -544,6 +555,9 @@ def _assemble(
         outside = sum(u.device_bytes + u.grad_bytes for u in resident) + counts.buffer_bytes
     else:
         outside = state_per_param * counts.resident_params + counts.buffer_bytes
+    # The split's resident units: parameters, fp32 gradients, AdamW state; autocast's 16-bit copy.
+    split_bytes = 0 if split is None else split.resident_bytes + (c * split.resident_params if c != 4 else 0)
+    outside += split_bytes
 
     def need(window: int, offload: bool) -> int:
         block_act = (ckpt_offloaded if offload else ckpt) if gradient_checkpointing else full
@@ -647,7 +661,7 @@ def _assemble(
         gpu_resident_bytes=outside, gpu_window_bytes=window_bytes,
         gpu_slot_bytes=max((u.device_bytes for u in streamed), default=0),
         gpu_grad_buffer_bytes=lanes, gpu_engine_bytes=window_bytes + lanes + (outside - counts.buffer_bytes
-                                                                               if offload_non_block else 0),
+                                                                               if offload_non_block else split_bytes),
         gpu_block_activation_bytes=block_act, gpu_head_activation_bytes=head,
         gpu_workspace_bytes=gpu_need - fixed, gpu_bytes_needed=gpu_need,
         gpu_memory_bytes=gpu_memory_bytes, max_window_size=max_w,
@@ -656,7 +670,31 @@ def _assemble(
         fits=cpu_fits is not False and gpu_fits is not False and nvme_fits is not False,
         plain_fits=None if gpu_memory_bytes is None else plain_need <= gpu_memory_bytes,
         block_activation_bytes_checkpointed=ckpt, block_activation_bytes_full=full, notes=tuple(notes),
+        resident_units=0 if split is None else len(split.resident),
+        resident_params_on_gpu=0 if split is None else split.resident_params, gpu_split_bytes=split_bytes,
+        split="everything streams" if split is None else split.reason,
     )
+
+
+def _split(model: nn.Module, block_classes: tuple[str, ...] | None, c: int, *, offload_non_block: bool, resident: Any,
+           budget: int | None, gpu_memory_bytes: int | None, window_size: int | str | None, grad_buffers: int):
+    """The device/host split the engine would choose (split.py): within ``budget`` (the
+    config's ``gpu_memory``), else the GPU's memory less the engine's reserve."""
+    from .discovery import plan_units
+    from .split import TRAINABLE_EXTRA_BYTES, choose_split, device_reserve_bytes
+
+    if resident is False:
+        return None
+    if budget is None and gpu_memory_bytes is not None and resident == "auto":
+        budget = max(0, gpu_memory_bytes - device_reserve_bytes(gpu_memory_bytes))
+    plan = plan_units(model, find_block_stacks(model, block_classes), offload_non_block=offload_non_block)
+    in_units = {id(p) for u in plan.units for _, p in u.params}
+    base = sum(p.numel() * (p.element_size() + (TRAINABLE_EXTRA_BYTES if p.requires_grad else 0))
+               for p in model.parameters() if id(p) not in in_units)
+    ws = window_size if isinstance(window_size, int) else DEFAULT_WINDOW_SIZE
+    split = choose_split(plan, resident=resident, budget=budget, window_size=min(ws, len(plan.sequence)),
+                         grad_buffers=grad_buffers, param_dtype=None if c == 4 else torch.bfloat16, base_bytes=base)
+    return split if split.resident else None
 
 
 def _dtype_label(dtype: str | torch.dtype) -> str:
@@ -742,6 +780,7 @@ def estimate(
     offload_activations: bool | str = "auto", loss_chunk_tokens: int | str = "auto", host_memory: str = "exact",
     host_image: bool | str = "auto", host_grads: str = "auto", gradient_accumulation_steps: int = 1,
     nvme_memory_bytes: int | str | None = None, nvme: bool | str = "auto", nvme_masters: bool | str = "auto",
+    resident: int | bool | str = False, resident_budget_bytes: int | str | None = None,
 ) -> Estimate:
     """Estimates STRONGHOLD and plain-training memory for a config (built on the meta device).
 
@@ -760,13 +799,22 @@ def estimate(
     (``nvme="auto"``) the Adam moments go to disk when the RAM would not hold them
     (``nvme=True``: always, as an engine with ``nvme_path`` does), and then the fp32 masters
     too when it still would not (``nvme_masters="auto"``; True: always, False: never).
+    ``resident`` and ``resident_budget_bytes`` are `StrongholdConfig`'s ``resident`` and
+    ``gpu_memory`` (``None``: the GPU's memory less the engine's reserve): the units the split
+    keeps on the GPU (split.py) count there with their AdamW state, not on the host. Only fp32
+    trainable parameters can be resident, so a ``dtype`` other than fp32 (the model taken as
+    loaded in it) keeps everything streaming, as the engine would.
     """
     model = build_meta_model(model_config, auto_class)
     label = _dtype_label(dtype)
     if label != "fp32":
         model.to(parse_dtype(label, field_name="dtype"))
-    counts = _count(model, tuple(block_classes) if block_classes else None,
-                    bool(getattr(model_config, "is_encoder_decoder", False)), _NBYTES[label], offload_non_block)
+    classes = tuple(block_classes) if block_classes else None
+    split = _split(model, classes, _NBYTES[label], offload_non_block=offload_non_block, resident=resident,
+                   budget=None if resident_budget_bytes is None else parse_memory(resident_budget_bytes),
+                   gpu_memory_bytes=parse_memory(gpu_memory_bytes), window_size=window_size, grad_buffers=grad_buffers)
+    counts = _count(model, classes, bool(getattr(model_config, "is_encoder_decoder", False)), _NBYTES[label],
+                    offload_non_block, keep=split.kept_param_ids if split is not None else frozenset())
     return _assemble(
         counts, model_config, model_name=type(model).__name__, seq_len=seq_len, batch_size=batch_size,
         dtype=label, gradient_checkpointing=gradient_checkpointing, window_size=window_size,
@@ -776,7 +824,7 @@ def estimate(
         host_memory=host_memory, host_image=host_image, host_grads=host_grads,
         gradient_accumulation_steps=gradient_accumulation_steps,
         nvme_memory_bytes=None if nvme_memory_bytes is None else parse_memory(nvme_memory_bytes),
-        nvme=nvme, nvme_masters=nvme_masters,
+        nvme=nvme, nvme_masters=nvme_masters, split=split,
     )
 
 
@@ -789,7 +837,7 @@ def estimate_for_model(
     offload_activations: bool | str = "auto", loss_chunk_tokens: int | str = "auto", host_memory: str = "exact",
     host_image: bool | str = "auto", host_grads: str = "auto", gradient_accumulation_steps: int = 1,
     nvme_memory_bytes: int | None = None, nvme: bool | str = "auto", nvme_ring_buffers: int = 3,
-    nvme_masters: bool | str = "auto",
+    nvme_masters: bool | str = "auto", resident: int | bool | str = False, resident_budget_bytes: int | None = None,
 ) -> Estimate:
     """The same estimate from a live, already built model (call before moving it to the GPU).
 
@@ -799,23 +847,28 @@ def estimate_for_model(
     exists, else the GPU check is skipped. ``cpu_memory_bytes=None``: available RAM (psutil or
     /proc/meminfo) plus the bytes the model's block parameters hold on the CPU now, since the
     engine moves them into its own arenas and frees the originals; skipped when unknown.
+    ``resident``, ``resident_budget_bytes``: the device/host split, as in `estimate`.
     """
     notes: list[str] = []
     config = getattr(model, "config", None)
     if dtype is None:
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     label = _dtype_label(dtype)
-    counts = _count(model, tuple(block_classes) if block_classes else None,
-                    bool(getattr(config, "is_encoder_decoder", False)), _NBYTES[label], offload_non_block)
+    if gpu_memory_bytes is None and torch.cuda.is_available():
+        # Creating the context here means ``free`` already excludes it, so the workspace's
+        # context allowance is counted twice: a deliberate, small (< 1 GiB) overestimate.
+        gpu_memory_bytes = torch.cuda.mem_get_info(device)[0]
+    classes = tuple(block_classes) if block_classes else None
+    split = _split(model, classes, _NBYTES[label], offload_non_block=offload_non_block, resident=resident,
+                   budget=resident_budget_bytes, gpu_memory_bytes=gpu_memory_bytes, window_size=window_size,
+                   grad_buffers=grad_buffers)
+    counts = _count(model, classes, bool(getattr(config, "is_encoder_decoder", False)), _NBYTES[label],
+                    offload_non_block, keep=split.kept_param_ids if split is not None else frozenset())
     if gradient_checkpointing is None:
         # transformers 5.x renamed the flag; read the new name first to avoid its deprecation warning.
         flag = getattr(type(model), "is_activation_checkpointing", None)
         name = "is_activation_checkpointing" if flag is not None else "is_gradient_checkpointing"
         gradient_checkpointing = bool(getattr(model, name, False))
-    if gpu_memory_bytes is None and torch.cuda.is_available():
-        # Creating the context here means ``free`` already excludes it, so the workspace's
-        # context allowance is counted twice: a deliberate, small (< 1 GiB) overestimate.
-        gpu_memory_bytes = torch.cuda.mem_get_info(device)[0]
     if cpu_memory_bytes is None:
         avail = available_cpu_memory_bytes()
         if avail is not None:
@@ -830,7 +883,7 @@ def estimate_for_model(
         offload_activations=offload_activations, loss_chunk_tokens=loss_chunk_tokens, host_memory=host_memory,
         host_image=host_image, host_grads=host_grads, gradient_accumulation_steps=gradient_accumulation_steps,
         nvme_memory_bytes=nvme_memory_bytes, nvme=nvme, nvme_ring_buffers=nvme_ring_buffers,
-        nvme_masters=nvme_masters,
+        nvme_masters=nvme_masters, split=split,
     )
 
 
@@ -886,7 +939,9 @@ def _table(e: Estimate) -> str:
         f"GPU (STRONGHOLD, window_size={e.window_size})",
         row(f"window ({e.window_size + 1} units, largest {e.gpu_slot_bytes / MiB:.1f} MiB)", e.gpu_window_bytes),
         row("gradient buffers in flight (K)", e.gpu_grad_buffer_bytes),
-        row(outside, e.gpu_resident_bytes),
+        row(outside, e.gpu_resident_bytes - e.gpu_split_bytes),
+        *([row(f"resident units of the split ({e.resident_units}: params+grads+Adam)", e.gpu_split_bytes)]
+          if e.resident_units else []),
         row(f"block activations ({'checkpointed' if e.gradient_checkpointing else 'all stored'}"
             + (", offloaded" if e.offload_activations else "") + ")", e.gpu_block_activation_bytes),
         row(loss, e.gpu_head_activation_bytes),
@@ -916,6 +971,15 @@ def _parse_bool(text: str) -> bool:
 
 def _parse_auto_bool(text: str) -> bool | str:
     return "auto" if str(text).strip().lower() == "auto" else _parse_bool(text)
+
+
+def _parse_resident(text: str) -> int | bool | str:
+    value = text.strip().lower()
+    if value in ("auto", "false"):
+        return "auto" if value == "auto" else False
+    if value.isdigit():
+        return int(value)
+    raise ValueError(text)
 
 
 def _arg_type(parse: Any, name: str) -> Any:
@@ -974,6 +1038,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--nvme_masters", type=_arg_type(_parse_auto_bool, "auto, true or false"), default="auto",
                         help="the fp32 masters on disk too (nvme_masters): auto (default: when the RAM would not hold "
                         "them with the moments on disk), true or false")
+    parser.add_argument("--resident", type=_arg_type(_parse_resident, "auto, an int >= 0 or false"), default="auto",
+                        help="the device/host split (StrongholdConfig.resident): auto (default: what fits in the GPU "
+                        "less the engine's reserve stays there), N blocks, or false (everything streams)")
+    parser.add_argument("--resident_budget", type=memory, default=None,
+                        help="StrongholdConfig.gpu_memory: the GPU bytes the split may fill (default: the GPU less "
+                        "the reserve)")
     parser.add_argument("--check", action="store_true", help="exit with status 3 when STRONGHOLD does not fit")
     args = parser.parse_args(argv)
 
@@ -991,7 +1061,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             offload_activations=args.offload_activations, host_memory=args.host_memory,
             host_image=args.host_image, host_grads=args.host_grads,
             gradient_accumulation_steps=args.gradient_accumulation_steps, nvme_memory_bytes=args.nvme_memory,
-            nvme_masters=args.nvme_masters,
+            nvme_masters=args.nvme_masters, resident=args.resident, resident_budget_bytes=args.resident_budget,
         )
     except (ValueError, OSError, KeyError) as err:
         parser.error(str(err))

@@ -288,6 +288,9 @@ def test_trainer_command_line_split_matches_plain_and_resumes_under_another(tmp_
                                          save_steps=2))
     whole.train()
     assert whole.stronghold_engine.units == []
+    fit = whole._estimate(seq_len=16, batch_size=2)  # the start-up fit check counts the same split
+    assert fit.resident_params_on_gpu == sum(p.numel() for p in tiny_model("gpt2").parameters())
+    assert fit.cpu_master_bytes == 0 and "whole model" in fit.split
     losses = lambda t: [h["loss"] for h in t.state.log_history if "loss" in h]  # noqa: E731
     assert losses(whole) == pytest.approx(losses(plain), rel=1e-5)
     resumed = StrongholdTrainer(model=tiny_model("gpt2"), train_dataset=TinyDataset("gpt2"),
@@ -295,3 +298,33 @@ def test_trainer_command_line_split_matches_plain_and_resumes_under_another(tmp_
     resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-2"))
     assert resumed.stronghold_engine.split.resident_blocks == 1
     assert losses(resumed) == pytest.approx(losses(whole), rel=1e-5)
+
+
+@pytest.mark.parametrize("param_dtype", [None, "bf16"])
+def test_the_estimator_counts_the_split_as_the_ledger_does(param_dtype):
+    """Host bytes fall by what the split keeps, and the GPU side holds it with its AdamW state,
+    as the engine allocates them (within 5%, as for an everything-streamed run)."""
+    from stronghold_hf.estimate import estimate_for_model
+    from test_memory_ledger import _train_one_step
+
+    dtype = "fp32" if param_dtype is None else "bf16"
+    make = lambda: tiny_model("llama", num_hidden_layers=4, hidden_size=128, intermediate_size=256,  # noqa: E731
+                              vocab_size=4096, tie_word_embeddings=False)
+    common = dict(seq_len=16, batch_size=2, dtype=dtype, gpu_memory_bytes=1 << 40, cpu_memory_bytes=1 << 40,
+                  window_size=3, grad_buffers=1)
+    streamed = estimate_for_model(make(), **common)
+    est = estimate_for_model(make(), resident=2, **common)
+    assert est.resident_units == 2 and streamed.resident_units == 0
+    assert est.cpu_bytes_needed < streamed.cpu_bytes_needed and est.gpu_split_bytes > 0
+    stats, _ = _train_one_step(make(), StrongholdConfig(window_size=3, param_dtype=param_dtype, grad_buffers=1,
+                                                        host_grads="compute", resident=2))
+    ledger_host = stats["pinned_host_bytes"] + stats["pageable_host_bytes"]
+    estimated = est.cpu_bytes_needed - est.cpu_process_bytes
+    assert abs(estimated - ledger_host) <= 0.05 * ledger_host, (estimated, ledger_host)
+    device = stats["device_peak_bytes"] + stats["device_parameter_bytes"] + stats["device_grad_bytes"] + stats[
+        "device_optimizer_bytes"]
+    autocast_copy = est.gpu_split_bytes - stats["split_resident_bytes"]  # 16-bit compute: autocast's weight copies
+    assert autocast_copy == (2 * stats["split_resident_params"] if param_dtype else 0)
+    assert abs(est.gpu_engine_bytes - autocast_copy - device) <= 0.05 * device, (est.gpu_engine_bytes, device)
+    auto = estimate_for_model(make(), resident="auto", **common)
+    assert auto.resident_params_on_gpu == sum(p.numel() for p in make().parameters()) and auto.cpu_master_bytes == 0

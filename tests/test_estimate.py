@@ -389,7 +389,7 @@ def test_cli_bad_memory_string(capsys):
 def test_cli_config_file_and_check(tmp_path, capsys):
     tiny_gpt2(n_layer=4).save_pretrained(tmp_path)
     args = ["--config_name", str(tmp_path / "config.json"), "--seq_len", "16", "--batch_size", "1",
-            "--gpu_memory", "8GB", "--cpu_memory", "1GB", "--window_size", "3", "--check"]
+            "--gpu_memory", "8GB", "--cpu_memory", "1GB", "--window_size", "3", "--check", "--resident", "false"]
     assert main(args) == 3  # 1 GiB RAM < the 2 GiB process allowance
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["num_blocks"] == 4 and result["window_size"] == 3 and result["fits"] is False

@@ -274,7 +274,7 @@ class _StrongholdTrainerMixin:
             f"trainable), host_memory={engine.config.host_memory} ("
             f"{'8-bit' if engine.config.host_memory == 'lean' else 'fp32'} Adam moments), host {(mem['pinned_host_bytes'] + mem['pageable_host_bytes']) / 2**30:.2f} GiB before optimizer "
             f"state ({mem['pinned_host_bytes'] / 2**30:.2f} GiB pinned), CPU Adam threads={engine.worker.num_threads}, "
-            f"device {engine.device}"
+            f"device {engine.device}; device/host split: {engine.split.reason}"
         )
 
     def _move_model_to_device(self, model, device):
@@ -296,7 +296,8 @@ class _StrongholdTrainerMixin:
             grad_buffers=cfg.grad_buffers, offload_non_block=cfg.offload_non_block, chunked_loss=cfg.chunked_loss,
             offload_activations=cfg.offload_activations, loss_chunk_tokens=cfg.loss_chunk_tokens,
             host_memory=cfg.host_memory, host_image=cfg.host_image, host_grads=cfg.host_grads,
-            gradient_accumulation_steps=self.args.gradient_accumulation_steps, **_nvme_estimate_args(cfg), **shape,
+            gradient_accumulation_steps=self.args.gradient_accumulation_steps, resident=cfg.resident,
+            resident_budget_bytes=cfg.gpu_memory, **_nvme_estimate_args(cfg), **shape,
         )
 
     def _adopt_activation_offload(self, est) -> None:
