@@ -32,7 +32,7 @@ def _cuda_batch(family, seed, **kw):
 def test_cuda_parity(family, window_size):
     ref = tiny_model(family).cuda()
     model = copy.deepcopy(ref).cpu()
-    engine = offload_model(model, StrongholdConfig(window_size=window_size), device="cuda")
+    engine = offload_model(model, StrongholdConfig(resident=False, window_size=window_size), device="cuda")
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     opt = engine.build_optimizer(lr=1e-2, weight_decay=0.1)
     for step in range(3):
@@ -48,6 +48,43 @@ def test_cuda_parity(family, window_size):
         opt.step()
         opt_ref.zero_grad()
         opt.zero_grad()
+    sd, sd_ref = model.state_dict(), ref.state_dict()
+    for k, v in sd_ref.items():
+        torch.testing.assert_close(sd[k].cuda().float(), v.float(), rtol=1e-4, atol=6e-4, msg=lambda m: f"{k}: {m}")
+    engine.close()
+
+
+@pytest.mark.parametrize("split", [dict(), dict(resident=2)], ids=["auto", "two-blocks"])
+def test_the_split_on_cuda_trains_like_plain_and_stays_within_its_budget(split):
+    """On CUDA, ``resident="auto"`` keeps a model that fits on the device whole (nothing streams),
+    and a fixed split streams the rest; both train like plain torch AdamW, and what the allocator
+    holds for the model after a step is the split's plan (params, grads, Adam state)."""
+    ref = tiny_model("gpt2", n_layer=4).cuda()
+    model = copy.deepcopy(ref).cpu()
+    engine = offload_model(model, StrongholdConfig(window_size=1, **split), device="cuda")
+    if not split:
+        assert engine.units == [] and engine.memory_stats()["split_resident_params"] == sum(
+            p.numel() for p in ref.parameters())
+    else:
+        assert engine.split.resident_blocks == 2 and len(engine.blocks) == 2
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = engine.build_optimizer(lr=1e-2, weight_decay=0.1)
+    for step in range(3):
+        b = _cuda_batch("gpt2", step)
+        loss_ref, loss = ref(**b).loss, model(**b).loss
+        torch.testing.assert_close(loss, loss_ref, rtol=1e-4, atol=1e-5)
+        loss_ref.backward()
+        loss.backward()
+        torch.testing.assert_close(engine.clip_grad_norm_(1.0), torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0),
+                                   rtol=1e-4, atol=1e-6)
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad()
+        opt.zero_grad(set_to_none=False)
+    engine.synchronize()
+    stats = engine.memory_stats()
+    on_device = stats["device_parameter_bytes"] + stats["device_grad_bytes"] + stats["device_optimizer_bytes"]
+    assert on_device == stats["split_resident_bytes"]  # the plan is what the device AdamW and autograd hold
     sd, sd_ref = model.state_dict(), ref.state_dict()
     for k, v in sd_ref.items():
         torch.testing.assert_close(sd[k].cuda().float(), v.float(), rtol=1e-4, atol=6e-4, msg=lambda m: f"{k}: {m}")
@@ -96,7 +133,7 @@ def test_ledger_agrees_with_the_cuda_allocator():
     that allocated it, goes to ``ledger_vs_allocator.json`` in ``$STRONGHOLD_DIAG_DIR``.
     """
     model = _block_heavy_gpt2(8)
-    engine = offload_model(model, StrongholdConfig(window_size=1), device="cuda")
+    engine = offload_model(model, StrongholdConfig(resident=False, window_size=1), device="cuda")
     largest_param = max(p.numel() * p.element_size() for p in model.transformer.h.parameters())
     opt = engine.build_optimizer(lr=1e-4)
     torch.cuda.synchronize()
@@ -136,7 +173,7 @@ def test_device_peak_does_not_grow_with_depth_on_cuda():
     peaks = {}
     for layers in (4, 16):
         model = _block_heavy_gpt2(layers)
-        engine = offload_model(model, StrongholdConfig(window_size=2), device="cuda")
+        engine = offload_model(model, StrongholdConfig(resident=False, window_size=2), device="cuda")
         peaks[layers] = _peak_of_training(model, engine)
         engine.close()
         del model, engine
@@ -147,7 +184,7 @@ def test_device_peak_does_not_grow_with_depth_on_cuda():
 def test_model_three_times_larger_than_the_device_trains():
     model = _block_heavy_gpt2(24, width=768)
     blocks = sum(p.numel() * p.element_size() for p in model.transformer.h.parameters())
-    engine = offload_model(model, StrongholdConfig(window_size=2), device="cuda")
+    engine = offload_model(model, StrongholdConfig(resident=False, window_size=2), device="cuda")
     torch.cuda.synchronize()
     cap = blocks // 3 + torch.cuda.memory_allocated()
     total = torch.cuda.get_device_properties(0).total_memory
@@ -208,7 +245,7 @@ def test_delay_injection_exposes_no_missing_waits(monkeypatch):
     """A long GPU sleep before every copy: results must not change if every wait is in place."""
     ref = tiny_model("gpt2").cuda()
     model = copy.deepcopy(ref).cpu()
-    engine = offload_model(model, StrongholdConfig(window_size=1), device="cuda")
+    engine = offload_model(model, StrongholdConfig(resident=False, window_size=1), device="cuda")
     apply_patches(monkeypatch, "late_copies")
     b = _cuda_batch("gpt2", 0)
     loss_ref, loss = ref(**b).loss, model(**b).loss
@@ -222,7 +259,7 @@ def test_delay_injection_exposes_no_missing_waits(monkeypatch):
 
 def test_auto_window_measures_and_chooses(caplog):
     model = tiny_model("gpt2", n_embd=256, n_layer=6, n_head=4)
-    engine = offload_model(model, StrongholdConfig(window_size="auto"), device="cuda")
+    engine = offload_model(model, StrongholdConfig(resident=False, window_size="auto"), device="cuda")
     opt = engine.build_optimizer(lr=1e-3)
     with caplog.at_level("INFO", logger="stronghold_hf"):
         for step in range(2):
@@ -237,7 +274,7 @@ def test_auto_window_measures_and_chooses(caplog):
 
 def test_bf16_on_cuda_trains():
     model = tiny_model("llama")
-    engine = offload_model(model, StrongholdConfig(window_size=1, param_dtype="bf16"), device="cuda")
+    engine = offload_model(model, StrongholdConfig(resident=False, window_size=1, param_dtype="bf16"), device="cuda")
     opt = engine.build_optimizer(lr=1e-2)
     losses = []
     for step in range(4):
@@ -266,7 +303,7 @@ def test_nccl_world_of_one_trains_and_matches(monkeypatch):
     try:
         ref = tiny_model("gpt2").cuda()
         model = copy.deepcopy(ref).cpu()
-        engine = offload_model(model, StrongholdConfig(window_size=1, shard_cpu_state=True), device="cuda")
+        engine = offload_model(model, StrongholdConfig(resident=False, window_size=1, shard_cpu_state=True), device="cuda")
         assert engine.dp is not None and engine.dp.sharded and engine.dp.host_group is not None
         opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
         opt = engine.build_optimizer(lr=1e-2, weight_decay=0.1)
@@ -325,7 +362,7 @@ def test_nothing_but_the_window_on_cuda():
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     est = estimate_for_model(model, seq_len=12, batch_size=2, window_size=1, gpu_memory_bytes=1 << 40,
                              cpu_memory_bytes=1 << 40, offload_activations=True)
-    engine = offload_model(model, StrongholdConfig(window_size=1, offload_activations=True), device="cuda")
+    engine = offload_model(model, StrongholdConfig(resident=False, window_size=1, offload_activations=True), device="cuda")
     assert {u.kind for u in engine.units} == {"block", "streamed", "resident"}
     assert model.device.type == "cuda" and engine.chunked_loss is not None and engine.chunked_loss.models
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
@@ -368,7 +405,7 @@ def test_nvme_tier_on_cuda_trains_as_the_ram_tier(tmp_path, nvme_masters):
 
     def run(**config):
         model = copy.deepcopy(ref)
-        engine = offload_model(model, StrongholdConfig(window_size=1, param_dtype=torch.bfloat16, **config),
+        engine = offload_model(model, StrongholdConfig(resident=False, window_size=1, param_dtype=torch.bfloat16, **config),
                                device="cuda")
         opt = engine.build_optimizer(lr=1e-2)
         for step in range(3):
