@@ -44,6 +44,25 @@ bandwidth of one pinned copy each way measured in this run (``h2d_s``, ``d2h_s``
 "copy" is a memcpy and its bandwidth is that). ``bound_s`` is their max and ``ratio_to_bound``
 = bound_s / the variant's median step (1.0: everything hidden; #34's target on a GPU: 0.85).
 
+The device/host split (#35, ``--budgets all,half,quarter,streamed``): the window variants stream
+everything (``resident=False``, what #34 measures; on CUDA the default config would otherwise
+keep what fits). ``--budgets`` adds one variant per device budget, on the window of
+``--windows[0]``: ``split_all`` (``resident="auto"``, ``gpu_memory`` twice plain's model-state
+bytes: the whole model stays), ``split_half`` and ``split_quarter`` (``gpu_memory`` = that share
+of plain's 16 B/param: fp32 parameters, gradients and two Adam moments); ``streamed`` is the
+first window variant itself. Each budget prints a flat row (and flat ``split_<budget>_*`` keys in
+the summary): step, tokens/s, ``resident_share`` (parameters kept over trainable, from
+``memory_stats()``'s ``split_*`` keys), the bound *of that split* (the same four terms, on what
+still streams: its bytes each way and CPU Adam on its ``offloaded_trainable_params``; plain's
+compute) and the ratio to it, the ratio to plain, and with ``--peers twinflow`` the ratio to
+Twin-Flow. A budget the engine refuses (below what streaming alone needs) prints nulls and why.
+
+Twin-Flow (``--peers twinflow``, with ``--budgets``; CUDA and ``deepspeed``): DeepSpeed ZeRO-3 with
+``offload_optimizer: {device: cpu, ratio: r}`` (ZeRO-Offload++: the share ``r`` of the optimizer
+state is stepped by CPU Adam, the rest on the device), one engine per ``--twinflow_ratios`` entry.
+At each budget the fastest ratio whose model states fit it (`twinflow_device_bytes`, an
+estimate) is the peer.
+
 Peers (``--peers zero_offload``, the default): DeepSpeed ZeRO-2 with ``offload_optimizer:
 cpu`` (ZeRO-Offload), driven through ``deepspeed.initialize`` with a config dict, interleaved
 with the other variants. It needs CUDA and an importable ``deepspeed`` (never a dependency:
@@ -60,6 +79,9 @@ Output: one JSON object per line; the LAST line is the summary, with
     python benchmarks/bench_step.py --smoke          # seconds, tiny model (CI)
     python benchmarks/bench_step.py --device cuda --model gpt2-medium-like --seq 512 --batch 8 --windows 1,2,4
     python benchmarks/bench_step.py --device cuda --model llama-3.2-1b-like --windows auto,1 --precision bf16
+    python benchmarks/bench_step.py --quick --budgets all,half,quarter,streamed
+    python benchmarks/bench_step.py --device cuda --model gpt2-medium-like --precision bf16 --windows auto \
+        --budgets all,half,quarter,streamed --peers twinflow
 """
 
 from __future__ import annotations
@@ -234,14 +256,17 @@ def plain_variant(base, device: torch.device, precision: str, lr: float, max_nor
 
 
 def offload_variant(base, device: torch.device, precision: str, lr: float, window_size: int | str, cpu_threads: int | None,
-                    speculative: str, max_norm: float, non_block: bool = True, host_worker: str = "auto") -> Variant:
+                    speculative: str, max_norm: float, non_block: bool = True, host_worker: str = "auto",
+                    resident: bool | str = False, gpu_memory: int | None = None, name: str | None = None) -> Variant:
+    """``resident=False`` (the default here): everything streams, which is what the window
+    variants measure (#34); the `--budgets` variants pass ``resident="auto"`` and a ``gpu_memory``."""
     from stronghold_hf import StrongholdConfig, offload_model
 
     model = copy.deepcopy(base)
     cfg = StrongholdConfig(
         window_size=window_size, cpu_threads=cpu_threads, speculative_step=speculative,
         param_dtype=torch.bfloat16 if precision == "bf16" else None, offload_non_block=non_block,
-        host_worker=host_worker,
+        host_worker=host_worker, resident=resident, gpu_memory=gpu_memory,
     )
     engine = offload_model(model, cfg, device=device)
     opt = engine.build_optimizer(lr=lr, weight_decay=0.01)
@@ -269,8 +294,9 @@ def offload_variant(base, device: torch.device, precision: str, lr: float, windo
         return {"forward": t1 - t0, "backward": t2 - t1, "clip": t3 - t2, "step": t4 - t3, "loss": float(loss.detach())}
 
     suffix = ("" if speculative == "auto" else f"_spec_{speculative}") + ("" if non_block else "_nb_off")
-    name = "offload_auto" if window_size == "auto" else f"offload_w{window_size}"
-    v = Variant(f"{name}{suffix}", step, drain=engine.synchronize, engine=engine, window_size=window_size)
+    if name is None:
+        name = ("offload_auto" if window_size == "auto" else f"offload_w{window_size}") + suffix
+    v = Variant(name, step, drain=engine.synchronize, engine=engine, window_size=window_size)
     return v
 
 
@@ -278,26 +304,22 @@ def peer_skip_reason(peer: str, device: torch.device) -> str | None:
     """Why a peer system cannot run here (None: it can)."""
     import importlib.util
 
-    if peer == "zero_offload":
+    if peer in ("zero_offload", "twinflow"):
         if importlib.util.find_spec("deepspeed") is None:
             return "deepspeed is not importable (never a dependency of stronghold_hf; scripts/build_gpu_wheels.sh carries it)"
         if device.type != "cuda":
-            return "DeepSpeed ZeRO-Offload needs a CUDA device"
+            return f"DeepSpeed {'ZeRO-Offload' if peer == 'zero_offload' else 'Twin-Flow (ZeRO-3)'} needs a CUDA device"
         return None
     raise ValueError(f"unknown peer {peer!r}; use one of {PEERS}")
 
 
-def zero_offload_variant(base, device: torch.device, precision: str, lr: float, max_norm: float,
-                         batch: int) -> tuple[Variant | None, str | None]:
-    """DeepSpeed ZeRO-2 with the optimizer on the CPU (ZeRO-Offload): (variant, None), or
-    (None, why not). Driven through ``deepspeed.initialize`` and a config dict only.
-
-    DeepSpeed is never a dependency of this project: without it the peer is skipped."""
+def _deepspeed_variant(name: str, zero: dict, base, device: torch.device, precision: str, lr: float,
+                       max_norm: float, batch: int) -> tuple[Variant | None, str | None]:
+    """A DeepSpeed engine with ``zero`` as its ``zero_optimization``: (variant, None), or (None,
+    why not). Driven through ``deepspeed.initialize`` and a config dict only; DeepSpeed is never
+    a dependency of this project."""
     import socket
 
-    reason = peer_skip_reason("zero_offload", device)
-    if reason is not None:
-        return None, reason
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -311,7 +333,7 @@ def zero_offload_variant(base, device: torch.device, precision: str, lr: float, 
         cfg = {
             "train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "gradient_clipping": max_norm,
             "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01}},
-            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+            "zero_optimization": zero,
             "bf16": {"enabled": precision == "bf16"},
             "steps_per_print": 1 << 30, "wall_clock_breakdown": False,
         }
@@ -333,11 +355,109 @@ def zero_offload_variant(base, device: torch.device, precision: str, lr: float, 
         t3 = time.perf_counter()
         return {"forward": t1 - t0, "backward": t2 - t1, "clip": 0.0, "step": t3 - t2, "loss": float(loss.detach())}
 
-    return Variant("zero_offload", step), None
+    return Variant(name, step), None
 
 
-#: Other systems `--peers` can run next to ours (none is a dependency).
-PEERS = ("zero_offload",)
+def zero_offload_variant(base, device: torch.device, precision: str, lr: float, max_norm: float,
+                         batch: int) -> tuple[Variant | None, str | None]:
+    """DeepSpeed ZeRO-2 with the optimizer on the CPU (ZeRO-Offload): (variant, None), or
+    (None, why not)."""
+    reason = peer_skip_reason("zero_offload", device)
+    if reason is not None:
+        return None, reason
+    zero = {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    return _deepspeed_variant("zero_offload", zero, base, device, precision, lr, max_norm, batch)
+
+
+def twinflow_variant(base, device: torch.device, precision: str, lr: float, max_norm: float, batch: int,
+                     ratio: float, params: int) -> tuple[Variant | None, str | None]:
+    """DeepSpeed ZeRO-3 with the optimizer offloaded at Twin-Flow's ``ratio`` (ZeRO-Offload++):
+    that share of the optimizer state is stepped by CPU Adam, the rest stays on the device and is
+    stepped there. (variant, None), or (None, why not).
+
+    DeepSpeed splits by *sub-group* (stage3.py: sub-group ``i`` goes to the CPU when
+    ``i >= int((1 - ratio) * n_groups)``), and the default ``sub_group_size`` of 1e9 elements makes a
+    model under a billion parameters one group: every ratio above 0 would then put it all on
+    the CPU. A twentieth of the model per group gives the ratio 5 % steps."""
+    reason = peer_skip_reason("twinflow", device)
+    if reason is not None:
+        return None, reason
+    zero = {"stage": 3, "sub_group_size": max(1_000_000, params // 20),
+            "offload_optimizer": {"device": "cpu", "pin_memory": True, "ratio": ratio}}
+    return _deepspeed_variant(f"twinflow_r{ratio:g}", zero, base, device, precision, lr, max_norm, batch)
+
+
+def twinflow_device_bytes(params: int, ratio: float, precision: str) -> int:
+    """Twin-Flow's device bytes for the model states, estimated: the compute-dtype parameters and
+    gradients of ZeRO-3 on one rank, and for the ``1 - ratio`` share stepped on the device an fp32
+    master, gradient and two Adam moments (16 B/param)."""
+    compute = 2 if precision == "bf16" else 4
+    return int(params * (2 * compute + PLAIN_STATE_BYTES * (1.0 - ratio)))
+
+
+#: Other systems `--peers` can run next to ours (none is a dependency). ``twinflow`` runs only
+#: with ``--budgets``: one ZeRO-3 engine per ``--twinflow_ratios`` entry, the best that fits each budget.
+PEERS = ("zero_offload", "twinflow")
+#: What ``--peers`` runs unless told: the split's peer is asked for by name.
+DEFAULT_PEERS = ("zero_offload",)
+
+# ---------------------------------------------------------------------------- the device/host split (#35)
+#: ``--budgets`` names, from the largest device budget to none.
+BUDGETS = ("all", "half", "quarter", "streamed")
+#: Plain training's model-state bytes per parameter: the fp32 parameter, its gradient, two Adam moments.
+PLAIN_STATE_BYTES = 16
+
+
+def budget_bytes(budget: str, params: int) -> int | None:
+    """``gpu_memory`` for a ``--budgets`` entry: ``all`` twice plain's model-state bytes (the whole
+    model fits, whatever the window and lanes take), ``half`` and ``quarter`` of them, and
+    ``streamed`` none (``resident=False``)."""
+    plain = PLAIN_STATE_BYTES * params
+    return {"all": 2 * plain + (256 << 20), "half": plain // 2, "quarter": plain // 4, "streamed": None}[budget]
+
+
+def split_rows(budgets: list[str], names: dict[str, str], refused: dict[str, str], rows: dict[str, dict],
+               stats: dict[str, dict], bounds: dict[str, dict], params: int, twinflow: dict[str, dict],
+               precision: str) -> tuple[list[dict], dict]:
+    """One flat row per budget, and the same numbers as flat ``split_<budget>_*`` summary keys.
+
+    The bound of a split is `overlap_bound` on what still streams there: its bytes each way (the
+    engine's counters), CPU Adam on its ``offloaded_trainable_params``, and plain's step. With the
+    whole model resident it is plain's step alone."""
+    out, flat = [], {}
+    for b in budgets:
+        name = names.get(b)
+        r, st, bd = rows.get(name), stats.get(name), bounds.get(name)
+        cap = budget_bytes(b, params)
+        row = {
+            "budget_bytes": cap or 0,
+            "step_s": r["median_step_s"] if r else None,
+            "tokens_per_s": r["tokens_per_s"] if r else None,
+            "ratio_vs_plain": r["ratio_vs_plain"] if r else None,
+            "ratio_vs_plain_paired": r["ratio_vs_plain_paired"]["median"] if r else None,
+            "resident_share": (round(st["split_resident_params"] / st["model_trainable_params"], 4)
+                               if st and st["model_trainable_params"] else None),
+            "resident_units": st["split_resident_units"] if st else None,
+            "resident_bytes": st["split_resident_bytes"] if st else None,
+            "offloaded_params": st["offloaded_trainable_params"] if st else None,
+        }
+        row["bound_s"] = bd["bound_s"] if bd else None
+        row.update({f"bound_{term}": bd[term] if bd else None for term in BOUND_TERMS})
+        row["ratio_to_bound"] = bd["ratio_to_bound"] if bd else None
+        row["h2d_bytes_per_step"] = bd["h2d_bytes_per_step"] if bd else None
+        row["d2h_bytes_per_step"] = bd["d2h_bytes_per_step"] if bd else None
+        if b != "streamed":
+            # Twin-Flow's best ratio among those whose model states fit this budget (estimated).
+            fits = {rt: t for rt, t in twinflow.items()
+                    if t["tokens_per_s"] is not None and twinflow_device_bytes(params, float(rt), precision) <= cap}
+            best = max(fits, key=lambda rt: fits[rt]["tokens_per_s"], default=None)
+            row["twinflow_best_ratio"] = float(best) if best is not None else None
+            row["twinflow_tokens_per_s"] = fits[best]["tokens_per_s"] if best is not None else None
+            row["ratio_vs_twinflow"] = (round(row["tokens_per_s"] / row["twinflow_tokens_per_s"], 3)
+                                        if row["tokens_per_s"] and row["twinflow_tokens_per_s"] else None)
+        out.append({"bench": "step", "split": b, "variant": name, "refused": refused.get(b), **row})
+        flat.update({f"split_{b}_{k}": v for k, v in row.items()})
+    return out, flat
 
 
 # ---------------------------------------------------------------------------- the overlap bound
@@ -549,9 +669,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int)
     p.add_argument("--windows", default="2",
                    help="comma-separated window sizes, one offloaded variant each (e.g. 1,2,4; auto: the default config)")
-    p.add_argument("--peers", default=",".join(PEERS),
+    p.add_argument("--peers", default=",".join(DEFAULT_PEERS),
                    help="other systems to run next to ours: zero_offload (DeepSpeed ZeRO-2 with the optimizer on "
-                        "the CPU; needs CUDA and deepspeed, else reported skipped with the reason) or none")
+                        "the CPU), twinflow (with --budgets: DeepSpeed ZeRO-3 with Twin-Flow's offload ratio, one "
+                        "engine per --twinflow_ratios entry), or none. DeepSpeed needs CUDA and deepspeed, else the "
+                        "peer is reported skipped with the reason")
+    p.add_argument("--budgets", default="",
+                   help="comma-separated device budgets, one split variant each, from " + ",".join(BUDGETS) +
+                        ": all (resident=auto, the whole model fits), half and quarter (gpu_memory = that share of "
+                        "plain's 16 B/param), streamed (resident=False: the first --windows variant)")
+    p.add_argument("--twinflow_ratios", default="0.25,0.5,0.75,1.0",
+                   help="Twin-Flow offload ratios to run with --peers twinflow (the best that fits each budget is reported)")
     p.add_argument("--bound", choices=["on", "off"], default="on",
                    help="measure the overlap bound (pinned copies each way, CPU Adam on the offloaded count)")
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
@@ -602,6 +730,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = sorted(set(args.peers) - set(PEERS))
     if unknown:
         p.error(f"--peers: unknown {unknown}; use {','.join(PEERS)} or none")
+    args.budgets = [b.strip() for b in str(args.budgets).split(",") if b.strip()]
+    unknown = sorted(set(args.budgets) - set(BUDGETS))
+    if unknown:
+        p.error(f"--budgets: unknown {unknown}; use a comma-separated subset of {','.join(BUDGETS)}")
+    args.budgets = [b for b in BUDGETS if b in args.budgets]  # largest first
+    try:
+        args.twinflow_ratios = [float(x) for x in str(args.twinflow_ratios).split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--twinflow_ratios {args.twinflow_ratios!r}: use comma-separated numbers in [0, 1]")
+    if any(not 0.0 <= r <= 1.0 for r in args.twinflow_ratios):
+        p.error("--twinflow_ratios: each ratio is in [0, 1] (DeepSpeed's offload_optimizer.ratio)")
     preset = args.model or ("smoke" if args.smoke else "bench-small")
     shape = dict(PRESETS[preset])
     for k in ("n_embd", "n_layer", "n_head", "vocab_size", "seq", "batch"):
@@ -676,6 +815,22 @@ def main(argv=None) -> int:
     if "off" in [m.strip() for m in args.non_block.split(",")]:
         variants.append(offload_variant(base, device, args.precision, args.lr, args.windows[0], args.cpu_threads,
                                         modes[0], args.max_grad_norm, non_block=False))
+    # The device/host split (#35): one variant per budget, the window of --windows[0]; "streamed"
+    # is the first window variant itself (resident=False), so it is not run twice.
+    split_names: dict[str, str] = {}
+    split_refused: dict[str, str] = {}
+    for b in args.budgets:
+        if b == "streamed":
+            split_names[b] = variants[1].name
+            continue
+        try:
+            variants.append(offload_variant(base, device, args.precision, args.lr, args.windows[0], args.cpu_threads,
+                                            modes[0], args.max_grad_norm, host_worker=args.host_worker,
+                                            resident="auto", gpu_memory=budget_bytes(b, n_params), name=f"split_{b}"))
+            split_names[b] = f"split_{b}"
+        except ValueError as err:  # a budget below what streaming alone needs is refused by the engine
+            split_refused[b] = str(err)
+            emit({"bench": "step", "split": b, "skipped": True, "reason": str(err)})
     peer_skipped: dict[str, str] = {}
     if "zero_offload" in args.peers:
         zero, reason = zero_offload_variant(base, device, args.precision, args.lr, args.max_grad_norm, shape["batch"])
@@ -684,6 +839,19 @@ def main(argv=None) -> int:
         else:
             peer_skipped["zero_offload"] = reason
             emit({"bench": "step", "peer": "zero_offload", "skipped": True, "reason": reason})
+    twinflow_names: dict[str, str] = {}  # ratio (as printed) -> variant name
+    if "twinflow" in args.peers:
+        reason = None if args.budgets else "Twin-Flow is the split's peer: it runs with --budgets"
+        for ratio in args.twinflow_ratios if reason is None else []:
+            tf, reason = twinflow_variant(base, device, args.precision, args.lr, args.max_grad_norm, shape["batch"],
+                                          ratio, n_params)
+            if tf is None:
+                break
+            variants.append(tf)
+            twinflow_names[f"{ratio:g}"] = tf.name
+        if reason is not None:
+            peer_skipped["twinflow"] = reason
+            emit({"bench": "step", "peer": "twinflow", "skipped": True, "reason": reason})
     del base
     if args.profile:
         profile_variants(variants, batches, args.profile)
@@ -693,7 +861,8 @@ def main(argv=None) -> int:
     plain = report(variants[0], tokens, device, params=n_params)
     emit(plain)
     rows = [report(v, tokens, device, variants[0], plain, params=n_params) for v in variants[1:]]
-    offloaded = {v.name: v.engine.memory_stats()["offloaded_trainable_params"] for v in variants if v.engine}
+    engine_stats = {v.name: v.engine.memory_stats() for v in variants if v.engine}
+    offloaded = {name: st["offloaded_trainable_params"] for name, st in engine_stats.items()}
     nb_paired = _paired(variants[1], next((v for v in variants if v.name.endswith("_nb_off")), None))
     for v in variants[1:]:
         if v.engine is not None:
@@ -709,7 +878,7 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
         link = measure_link_bandwidth(device, nbytes=(256 << 20) if device.type == "cuda" else (64 << 20))
-        adam = measure_cpu_adam(max(offloaded.values()), bf16_copy=args.precision == "bf16", threads=args.cpu_threads)
+        adam = measure_cpu_adam(max(max(offloaded.values()), 1), bf16_copy=args.precision == "bf16", threads=args.cpu_threads)
         emit({"bench": "step", "measured_for_bound": True, "link": link, "cpu_adam": adam})
         for r in ours:
             st = r["stats_per_step"]
@@ -718,10 +887,25 @@ def main(argv=None) -> int:
             r["bound"] = bounds[r["variant"]]
     for row in rows:
         emit(row)
+    by_name = {r["variant"]: r for r in rows}
+    twinflow = {rt: {"tokens_per_s": by_name[n]["tokens_per_s"] if n in by_name else None}
+                for rt, n in twinflow_names.items()}
+    budget_rows, split_flat = split_rows(args.budgets, split_names, split_refused, by_name, engine_stats, bounds,
+                                         n_params, twinflow, args.precision)
+    for row in budget_rows:
+        emit(row)
+    twinflow_flat = {f"twinflow_r{rt}_tokens_per_s": t["tokens_per_s"] for rt, t in twinflow.items()}
+    twinflow_flat.update({f"twinflow_r{rt}_device_bytes_est": twinflow_device_bytes(n_params, float(rt), args.precision)
+                          for rt in twinflow})
     first = rows[0]
     peers = {}
     for peer in args.peers:
-        if peer in peer_rows:
+        if peer == "twinflow" and twinflow_names:
+            # The split's peer is compared per budget (split_<budget>_ratio_vs_twinflow); here, its fastest ratio.
+            best = max((n for n in twinflow_names.values() if n in peer_rows),
+                       key=lambda n: peer_rows[n]["tokens_per_s"], default=None)
+            peer_rows["twinflow"] = peer_rows[best] if best else None
+        if peer_rows.get(peer):
             pr = peer_rows[peer]
             peers[peer] = {"tokens_per_s": pr["tokens_per_s"], "median_step_s": pr["median_step_s"],
                            "ratio_ours_vs_peer": round(first["tokens_per_s"] / pr["tokens_per_s"], 3),
@@ -736,7 +920,8 @@ def main(argv=None) -> int:
         "ratio_offload_vs_plain": first["ratio_vs_plain"],
         "ratio_offload_vs_plain_paired": first["ratio_vs_plain_paired"]["median"],
         "ratios_by_window": {str(r["window_size"]): r["ratio_vs_plain"] for r in ours
-                             if "_spec_" not in r["variant"] and not r["variant"].endswith("_nb_off")},
+                             if r["variant"].startswith("offload_") and "_spec_" not in r["variant"]
+                             and not r["variant"].endswith("_nb_off")},
         "ratios_by_variant": {r["variant"]: r["ratio_vs_plain_paired"]["median"] for r in rows},
         "tokens_per_s": {r["variant"]: r["tokens_per_s"] for r in [plain, *rows]},
         "median_step_s": {r["variant"]: r["median_step_s"] for r in [plain, *rows]},
@@ -753,6 +938,8 @@ def main(argv=None) -> int:
         "ratio_offload_vs_zero_offload": peers.get("zero_offload", {}).get("ratio_ours_vs_peer"),
         "target_ratio_cpu": 0.85,
         "meets_target": bool(first["ratio_vs_plain"] >= 0.85) if device.type == "cpu" else None,
+        "budgets": args.budgets, "plain_state_bytes": PLAIN_STATE_BYTES * n_params,
+        **split_flat, **twinflow_flat,
     }
     emit(summary)
     return 0
