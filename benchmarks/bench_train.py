@@ -89,12 +89,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from bench_step import (  # noqa: E402
-    PRESETS, build_model, emit, measure_cpu_adam, measure_link_bandwidth, overlap_bound,
+    BOUND_TERMS, BUDGETS, PRESETS, budget_bytes, build_model, emit, measure_cpu_adam, measure_link_bandwidth,
+    overlap_bound,
 )
 
 IN_PROCESS = ("plain", "stronghold_auto", "stronghold_w1", "stronghold_w2")
+#: The device/host split (#35), one per ``--budgets`` entry: in-process, like the window variants.
+SPLIT = tuple(f"split_{b}" for b in BUDGETS)
 SUBPROCESS = ("deepspeed_zero2_offload", "deepspeed_zero3_offload", "fsdp2_cpu_offload")
-ALL_VARIANTS = IN_PROCESS + SUBPROCESS
+ALL_VARIANTS = IN_PROCESS + SPLIT + SUBPROCESS
 #: ``--peers`` names -> the variant each one runs (every peer runs in a subprocess).
 PEERS = {"zero2": "deepspeed_zero2_offload", "zero3": "deepspeed_zero3_offload", "fsdp2": "fsdp2_cpu_offload"}
 SUMMARY_KEYS = (
@@ -253,8 +256,14 @@ def run_variant(variant: str, base, opts, steps: int) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     if variant == "plain":
         trainer = Trainer(model=model, args=TrainingArguments(**common), train_dataset=data)
-    elif variant in _WINDOW:
-        args = StrongholdTrainingArguments(**common, stronghold=True, stronghold_window_size=_WINDOW[variant])
+    elif variant in _WINDOW or variant in SPLIT:
+        # The window variants stream everything (resident=False: what #34 measures; on CUDA the
+        # default would keep what fits); a split variant keeps what fits its budget (#35).
+        budget = variant[len("split_"):] if variant in SPLIT else "streamed"
+        cap = budget_bytes(budget, sum(p.numel() for p in base.parameters()))
+        split = {"resident": False} if cap is None else {"resident": "auto", "gpu_memory": cap}
+        args = StrongholdTrainingArguments(**common, stronghold=True, stronghold_window_size=_WINDOW.get(variant, "auto"),
+                                           stronghold_config=split)
         trainer = StrongholdTrainer(model=model, args=args, train_dataset=data)
     elif variant.startswith("deepspeed"):
         stage = 2 if "zero2" in variant else 3
@@ -290,7 +299,12 @@ def run_variant(variant: str, base, opts, steps: int) -> dict:
     engine = getattr(trainer, "stronghold_engine", None)
     if engine is not None:
         result["window_size"] = engine.window_size
-        result["offloaded_params"] = engine.memory_stats()["offloaded_trainable_params"]
+        stats = engine.memory_stats()
+        result["offloaded_params"] = stats["offloaded_trainable_params"]
+        result["resident_share"] = (round(stats["split_resident_params"] / stats["model_trainable_params"], 4)
+                                    if stats["model_trainable_params"] else None)
+        result["split_budget_bytes"] = stats["split_budget_bytes"]
+        result["split_resident_bytes"] = stats["split_resident_bytes"]
         if len(timer.traffic) >= 2:
             # Bytes each way per step, over the step intervals that are timed (after --skip).
             first = min(opts.skip, len(timer.traffic) - 2)
@@ -357,6 +371,30 @@ def worker_main(opts) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------- the device/host split (#35)
+def split_summary(budgets: list[str], rows: dict[str, dict], bounds: dict[str, dict], failed: dict[str, str]) -> dict:
+    """Flat ``split_<budget>_*`` numbers, as bench_step.py prints them: tokens/s, the step, the
+    resident share, the bound of that split (its terms on what still streams) and the ratios to
+    it and to plain. A budget that did not run has nulls, and ``split_<budget>_error`` says why."""
+    out: dict = {}
+    plain = rows.get("plain")
+    for b in budgets:
+        r, bd = rows.get(f"split_{b}"), bounds.get(f"split_{b}")
+        out[f"split_{b}_tokens_per_s"] = r["tokens_per_s"] if r else None
+        out[f"split_{b}_step_s"] = r["median_step_s"] if r else None
+        out[f"split_{b}_ratio_vs_plain"] = round(r["tokens_per_s"] / plain["tokens_per_s"], 3) if r and plain else None
+        out[f"split_{b}_resident_share"] = r.get("resident_share") if r else None
+        out[f"split_{b}_budget_bytes"] = r.get("split_budget_bytes") if r else None
+        out[f"split_{b}_resident_bytes"] = r.get("split_resident_bytes") if r else None
+        out[f"split_{b}_offloaded_params"] = r.get("offloaded_params") if r else None
+        out[f"split_{b}_bound_s"] = bd["bound_s"] if bd else None
+        out.update({f"split_{b}_bound_{term}": bd[term] if bd else None for term in BOUND_TERMS})
+        out[f"split_{b}_ratio_to_bound"] = bd["ratio_to_bound"] if bd else None
+        if f"split_{b}" in failed:
+            out[f"split_{b}_error"] = failed[f"split_{b}"]
+    return out
+
+
 # ---------------------------------------------------------------------------- CLI and driver
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -372,6 +410,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="other systems next to ours, each in a subprocess: zero2 (DeepSpeed ZeRO-2 with the optimizer "
                         "on the CPU), zero3 (ZeRO-3, parameters offloaded too), fsdp2 (FSDP2 CPUOffloadPolicy), or none. "
                         "DeepSpeed needs CUDA and `deepspeed`; without them it is reported skipped with the reason")
+    p.add_argument("--budgets", default="",
+                   help="comma-separated device budgets, one StrongholdTrainer variant (split_<budget>) each, from "
+                        + ",".join(BUDGETS) + ": all (resident=auto, the whole model fits), half and quarter "
+                        "(gpu_memory = that share of plain's 16 B/param), streamed (resident=False)")
     p.add_argument("--bound", choices=["on", "off"], default="on",
                    help="measure the overlap bound (pinned copies each way, CPU Adam on the offloaded count)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
@@ -416,8 +458,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = sorted(set(peers) - set(PEERS))
     if unknown:
         p.error(f"--peers: unknown {unknown}; choose from {','.join(PEERS)} or none")
+    budgets = [b.strip() for b in opts.budgets.split(",") if b.strip()]
+    unknown = sorted(set(budgets) - set(BUDGETS))
+    if unknown:
+        p.error(f"--budgets: unknown {unknown}; use a comma-separated subset of {','.join(BUDGETS)}")
+    opts.budgets = [b for b in BUDGETS if b in budgets]  # largest first
     if opts.smoke and opts.variants == p.get_default("variants"):
         variants = ["plain", "stronghold_w1"]  # the peers (subprocesses) only report skipped/unavailable
+    variants += [f"split_{b}" for b in opts.budgets if f"split_{b}" not in variants]
     variants += [PEERS[x] for x in peers if PEERS[x] not in variants]
     opts.peer_variants = [v for v in variants if v in SUBPROCESS]
     opts.variant_list = variants
@@ -477,10 +525,13 @@ def main(argv=None) -> int:
             if v in failed:
                 continue
             # Round 0 of the in-process variants always runs, so the headline ratio exists.
-            if deadline is not None and time.monotonic() > deadline and not (r == 0 and v in IN_PROCESS):
+            if deadline is not None and time.monotonic() > deadline and not (r == 0 and v in IN_PROCESS + SPLIT):
                 truncated.append(f"round {r}: {v}")
                 continue
-            res = run_variant(v, base, opts, opts.steps) if v in IN_PROCESS else run_worker(opts, v, opts.steps)
+            try:
+                res = run_variant(v, base, opts, opts.steps) if v in IN_PROCESS + SPLIT else run_worker(opts, v, opts.steps)
+            except ValueError as err:  # a split budget below what streaming alone needs is refused by the engine
+                res = {"variant": v, "error": f"refused: {err}"}
             if "error" in res:
                 failed[v] = res["error"]
                 continue
@@ -488,7 +539,8 @@ def main(argv=None) -> int:
             run_medians[v].append(statistics.median(res["step_times"][opts.skip:]))
             info = extra[v]
             for key in ("window_size", "stronghold_metrics", "loss", "peak_memory_kind", "rss_baseline_bytes",
-                        "offloaded_params", "h2d_bytes_per_step", "d2h_bytes_per_step"):
+                        "offloaded_params", "h2d_bytes_per_step", "d2h_bytes_per_step", "resident_share",
+                        "split_budget_bytes", "split_resident_bytes"):
                 if key in res:
                     info[key] = res[key]
             if "peak_memory_bytes" in res:
@@ -498,7 +550,7 @@ def main(argv=None) -> int:
             if deadline is not None and time.monotonic() > deadline:
                 extra[v]["memory_error"] = "not measured: --time_budget_s exhausted"
                 continue
-            if v in IN_PROCESS and v not in failed and times[v]:
+            if v in IN_PROCESS + SPLIT and v not in failed and times[v]:
                 res = run_worker(opts, v, opts.memory_steps)
                 if "error" in res:
                     extra[v]["memory_error"] = res["error"]
@@ -546,7 +598,7 @@ def main(argv=None) -> int:
         # In this process, after every run: the copies and the CPU Adam step have the machine
         # to themselves, as the bound assumes of each.
         link = measure_link_bandwidth(device, nbytes=(256 << 20) if device.type == "cuda" else (64 << 20))
-        adam = measure_cpu_adam(max(rows[v]["offloaded_params"] for v in measured),
+        adam = measure_cpu_adam(max(1, max(rows[v]["offloaded_params"] for v in measured)),
                                 bf16_copy=opts.precision == "bf16", threads=opts.threads)
         emit({"bench": "train", "measured_for_bound": True, "link": link, "cpu_adam": adam})
         for v in measured:
@@ -575,6 +627,8 @@ def main(argv=None) -> int:
         "ratio_to_bound": bounds[sh_name]["ratio_to_bound"] if sh_name in bounds else None,
         "ratio_to_bound_by_variant": {v: b["ratio_to_bound"] for v, b in bounds.items()},
         "peers": peers,
+        "budgets": opts.budgets,
+        **split_summary(opts.budgets, rows, bounds, failed),
     })
     return 0
 

@@ -134,3 +134,75 @@ def test_max_model_smoke_values(smoke_runs):
     assert 1 <= bounds["stronghold_pred_layers"] <= bounds["cpu_bound_layers"]
     probe = next(row for row in lines if row.get("probe"))
     assert probe["ok"] and probe["params"] > 0 and probe["tokens_per_s"] > 0
+
+
+# ---------------------------------------------------------------------------- the device/host split (#35)
+#: 12 tiny blocks: half and a quarter of plain's bytes then keep some blocks next to the window.
+SPLIT_ARGS = ["--smoke", "--n_layer", "12", "--budgets", "all,half,quarter,streamed"]
+SPLIT_RUNS = {
+    "bench_step.py": [*SPLIT_ARGS, "--windows", "1", "--peers", "twinflow"],
+    "bench_train.py": [*SPLIT_ARGS, "--variants", "plain", "--peers", "none"],
+}
+#: Numbers each budget has in both summaries (bench_step adds its paired ratio and Twin-Flow's).
+SPLIT_KEYS = ("tokens_per_s", "step_s", "ratio_vs_plain", "resident_share", "budget_bytes", "resident_bytes",
+              "offloaded_params", "bound_s", "bound_compute_s", "bound_cpu_adam_s", "bound_h2d_s", "bound_d2h_s",
+              "ratio_to_bound")
+
+
+@pytest.fixture(scope="module")
+def split_runs():
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    procs = {name: subprocess.Popen([sys.executable, str(BENCH / name), *args], cwd=ROOT, env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, args in SPLIT_RUNS.items()}
+    out = {}
+    for name, proc in procs.items():
+        try:
+            stdout, stderr = proc.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+        assert proc.returncode == 0, f"{name} {SPLIT_RUNS[name]} exited {proc.returncode}:\n{stderr[-2000:]}"
+        out[name] = _json_lines(stdout)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(SPLIT_RUNS))
+def test_split_budgets_print_flat_numbers(split_runs, name):
+    """``--budgets`` on CPU: every budget's step, resident share, bound and ratios are numbers in
+    the summary; the whole model stays at "all", nothing at "streamed", and the resident share
+    and the CPU Adam term of the bound move with the budget."""
+    summary = split_runs[name][-1]
+    assert summary["budgets"] == ["all", "half", "quarter", "streamed"]
+    for b in summary["budgets"]:
+        for key in SPLIT_KEYS:
+            value = summary[f"split_{b}_{key}"]
+            assert isinstance(value, (int, float)) and not isinstance(value, bool), (b, key, value)
+        assert summary[f"split_{b}_tokens_per_s"] > 0 and summary[f"split_{b}_ratio_to_bound"] > 0
+        assert summary[f"split_{b}_bound_s"] == max(summary[f"split_{b}_bound_{t}"]
+                                                    for t in ("compute_s", "cpu_adam_s", "h2d_s", "d2h_s"))
+    share = [summary[f"split_{b}_resident_share"] for b in summary["budgets"]]
+    assert share[0] == 1.0 and share[-1] == 0.0 and share == sorted(share, reverse=True), share
+    assert 0.0 < share[2] < share[1] < 1.0, share  # half and quarter keep some blocks, not all
+    # What streams sets the bound's host terms: none with everything resident, most when streamed.
+    assert summary["split_all_offloaded_params"] == 0 and summary["split_all_bound_cpu_adam_s"] == 0.0
+    assert summary["split_all_bound_s"] == summary["split_all_bound_compute_s"]
+    adam = [summary[f"split_{b}_bound_cpu_adam_s"] for b in summary["budgets"]]
+    assert adam == sorted(adam), adam
+    assert summary["split_half_budget_bytes"] == 8 * summary["params"]
+    assert summary["split_streamed_budget_bytes"] == 0
+
+
+def test_split_step_rows_and_the_twinflow_peer_on_cpu(split_runs):
+    """bench_step prints one flat row per budget; Twin-Flow, which needs CUDA and DeepSpeed, is
+    reported skipped with the reason and leaves its comparison null."""
+    lines = split_runs["bench_step.py"]
+    rows = {r["split"]: r for r in lines if "split" in r and "skipped" not in r}
+    assert list(rows) == ["all", "half", "quarter", "streamed"]
+    assert all(not isinstance(v, (dict, list)) for r in rows.values() for v in r.values())  # flat
+    assert rows["streamed"]["variant"] == "offload_w1" and rows["all"]["variant"] == "split_all"
+    summary = lines[-1]
+    assert isinstance(summary["peers"]["twinflow"]["skipped"], str)
+    assert summary["split_half_ratio_vs_twinflow"] is None and summary["split_half_twinflow_tokens_per_s"] is None
+    assert isinstance(summary["split_half_ratio_vs_plain_paired"], float)
