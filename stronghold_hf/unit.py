@@ -519,7 +519,8 @@ class Unit:
         """Points the trainable parameters' ``.grad`` at ``buffer`` (zeroed, in the gradient
         layout): autograd accumulates there."""
         assert self.grad_buffer is None and self.state is Residency.ON_DEVICE, f"{self.fqn}: attach in {self.state}"
-        assert buffer.is_contiguous() and buffer.numel() >= self.layout.padded_grad_numel, f"{self.fqn}: lane too small"
+        assert buffer.is_contiguous() and buffer.numel() >= self.layout.padded_grad_numel, \
+            f"{self.fqn}: a lane must be contiguous and hold the gradient layout"
         self.grad_buffer = buffer
         self._lane_views = self._grad_views(buffer)
         for k, (p, view) in enumerate(zip(self.params, self._lane_views)):
