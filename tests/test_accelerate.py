@@ -63,3 +63,27 @@ def test_plugin_refuses_bad_environment(monkeypatch):
     monkeypatch.setenv("STRONGHOLD_WINDOW_SIZE", "0")
     with pytest.raises(ValueError, match="window_size"):
         StrongholdPlugin()
+
+
+def test_a_split_through_the_plugins_environment_matches_plain_accelerate(monkeypatch):
+    """``STRONGHOLD_CONFIG='{"resident": 2}'`` under accelerate: two blocks stay on the device,
+    stepped by the device AdamW with accelerate's accumulation and clipping, the rest streams."""
+    monkeypatch.setenv("STRONGHOLD", "1")
+    monkeypatch.setenv("STRONGHOLD_WINDOW_SIZE", "1")
+    monkeypatch.setenv("STRONGHOLD_CONFIG", '{"resident": 2}')
+    ref = tiny_model("gpt2")
+    model = copy.deepcopy(ref)
+    acc_ref = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    ref, opt_ref = acc_ref.prepare(ref, opt_ref)
+    losses_ref = _loop(ref, opt_ref, acc_ref)
+    plugin = StrongholdPlugin()
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model, opt, engine = prepare_stronghold(acc, model, dict(lr=1e-2, weight_decay=0.1),
+                                            config=plugin.stronghold_config)
+    assert engine.split.resident_blocks == 2 and len(engine.blocks) == 1
+    losses = _loop(model, opt, acc)
+    assert losses == pytest.approx(losses_ref, rel=1e-4)
+    for k, v in acc_ref.unwrap_model(ref).state_dict().items():
+        torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-4, atol=6e-4, msg=lambda m: f"{k}: {m}")
+    engine.close()
