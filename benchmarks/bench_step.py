@@ -457,6 +457,8 @@ def split_rows(budgets: list[str], names: dict[str, str], refused: dict[str, str
                                         if row["tokens_per_s"] and row["twinflow_tokens_per_s"] else None)
         out.append({"bench": "step", "split": b, "variant": name, "refused": refused.get(b), **row})
         flat.update({f"split_{b}_{k}": v for k, v in row.items()})
+        if b in refused:
+            flat[f"split_{b}_error"] = f"refused: {refused[b]}"  # as bench_train.py reports it
     return out, flat
 
 

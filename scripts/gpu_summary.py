@@ -1,5 +1,5 @@
 """The one summary at the end of scripts/gpu_check.sh: every piece as a number, every target of
-issue #34 ("Fast on a real GPU") as met or unmet.
+issues #34 ("Fast on a real GPU") and #35 ("What fits stays resident") as met or unmet.
 
     python scripts/gpu_summary.py DETAILS_DIR        # prints the block; writes DETAILS_DIR/targets.json
 
@@ -13,6 +13,17 @@ guess. The targets:
   time, and the bytes each way over the pinned bandwidth, all measured in the same run);
 * tokens/s >= 2x DeepSpeed ZeRO-Offload's (bench_step's bf16 runs and bench_train);
 * tokens/s >= 1.5x FSDP2 with CPUOffloadPolicy (bench_train).
+
+#35's, from the ``--budgets all,half,quarter,streamed`` runs (``split_step``: bench_step, GPT-2-medium
+bf16, with Twin-Flow; ``split_train``: bench_train, GPT-2-small bf16), each from the flat
+``split_<budget>_*`` numbers of their summary lines:
+
+* the whole model resident ("all"): tokens/s >= 0.97x plain, in bench_step and in bench_train;
+* half and a quarter of plain's 16 B/param: ``ratio_to_bound`` of that split >= 0.85;
+* tokens/s fall monotonically with the budget: the smallest ratio of a budget's tokens/s to the
+  next smaller one's (all/half, half/quarter, quarter/streamed) >= 1.0;
+* never below everything streamed: the smallest ratio of a budget's tokens/s to streamed's >= 1.0;
+* at all, half and a quarter: tokens/s >= DeepSpeed Twin-Flow's at its best ratio that fits.
 """
 
 from __future__ import annotations
@@ -24,6 +35,11 @@ from pathlib import Path
 
 SHAPES = {"gpt2": "GPT-2-medium", "llama": "Llama-3.2-1B"}
 BOUND_TARGET, ZERO_TARGET, FSDP2_TARGET = 0.85, 2.0, 1.5
+#: #35: the whole model resident against plain; a partial split against its bound; the order of budgets.
+ALL_TARGET, SPLIT_BOUND_TARGET, ORDER_TARGET, TWINFLOW_TARGET = 0.97, 0.85, 1.0, 1.0
+#: bench_step's and bench_train's ``--budgets``, largest first.
+BUDGETS = ("all", "half", "quarter", "streamed")
+SPLIT_PIECES = {"split_step": "bench_step", "split_train": "bench_train"}
 
 #: piece id (its output is <id>.jsonl) -> what it is
 PIECES = {
@@ -32,7 +48,9 @@ PIECES = {
     "step_gpt2_bf16": "bench_step GPT-2-medium bf16",
     "step_llama_bf16": "bench_step Llama-3.2-1B bf16",
     "step_llama_fp32": "bench_step Llama-3.2-1B fp32",
+    "split_step": "bench_step budgets GPT-2-medium bf16",
     "train": "bench_train (Trainer, GPT-2-small)",
+    "split_train": "bench_train budgets (Trainer, GPT-2-small)",
     "memory": "bench_memory (ledger vs allocator)",
     "estimate": "bench_estimate (estimator vs allocator)",
     "max_model": "bench_max_model --quick",
@@ -116,7 +134,11 @@ class Report:
 
     @staticmethod
     def _skip_note(summary: dict, keys) -> str:
-        """The peer's recorded reason, when a peer's number is what is missing."""
+        """The peer's recorded reason, when a peer's number is what is missing; the engine's, when
+        a split budget did not run (``split_<budget>_error``)."""
+        budget = keys[0].split("_")[1] if keys and str(keys[0]).startswith("split_") else None
+        if budget and summary.get(f"split_{budget}_error"):
+            return f" ({summary[f'split_{budget}_error'][:160]})"
         if len(keys) >= 2 and keys[0] == "peers":
             peer = (summary.get("peers") or {}).get(keys[1]) or {}
             if peer.get("skipped"):
@@ -143,14 +165,63 @@ class Report:
             "train", ("peers", "deepspeed_zero2_offload", "ratio_ours_vs_peer"), ZERO_TARGET)
         add(f"bench_train: tokens/s vs FSDP2 CPUOffloadPolicy >= {FSDP2_TARGET}x",
             "train", ("peers", "fsdp2_cpu_offload", "ratio_ours_vs_peer"), FSDP2_TARGET)
+        rows += self.split_targets()
         return rows
+
+    def split_targets(self) -> list[dict]:
+        """#35's targets (see the module docstring)."""
+        rows = []
+
+        def row(name: str, threshold: float, value: float | None, why: str | None) -> None:
+            rows.append({"target": name, "threshold": threshold, "value": value,
+                         "met": value is not None and value >= threshold, "why_not_run": why})
+
+        for pid, bench in SPLIT_PIECES.items():
+            row(f"#35 {bench} all resident: tokens/s vs plain >= {ALL_TARGET}x", ALL_TARGET,
+                *self.value(pid, "split_all_ratio_vs_plain"))
+        for pid, bench in SPLIT_PIECES.items():
+            for b in ("half", "quarter"):
+                row(f"#35 {bench} {b} budget: ratio_to_bound >= {SPLIT_BOUND_TARGET}", SPLIT_BOUND_TARGET,
+                    *self.value(pid, f"split_{b}_ratio_to_bound"))
+        for pid, bench in SPLIT_PIECES.items():
+            tps, why = self.split_tokens(pid)
+            monotone = min(tps[a] / tps[b] for a, b in zip(BUDGETS, BUDGETS[1:])) if tps else None
+            row(f"#35 {bench} tokens/s fall with the budget (min ratio to the next) >= {ORDER_TARGET}", ORDER_TARGET,
+                round(monotone, 3) if monotone is not None else None, why)
+            floor = min(tps[b] / tps["streamed"] for b in BUDGETS[:-1]) if tps else None
+            row(f"#35 {bench} never below streamed (min ratio) >= {ORDER_TARGET}", ORDER_TARGET,
+                round(floor, 3) if floor is not None else None, why)
+        for b in ("all", "half", "quarter"):
+            value, why = self.value("split_step", f"split_{b}_ratio_vs_twinflow")
+            if value is None and why and "no split_" in why:
+                why += self._twinflow_note()
+            row(f"#35 bench_step {b} budget: tokens/s vs Twin-Flow's best ratio >= {TWINFLOW_TARGET}x",
+                TWINFLOW_TARGET, value, why)
+        return rows
+
+    def split_tokens(self, pid: str) -> tuple[dict[str, float] | None, str | None]:
+        """tokens/s at every budget of a ``--budgets`` piece, or (None, why not)."""
+        out = {}
+        for b in BUDGETS:
+            value, why = self.value(pid, f"split_{b}_tokens_per_s")
+            if value is None or value <= 0:
+                return None, why or f"{PIECES[pid]}: split_{b}_tokens_per_s is {value!r}"
+            out[b] = value
+        return out, None
+
+    def _twinflow_note(self) -> str:
+        """Why Twin-Flow has no number: the peer's recorded reason, or that no ratio fit the budget."""
+        summary = self.summaries.get("split_step") or {}
+        skipped = ((summary.get("peers") or {}).get("twinflow") or {}).get("skipped")
+        return f" ({skipped})" if skipped else " (no Twin-Flow ratio ran, or none fits this budget)"
 
     def piece_rows(self) -> list[dict]:
         """Each piece with its status, seconds and one headline number."""
         headline = {
             "step_gpt2_fp32": ("ratio_to_bound",), "step_gpt2_bf16": ("ratio_to_bound",),
             "step_llama_bf16": ("ratio_to_bound",), "step_llama_fp32": ("ratio_to_bound",),
-            "train": ("ratio_stronghold_vs_plain",), "memory": ("unexplained_vs_ledger_max_abs",),
+            "train": ("ratio_stronghold_vs_plain",), "split_step": ("split_all_ratio_vs_plain",),
+            "split_train": ("split_all_ratio_vs_plain",), "memory": ("unexplained_vs_ledger_max_abs",),
             "estimate": ("measured_vs_estimate",), "max_model": ("max_params_stronghold",),
             "nvme": ("ratio_of_disk_bound",), "fetch": ("convert_vs_h2d",),
         }
@@ -184,7 +255,7 @@ def main(argv: list[str]) -> int:
     details = Path(argv[0])
     report = Report(details)
     pieces, targets = report.piece_rows(), report.targets()
-    out = ["", "==================== #34 GPU check: summary ===================="]
+    out = ["", "==================== #34/#35 GPU check: summary ===================="]
     for p in pieces:
         note = f"   ({p['note']})" if p["note"] else ""
         out.append(f"piece  {p['label']:<42} {p['status']:<22} {p['seconds']:>5} s   {p['what']} = {_fmt(p['number'])}{note}")
@@ -197,7 +268,7 @@ def main(argv: list[str]) -> int:
             verdict = f"unmet (not run: {t['why_not_run']})"
         else:
             verdict = ("met" if t["met"] else "unmet") + f" ({_fmt(t['value'])})"
-        out.append(f"target {t['target']:<62} {verdict}")
+        out.append(f"target {t['target']:<80} {verdict}")
     met = sum(t["met"] for t in targets)
     out.append(f"targets met: {met}/{len(targets)}")
     print("\n".join(out))

@@ -161,8 +161,48 @@ def test_gpu_summary_lists_every_target_and_why_one_did_not_run(tmp_path):
         "unmet (not run: bench_step Llama-3.2-1B fp32 is not in this run)")
     assert "deepspeed is not importable" in verdict("bench_train: tokens/s vs ZeRO-Offload")
     assert verdict("bench_train: tokens/s vs FSDP2") == "met (1.940)"
-    assert "targets met: 2/12" in out and len(lines) == 12
+    assert "targets met: 2/25" in out and len(lines) == 25
+    assert verdict("#35 bench_step all resident") == (
+        "unmet (not run: bench_step budgets GPT-2-medium bf16 is not in this run)")
     assert "tests failed = 1\n" in out  # the pytest piece's number
     assert "20s of the 465s left, needs 35s" in out
     targets = json.loads((tmp_path / "targets.json").read_text())["targets"]
     assert [t["met"] for t in targets].count(True) == 2
+
+
+def test_gpu_summary_judges_the_split_targets(tmp_path):
+    """#35's targets in scripts/gpu_summary.py, from the flat split_<budget>_* numbers: all against
+    plain, half and quarter against their bound, the order of the budgets, and Twin-Flow's best."""
+    (tmp_path / "pieces.tsv").write_text("split_step\tok\t70\t\nsplit_train\tok\t40\t\n")
+    step = {"bench": "step", "summary": True, "split_all_ratio_vs_plain": 0.98, "split_half_ratio_to_bound": 0.9,
+            "split_quarter_ratio_to_bound": 0.8, "split_all_tokens_per_s": 400.0, "split_half_tokens_per_s": 300.0,
+            "split_quarter_tokens_per_s": 310.0, "split_streamed_tokens_per_s": 200.0,
+            "split_all_ratio_vs_twinflow": 1.2, "split_half_ratio_vs_twinflow": 0.9, "split_quarter_ratio_vs_twinflow": None,
+            "peers": {"twinflow": {"skipped": None}}}
+    train = {"bench": "train", "summary": True, "split_all_ratio_vs_plain": 0.95, "split_half_ratio_to_bound": 0.86,
+             "split_quarter_ratio_to_bound": 0.85, "split_all_tokens_per_s": 400.0, "split_half_tokens_per_s": 300.0,
+             "split_quarter_tokens_per_s": 250.0, "split_streamed_tokens_per_s": 260.0}
+    (tmp_path / "split_step.jsonl").write_text(json.dumps(step) + "\n")
+    (tmp_path / "split_train.jsonl").write_text(json.dumps(train) + "\n")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_summary.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    verdicts = {ln[len("target "):].rsplit("  ", 1)[0].strip(): ln.rsplit("  ", 1)[-1].strip()
+                for ln in proc.stdout.splitlines() if ln.startswith("target #35")}
+    assert len(verdicts) == 13
+
+    def verdict(start: str) -> str:
+        return next(v for name, v in verdicts.items() if name.startswith(start))
+
+    assert verdict("#35 bench_step all resident") == "met (0.980)"
+    assert verdict("#35 bench_train all resident") == "unmet (0.950)"
+    assert verdict("#35 bench_step half budget") == "met (0.900)"
+    assert verdict("#35 bench_step quarter budget") == "unmet (0.800)"
+    assert verdict("#35 bench_train quarter budget") == "met (0.850)"
+    assert verdict("#35 bench_step tokens/s fall") == "unmet (0.968)"  # quarter ran faster than half
+    assert verdict("#35 bench_step never below streamed") == "met (1.500)"
+    assert verdict("#35 bench_train tokens/s fall") == "unmet (0.962)"
+    assert verdict("#35 bench_train never below streamed") == "unmet (0.962)"  # quarter under streamed
+    assert verdict("#35 bench_step all budget: tokens/s vs Twin-Flow") == "met (1.200)"
+    assert verdict("#35 bench_step half budget: tokens/s vs Twin-Flow") == "unmet (0.900)"
+    assert verdict("#35 bench_step quarter budget: tokens/s vs Twin-Flow").startswith("unmet (not run: ")
