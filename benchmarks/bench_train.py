@@ -7,7 +7,13 @@ loop. Same GPT-2 shapes and random-token data as `bench_step.py` (no hub, no tok
 Variants
   plain                    `transformers.Trainer`, default optimizer (``adamw_torch_fused``)
   stronghold_auto          `StrongholdTrainer` with ``--stronghold`` and window_size ``auto``
-  stronghold_w1/_w2        the same with a fixed window of 1 and 2 blocks
+  stronghold_w1/_w2        the same with a fixed window of 1 and 2 blocks (these stream everything:
+                           ``resident=False``, what #34 measures)
+  split_<budget>           with ``--budgets all,half,quarter,streamed`` (#35): window auto, and
+                           ``resident="auto"`` with ``gpu_memory`` twice, half or a quarter of
+                           plain's 16 B/param (``resident=False`` for streamed); the summary's flat
+                           ``split_<budget>_*`` numbers: tokens/s, the step, the resident share,
+                           the bound of that split and the ratios to it and to plain
   deepspeed_zero2_offload  ``--deepspeed`` ZeRO-2 with ``offload_optimizer: cpu``   } only when
   deepspeed_zero3_offload  ZeRO-3 with ``offload_param`` and ``offload_optimizer: cpu`` } `deepspeed` imports
   fsdp2_cpu_offload        FSDP2 (``fully_shard`` on every block and the root) with

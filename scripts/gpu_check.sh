@@ -2,7 +2,7 @@
 # One-shot GPU check for a CUDA machine, written for issue #34 ("Fast on a real GPU") on an H200
 # session with a strict budget: it ends within 8 minutes (the device session has 15 in all,
 # the machine's start included), and ends with ONE summary in which every piece is a number and
-# every target of #34 is listed as met or unmet.
+# every target of #34 and #35 ("What fits stays resident") is listed as met or unmet.
 #
 #   bash scripts/build_gpu_wheels.sh     # here, before: DeepSpeed & co into .whl/ (git-ignored)
 #   bash scripts/gpu_check.sh            # there, from anywhere in the repository (device tool: carry .whl)
@@ -18,15 +18,20 @@
 # benchmark's own --time_budget_s is its timeout minus a margin, so it stops starting rounds and
 # still prints its summary line.
 #   id               budget/min  what
-#   pytest_gpu         90/40     the CUDA tests (tests/test_gpu.py), no -x: parity, delay injection, the
+#   pytest_gpu         80/40     the CUDA tests (tests/test_gpu.py), no -x: parity, delay injection, the
 #                                ledger against the allocator (what it held at its peak, by who
 #                                allocated it: ledger_vs_allocator.json), deep == shallow peak, ...
-#   step_gpt2_fp32     60/35     bench_step, GPT-2-medium shape (354 M), fp32: plain, auto, W=1; the bound
-#   step_gpt2_bf16     65/40     the same in bf16, with DeepSpeed ZeRO-Offload next to it
-#   step_llama_bf16    85/50     bench_step, Llama-3.2-1B shape (1.24 B), bf16, with ZeRO-Offload
-#   step_llama_fp32    80/50     the same in fp32, without the peer
-#   train              90/50     bench_train (Trainer, GPT-2-small): plain, --stronghold auto and W=1,
+#   step_gpt2_fp32     50/35     bench_step, GPT-2-medium shape (354 M), fp32: plain, auto, W=1 (all
+#                                streamed); the bound
+#   step_gpt2_bf16     55/40     the same in bf16, with DeepSpeed ZeRO-Offload next to it
+#   split_step         75/50     #35: bench_step, GPT-2-medium bf16, window auto, at the budgets all, half
+#                                and a quarter of plain's 16 B/param, and streamed; each split's bound;
+#                                Twin-Flow (DeepSpeed ZeRO-3, offload ratio 0.25/0.5/0.75/1) next to it
+#   train              70/50     bench_train (Trainer, GPT-2-small): plain, --stronghold auto and W=1,
 #                                ZeRO-Offload (TrainingArguments(deepspeed=...)), FSDP2 CPUOffloadPolicy
+#   split_train        50/35     #35: bench_train (GPT-2-small, bf16) at the same four budgets, and plain
+#   step_llama_bf16    70/50     bench_step, Llama-3.2-1B shape (1.24 B), bf16, with ZeRO-Offload
+#   step_llama_fp32    70/50     the same in fp32, without the peer
 #   estimate           50/35     bench_estimate: the estimator against the allocator, Llama-3-8B shapes, 2 blocks
 #   memory             55/35     bench_memory: ledger vs allocator at 4/16/64 blocks (first step apart,
 #                                autograd's saved tensors counted, allocator history at the peak), sweeps
@@ -187,6 +192,9 @@ if [ "$MODE" = cuda ]; then
     GPT2=(--model gpt2-medium-like --warmup 2 --rounds 3 --block_steps 3)
     LLAMA=(--model llama-3.2-1b-like --warmup 2 --rounds 2 --block_steps 3)
     TRAIN=(--quick --model_size gpt2-small-like --worker_timeout 45)
+    # Plain, three split variants, the streamed one and four Twin-Flow engines: two rounds of 3.
+    SPLIT=(--model gpt2-medium-like --warmup 1 --rounds 2 --block_steps 3 --precision bf16 --peers twinflow)
+    SPLIT_TRAIN=(--model_size gpt2-small-like --precision bf16 --steps 6 --skip 2 --rounds 1 --worker_timeout 45)
     MEMORY=(--width 512 --depths 4,16,64 --seq 32 --batch 1 --cap_third --vocab_sweep 4096,131072
             --seq_sweep 512,8192 --depth_sweep 2,32)
     ESTIMATE=(--layers 2 --seq 4096)
@@ -195,24 +203,39 @@ else
     GPT2=(--model smoke --warmup 1 --rounds 2 --block_steps 3 --threads 1)
     LLAMA=(--model llama-smoke --warmup 1 --rounds 2 --block_steps 3 --threads 1)
     TRAIN=(--model_size smoke --steps 4 --skip 1 --rounds 1 --memory none --threads 1 --worker_timeout 120)
+    # 12 tiny blocks, so that half and a quarter keep some of them next to the window.
+    SPLIT=(--model smoke --n_layer 12 --warmup 1 --rounds 2 --block_steps 3 --threads 1 --peers twinflow)
+    SPLIT_TRAIN=(--model_size smoke --n_layer 12 --steps 4 --skip 1 --rounds 1 --memory none --threads 1)
     MEMORY=(--width 32 --depths 4,8 --steps 2 --seq 8 --sweep_hidden 64 --sweep_seq 64 --sweep_vocab 1024
             --vocab_sweep 512,4096 --seq_sweep 64,256 --depth_sweep 2,8)
     ESTIMATE=(--hidden 256 --ffn 512 --heads 4 --kv_heads 2 --vocab 8192 --seq 256)
 fi
 STEP=(python benchmarks/bench_step.py "${DEV[@]}" --windows auto,1 --time_budget_s @SOFT@)
 
-run_piece pytest_gpu 90 40 0 python -m pytest -m gpu tests -q -p no:cacheprovider
-run_piece step_gpt2_fp32 60 35 20 "${STEP[@]}" "${GPT2[@]}" --peers none
+BUDGETS=(--budgets all,half,quarter,streamed)
+
+# The budgets through step_llama_bf16 sum to 465 s with the setup's 15: the Llama fp32 run and the
+# optional pieces get what the pieces before them leave unused (pytest_gpu took 48 s of its 80 on
+# the H200). #35's pieces come after #34's GPT-2 runs and before its Llama ones.
+run_piece pytest_gpu 80 40 0 python -m pytest -m gpu tests -q -p no:cacheprovider
+run_piece step_gpt2_fp32 50 35 18 "${STEP[@]}" "${GPT2[@]}" --peers none
 if [ "$MODE" = cuda ]; then
-    run_piece step_gpt2_bf16 65 40 22 "${STEP[@]}" "${GPT2[@]}" --precision bf16 --peers zero_offload
-    run_piece step_llama_bf16 85 50 30 "${STEP[@]}" "${LLAMA[@]}" --precision bf16 --peers zero_offload
+    run_piece step_gpt2_bf16 55 40 20 "${STEP[@]}" "${GPT2[@]}" --precision bf16 --peers zero_offload
 else
     skip_piece step_gpt2_bf16 "bf16 needs CUDA (CPU autocast refuses GPT-2's bf16 LayerNorm)"
+fi
+run_piece split_step 75 50 28 python benchmarks/bench_step.py "${DEV[@]}" --windows auto "${BUDGETS[@]}" \
+    "${SPLIT[@]}" --time_budget_s @SOFT@
+run_piece train 70 50 22 python benchmarks/bench_train.py "${DEV[@]}" "${TRAIN[@]}" \
+    --variants plain,stronghold_auto,stronghold_w1 --peers zero2,fsdp2 --time_budget_s @SOFT@
+run_piece split_train 50 35 15 python benchmarks/bench_train.py "${DEV[@]}" "${SPLIT_TRAIN[@]}" "${BUDGETS[@]}" \
+    --variants plain --peers none --time_budget_s @SOFT@
+if [ "$MODE" = cuda ]; then
+    run_piece step_llama_bf16 70 50 28 "${STEP[@]}" "${LLAMA[@]}" --precision bf16 --peers zero_offload
+else
     skip_piece step_llama_bf16 "bf16 needs CUDA in bench_step"
 fi
-run_piece step_llama_fp32 80 50 30 "${STEP[@]}" "${LLAMA[@]}" --peers none
-run_piece train 90 50 25 python benchmarks/bench_train.py "${DEV[@]}" "${TRAIN[@]}" \
-    --variants plain,stronghold_auto,stronghold_w1 --peers zero2,fsdp2 --time_budget_s @SOFT@
+run_piece step_llama_fp32 70 50 28 "${STEP[@]}" "${LLAMA[@]}" --peers none
 run_piece estimate 50 35 0 python benchmarks/bench_estimate.py "${DEV[@]}" "${ESTIMATE[@]}"
 run_piece memory 55 35 0 python benchmarks/bench_memory.py "${DEV[@]}" "${MEMORY[@]}"
 if [ "$MODE" = cuda ]; then
