@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     built_s = time.perf_counter() - t0
     est = estimate_for_model(model, seq_len=args.seq, batch_size=1, dtype="bf16", gradient_checkpointing=True,
                              window_size=args.window, gpu_memory_bytes=1 << 50, cpu_memory_bytes=1 << 50)
-    engine = offload_model(model, StrongholdConfig(window_size=args.window, param_dtype=torch.bfloat16,
+    engine = offload_model(model, StrongholdConfig(resident=False, window_size=args.window, param_dtype=torch.bfloat16,
                                                    offload_activations=est.offload_activations), device=device)
     opt = engine.build_optimizer(lr=1e-5)
     offload_s = time.perf_counter() - t0 - built_s

@@ -69,7 +69,7 @@ def engine_steps(host_image: bool, args: argparse.Namespace) -> dict:
                       num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=8)
     model = LlamaForCausalLM(cfg)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    engine = offload_model(model, StrongholdConfig(window_size=2, param_dtype=torch.bfloat16, host_image=host_image),
+    engine = offload_model(model, StrongholdConfig(resident=False, window_size=2, param_dtype=torch.bfloat16, host_image=host_image),
                            device=device)
     opt = engine.build_optimizer(lr=1e-4)
     ids = torch.randint(0, 8192, (1, args.seq), device=device)

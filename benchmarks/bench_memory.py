@@ -65,7 +65,7 @@ def build(depth: int, width: int) -> torch.nn.Module:
 def run_depth(depth: int, args) -> dict:
     device = _device(args.device)
     model = build(depth, args.width)
-    engine = offload_model(model, StrongholdConfig(window_size=args.window, grad_buffers=args.grad_buffers),
+    engine = offload_model(model, StrongholdConfig(resident=False, window_size=args.window, grad_buffers=args.grad_buffers),
                            device=device)
     opt = engine.build_optimizer(lr=1e-4)
     g = torch.Generator().manual_seed(0)
@@ -165,7 +165,7 @@ def run_capped(depth: int, args) -> dict:
     """Trains a model whose blocks total 3x the memory the process may allocate on the GPU."""
     model = build(depth, args.width)
     blocks = sum(p.numel() * p.element_size() for p in model.transformer.h.parameters())
-    engine = offload_model(model, StrongholdConfig(window_size=args.window), device=_device(args.device))
+    engine = offload_model(model, StrongholdConfig(resident=False, window_size=args.window), device=_device(args.device))
     torch.cuda.synchronize()
     cap = blocks // 3 + torch.cuda.memory_allocated()
     total = torch.cuda.get_device_properties(0).total_memory
@@ -273,7 +273,7 @@ def sweep_point(kind: str, value: int, layers: int, vocab: int, seq: int, args) 
     model = build_llama(layers, vocab, args.sweep_hidden)
     ref = copy.deepcopy(model).to(device)
     ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(0)).to(device)
-    engine = offload_model(model, StrongholdConfig(window_size=args.window, grad_buffers=args.grad_buffers,
+    engine = offload_model(model, StrongholdConfig(resident=False, window_size=args.window, grad_buffers=args.grad_buffers,
                                                    offload_activations=True), device=device)
     engine_saved, engine_loss = _measure(model, ids, args.steps, engine)
     stats = engine.memory_stats()

@@ -78,7 +78,7 @@ def engine_run(tier: str, args, device: str) -> dict:
                  nvme_ring_buffers=args.ring) if tier != "ram" else {}
     if tier == "nvme_masters":
         extra["nvme_masters"] = True
-    engine = offload_model(model, StrongholdConfig(window_size=2, **extra), device=device)
+    engine = offload_model(model, StrongholdConfig(resident=False, window_size=2, **extra), device=device)
     opt = engine.build_optimizer(lr=1e-4)
     ids = torch.randint(0, 4096, (1, args.seq), device=device)
     steps, updates = [], []

@@ -81,6 +81,18 @@ def device_reserve_bytes(total: int) -> int:
     return max(2 * GiB, total // 10)
 
 
+def cuda_budget_bytes(device: torch.device) -> int:
+    """``gpu_memory=None`` on CUDA: the free device memory less the reserve, within a per-process
+    cap (``torch.cuda.set_per_process_memory_fraction``) when one is set, so a capped process
+    plans for the card it is given."""
+    free, total = torch.cuda.mem_get_info(device)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if fraction is not None:
+        total = int(fraction(device) * total)
+        free = min(free, total - torch.cuda.memory_reserved(device))
+    return max(0, free - device_reserve_bytes(total))
+
+
 def resident_bytes(spec: UnitSpec) -> int:
     """Device bytes of ``spec`` kept resident: its parameters as stored, and for each trainable
     one an fp32 gradient and the device AdamW's two moments."""
@@ -218,5 +230,5 @@ def _split(plan: UnitPlan, kept: set[int], need: int, budget: int | None, reason
     )
 
 
-__all__ = ["DeviceSplit", "NOTHING_RESIDENT", "choose_split", "device_reserve_bytes", "resident_bytes",
+__all__ = ["DeviceSplit", "NOTHING_RESIDENT", "choose_split", "cuda_budget_bytes", "device_reserve_bytes", "resident_bytes",
            "streamed_bytes", "preference", "fetches_per_step", "eligible"]

@@ -40,7 +40,7 @@ from .memory import GRAD_ALIGN, DeviceSlotPool, HostAllocator, element_size, lay
 from .optim import quant8
 from .promises import Promises
 from .schedule import Phase, WindowSchedule
-from .split import TRAINABLE_EXTRA_BYTES, DeviceSplit, choose_split, device_reserve_bytes
+from .split import TRAINABLE_EXTRA_BYTES, DeviceSplit, choose_split, cuda_budget_bytes
 from .state_dict import install_state_dict_hooks
 from .stats import EngineStats
 from .stepping import StepCoordinator
@@ -273,8 +273,7 @@ class WindowEngine:
         config = self.config
         budget = config.gpu_memory
         if budget is None and self.device.type == "cuda" and config.resident == "auto":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = max(0, free - device_reserve_bytes(total))
+            budget = cuda_budget_bytes(self.device)
         if budget is not None and self.dp is not None:
             budget = self.dp.min_int(int(budget))
         in_units = {id(p) for u in plan.units for _, p in u.params}
