@@ -152,13 +152,15 @@ class StrongholdConfig:
     speculates when the host work runs inline (a CPU compute device, see ``host_worker``).
     ``"on"`` always speculates (a miss costs an undo and a redo per block); ``"off"`` never."""
 
-    chunked_loss: bool = True
+    chunked_loss: bool | Literal["auto"] = "auto"
     """Causal LMs compute the LM head and the cross-entropy in chunks of tokens during training
     and recompute each chunk in backward, so the ``[batch, tokens, vocab]`` logits are never
     whole (``chunked_loss.py``). A training forward with ``labels`` then returns
     ``logits=None``, as Liger's fused loss does; evaluation and ``generate`` are unchanged.
     A model whose head does something this does not reproduce exactly keeps the plain path,
-    with one log line. ``False`` turns it off."""
+    with one log line. ``"auto"``: on, unless the device/host split keeps the whole model on
+    the device (``resident``), where the model trains as plain training does, whole logits
+    and no recompute of the head included. ``True``: always; ``False``: never."""
 
     loss_chunk_tokens: int | Literal["auto"] = "auto"
     """Tokens per chunk of the chunked loss. ``"auto"``: one chunk's logits, their fp32 copies
@@ -285,7 +287,10 @@ class StrongholdConfig:
             )
         if self.shard_cpu_state is not None and not isinstance(self.shard_cpu_state, bool):
             raise TypeError(f"StrongholdConfig.shard_cpu_state={self.shard_cpu_state!r} must be None, True or False.")
-        for name in ("offload_optimizer", "offload_non_block", "chunked_loss", "pin_memory", "check_fit"):
+        if self.chunked_loss not in (True, False, "auto") or (
+                isinstance(self.chunked_loss, int) and not isinstance(self.chunked_loss, bool)):
+            raise ValueError(f"StrongholdConfig.chunked_loss={self.chunked_loss!r}; use \"auto\", True or False.")
+        for name in ("offload_optimizer", "offload_non_block", "pin_memory", "check_fit"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"StrongholdConfig.{name}={getattr(self, name)!r} must be a bool.")
         if self.block_classes is not None:

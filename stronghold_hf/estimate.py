@@ -448,7 +448,7 @@ def _assemble(
     counts: _Counts, config: Any, *, model_name: str, seq_len: int, batch_size: int, dtype: str,
     gradient_checkpointing: bool, window_size: int | str | None, gpu_memory_bytes: int | None,
     cpu_memory_bytes: int | None, decoder_seq_len: int | None, notes: list[str], grad_buffers: int = 2,
-    offload_non_block: bool = True, chunked_loss: bool = True, offload_activations: bool | str = "auto",
+    offload_non_block: bool = True, chunked_loss: bool | str = "auto", offload_activations: bool | str = "auto",
     loss_chunk_tokens: int | str = "auto", host_memory: str = "exact", host_image: bool | str = "auto",
     host_grads: str = "auto", gradient_accumulation_steps: int = 1, nvme_memory_bytes: int | None = None,
     nvme: bool | str = "auto", nvme_ring_buffers: int = 3, nvme_masters: bool | str = "auto", split: Any = None,
@@ -528,7 +528,9 @@ def _assemble(
         s_out = s_dec if any(layer.cross_attention for layer in counts.layers) else seq_len
         tokens = s_out * batch_size
         head = 2 * tokens * (counts.hidden or h) * c  # the final norm's input and output
-        use_chunks = chunked_loss and counts.chunked and counts.logits_width
+        whole_resident = not counts.units and split is not None  # the split keeps the model on the GPU
+        use_chunks = (chunked_loss is True or (chunked_loss == "auto" and not whole_resident)) and (
+            counts.chunked and counts.logits_width)
         if use_chunks:
             from .chunked_loss import BYTES_PER_LOGIT, resolve_chunk_tokens
 
@@ -776,7 +778,7 @@ def estimate(
     model_config: Any, *, seq_len: int, batch_size: int, dtype: str = "fp32", gpu_memory_bytes: int,
     cpu_memory_bytes: int, gradient_checkpointing: bool = False, window_size: int | str | None = None,
     auto_class: Any = None, decoder_seq_len: int | None = None, block_classes: Sequence[str] | None = None,
-    grad_buffers: int = 2, offload_non_block: bool = True, chunked_loss: bool = True,
+    grad_buffers: int = 2, offload_non_block: bool = True, chunked_loss: bool | str = "auto",
     offload_activations: bool | str = "auto", loss_chunk_tokens: int | str = "auto", host_memory: str = "exact",
     host_image: bool | str = "auto", host_grads: str = "auto", gradient_accumulation_steps: int = 1,
     nvme_memory_bytes: int | str | None = None, nvme: bool | str = "auto", nvme_masters: bool | str = "auto",
@@ -833,7 +835,7 @@ def estimate_for_model(
     gpu_memory_bytes: int | None = None, cpu_memory_bytes: int | None = None,
     gradient_checkpointing: bool | None = None, window_size: int | str | None = None,
     block_classes: Sequence[str] | None = None, decoder_seq_len: int | None = None, grad_buffers: int = 2,
-    device: torch.device | str | int | None = None, offload_non_block: bool = True, chunked_loss: bool = True,
+    device: torch.device | str | int | None = None, offload_non_block: bool = True, chunked_loss: bool | str = "auto",
     offload_activations: bool | str = "auto", loss_chunk_tokens: int | str = "auto", host_memory: str = "exact",
     host_image: bool | str = "auto", host_grads: str = "auto", gradient_accumulation_steps: int = 1,
     nvme_memory_bytes: int | None = None, nvme: bool | str = "auto", nvme_ring_buffers: int = 3,
@@ -1017,8 +1019,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--offload_non_block", type=flag, default=True,
                         help="true (default): embeddings, norms and heads are offloaded like blocks; false: they stay "
                         "on the GPU with a device AdamW")
-    parser.add_argument("--chunked_loss", type=flag, default=True,
-                        help="true (default): causal LMs compute the head and loss in chunks; false: whole logits")
+    parser.add_argument("--chunked_loss", type=_arg_type(_parse_auto_bool, "auto, true or false"), default="auto",
+                        help="auto (default: unless the split keeps the whole model on the GPU) or true: causal LMs "
+                        "compute the head and loss in chunks; false: whole logits")
     parser.add_argument("--offload_activations", type=_arg_type(_parse_auto_bool, "auto, true or false"),
                         default="auto", help="auto (default: when the GPU would not fit otherwise), true or false")
     parser.add_argument("--grad_buffers", type=int, default=2, help="K, gradient buffers in flight (default 2)")

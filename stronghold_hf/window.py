@@ -222,7 +222,8 @@ class WindowEngine:
                 u.guard()  # a shard: a read between steps is refused with the fix; on disk: mapped
         self._device_reporting = _report_compute_device(model, device)
         self.chunked_loss = None
-        if config.chunked_loss:
+        # "auto": not when the split keeps everything on the device (the model trains as plain).
+        if config.chunked_loss is True or (config.chunked_loss == "auto" and self.units):
             from .chunked_loss import ChunkedLoss
 
             self.chunked_loss = ChunkedLoss.install(model, config.loss_chunk_tokens, promises=self.promises)

@@ -328,3 +328,17 @@ def test_the_estimator_counts_the_split_as_the_ledger_does(param_dtype):
     assert abs(est.gpu_engine_bytes - autocast_copy - device) <= 0.05 * device, (est.gpu_engine_bytes, device)
     auto = estimate_for_model(make(), resident="auto", **common)
     assert auto.resident_params_on_gpu == sum(p.numel() for p in make().parameters()) and auto.cpu_master_bytes == 0
+
+
+def test_a_whole_resident_model_computes_its_loss_as_plain_training_does():
+    """``chunked_loss="auto"``: with the whole model on the device the head is not recomputed
+    and the logits are whole, as in plain training; asked for, the chunks stay."""
+    model = tiny_model("gpt2")
+    engine = offload_model(model, StrongholdConfig(window_size=1, gpu_memory=WHOLE, loss_chunk_tokens=4), device="cpu")
+    assert engine.chunked_loss is None and model(**batch("gpt2", seed=0)).logits is not None
+    streamed = offload_model(tiny_model("gpt2"), StrongholdConfig(window_size=1, resident=1), device="cpu")
+    assert streamed.chunked_loss is not None
+    chunked = tiny_model("gpt2")
+    forced = offload_model(chunked, StrongholdConfig(window_size=1, gpu_memory=WHOLE, chunked_loss=True,
+                                                     loss_chunk_tokens=4), device="cpu")
+    assert forced.chunked_loss is not None and chunked(**batch("gpt2", seed=0)).logits is None
