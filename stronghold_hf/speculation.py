@@ -17,10 +17,11 @@ the step will clip, whatever the remaining blocks hold.
 
 A speculative update is *undone* exactly from what it used: AdamW is invertible given the
 gradient, the hyperparameters and the step count (`undo_adamw_`), so nothing is copied to make
-the rollback possible. The inverse recovers the old moments to within an ulp of the new ones
-(exactly, for a parameter's first step); when the redo applies a much smaller clip
-coefficient, that ulp grows relative to the redone moments, up to about 1e-5 at a
-coefficient of 0.01, inside the suite's parity tolerances (1e-4).
+the rollback possible. The inverse is one native pass over the block on every core of the
+host worker (optim/undo_native.py; torch ops where that cannot be built). It recovers the old
+moments to within an ulp of the new ones (exactly, for a parameter's first step); when the
+redo applies a much smaller clip coefficient, that ulp grows relative to the redone moments,
+up to about 1e-5 at a coefficient of 0.01, inside the suite's parity tolerances (1e-4).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+
+from .optim import undo_native
 
 SpeculationMode = Literal["auto", "on", "off"]
 
@@ -116,12 +119,16 @@ class PartialNorm:
                 self.exceeded = True
 
 
+UndoKernel = Literal["auto", "native", "torch"]
+
+
 @torch.no_grad()
 def undo_adamw_(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict[str, torch.Tensor]],
-                hyper: dict[str, Any], grad_mul: float) -> None:
+                hyper: dict[str, Any], grad_mul: float, *, kernel: UndoKernel = "auto") -> None:
     """Inverts one AdamW step (``CPUAdam``/``torch._fused_adamw_`` math) in place.
 
-    Forward, per element with ``g' = grad * grad_mul`` and ``t`` the step after the update::
+    Forward, per element with ``g' = grad * grad_mul`` (in fp32, a bf16 gradient widened
+    first, as CPUAdam computes it) and ``t`` the step after the update::
 
         m1 = b1 m0 + (1-b1) g';   v1 = b2 v0 + (1-b2) g'^2
         p1 = p0 (1 - lr wd) - (lr / bc1) m1 / (sqrt(v1) / sqrt(bc2) + eps)
@@ -129,12 +136,36 @@ def undo_adamw_(params: list[torch.Tensor], grads: list[torch.Tensor], states: l
     so ``p0 = (p1 + (lr / bc1) m1 / denom) / (1 - lr wd)``, ``m0 = (m1 - (1-b1) g') / b1``,
     ``v0 = (v1 - (1-b2) g'^2) / b2``, and the step count goes back by one. With ``b = 0`` the
     old moment does not matter to the redo (it is multiplied by 0) and is set to 0.
+
+    ``kernel``: ``"native"`` is one pass per element on the calling thread's
+    ``torch.get_num_threads()`` cores (optim/undo_native.py; it raises if the library cannot
+    be built), ``"torch"`` about ten torch passes, ``"auto"`` the native one where it builds
+    and the state has CPUAdam's fp32 layout. The two agree to a few ulps of the operands.
     """
+    if kernel not in ("auto", "native", "torch"):
+        raise ValueError(f"undo_adamw_: kernel={kernel!r}; use 'auto', 'native' or 'torch'.")
+    items = [(p, g, st) for p, g, st in zip(params, grads, states) if st]
+    if kernel != "torch" and items:
+        if undo_native.native_undo_error() is None:
+            native = [it for it in items if undo_native.native_undo_accepts(*it)]
+            if native:
+                undo_native.undo_adamw_native_(*map(list, zip(*native)), hyper, grad_mul)
+            accepted = {id(p) for p, _, _ in native}
+            items = [it for it in items if id(it[0]) not in accepted]
+        elif kernel == "native":
+            raise RuntimeError(f"undo_adamw_(kernel='native'): the native undo is unavailable "
+                               f"({undo_native.native_undo_error()}). Use kernel='torch' or 'auto'.")
+        if items and kernel == "native":
+            raise ValueError("undo_adamw_(kernel='native'): some tensors are not in CPUAdam's fp32 layout "
+                             "(contiguous fp32 CPU master and moments, fp32 or bf16 gradient); use kernel='auto'.")
+    if items:
+        _undo_adamw_torch(*map(list, zip(*items)), hyper, grad_mul)
+
+
+def _undo_adamw_torch(params, grads, states, hyper: dict[str, Any], grad_mul: float) -> None:
     lr, (b1, b2), eps, wd = float(hyper["lr"]), (float(b) for b in hyper["betas"]), float(hyper["eps"]), float(
         hyper["weight_decay"])
     for p, g, st in zip(params, grads, states):
-        if not st:
-            continue
         t = float(st["step"])
         m, v = st["exp_avg"], st["exp_avg_sq"]
         bc1 = 1.0 - b1**t
@@ -144,7 +175,8 @@ def undo_adamw_(params: list[torch.Tensor], grads: list[torch.Tensor], states: l
         decay = 1.0 - lr * wd
         if decay != 1.0 and decay != 0.0:
             p.div_(decay)
-        gp = g * grad_mul if grad_mul != 1.0 else g
+        # In fp32 as the forward computed it: a bf16 gradient times grad_mul would round to bf16.
+        gp = g.to(torch.float32) * grad_mul if grad_mul != 1.0 else g
         if t <= 1.0:  # the state was fresh before this step: its moments were exactly zero
             m.zero_()
             v.zero_()
