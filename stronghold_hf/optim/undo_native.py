@@ -13,14 +13,17 @@ How it inverts (per element; ``g' = g * grad_mul`` in fp32, a bf16 gradient wide
 exactly as the forward computed it):
 
 * the parameter: the forward's step term ``s = (-lr/bc1) m1 / (sqrt(v1)/sqrt(bc2) + eps)``
-  is recomputed bit for bit (same fp32 operands, same operation order), subtracted, and the
-  decay divided out, in fp32. Each result is rounded back onto the fp32 grid the old value
-  lay on, so most parameters come back bit for bit;
-* the moments: ``m0 = (m1 - w g') / (1 - w)`` with ``w`` the forward's fp32 ``1 - beta1``,
-  and ``v0 = max(0, (v1 - a g') / beta2)`` with ``a`` the forward's fp32 ``(1 - beta2) g'``,
-  in double and rounded once: the products are exact in double, so the only errors left are
-  the forward's own roundings (half an ulp of ``m1``/``v1``, divided by ``beta``). The torch
-  path rounds three times in fp32 instead; both agree to a few ulps of the operands;
+  is recomputed bit for bit (same fp32 operands, same operation order) and subtracted in
+  fp32, then the decay is divided out. Each result is rounded back onto the fp32 grid the
+  forward's intermediate lay on, so about 98% of parameters come back bit for bit;
+* ``v0 = max(0, fma(-a, g', v1) / beta2)`` with ``a`` the forward's fp32 ``(1 - beta2) g'``:
+  the fma lands back on the forward's fp32 ``beta2 v0`` unless its rounding of ``v1`` was
+  over half an ulp of it;
+* ``m0 = (m1 - w g') / (1 - w)`` with ``w`` the forward's fp32 ``1 - beta1``, in double and
+  rounded once: the forward rounded ``g' - m0``, which no inverse can recover, so the best is
+  the exact inverse of its real-number map (the product of two fp32 values is exact in
+  double). About 62% come back bit for bit at beta1 = 0.9, against 49% through the torch
+  undo's three fp32 roundings; both are within an ulp or two of the operands;
 * a moment whose old value the forward multiplied by 0 (``beta == 0``, or ``1 - beta``
   rounding to 1 in fp32), and both moments of a state whose step was its first, are set to
   0: the redo does not read them, and a fresh state's moments were exactly 0;
@@ -60,8 +63,12 @@ namespace {
 """ + ROUNDING_HELPERS + r"""
 struct Undo {
   float grad_mul, decay, lerp_w, one_minus_beta2, eps;  // the forward's fp32 constants
-  double keep_m;  // what the forward multiplied m0 by: 1 - lerp_w, exact in double
-  float keep_v;  // and v0 by: beta2 in fp32
+  // 1 / what the forward multiplied p0, m0 and v0 by (decay, 1 - lerp_w, fp32 beta2), in
+  // double. [Note: divisions] x * (1/d) in double, rounded to fp32, is x / d correctly rounded
+  // except within ~2^-52 of a tie between two floats (about one element in 2^28), and costs a
+  // multiply instead of a divide: three fp32/double divides per element made the undo
+  // compute bound, 1.5x the forward step's time on this 2-core box.
+  double inv_decay, inv_keep_m, inv_keep_v;
 };
 constexpr int64_t kGradBf16 = 16;  // table flag: the gradient is bf16
 constexpr int64_t kWiden = 2048;  // elements of a bf16 gradient widened at a time
@@ -78,20 +85,20 @@ void undo_range(float* __restrict p, const float* __restrict g, float* __restric
     const float mi = m[i], vi = v[i];
     const float denom = std::sqrt(vi) / bc2_sqrt + h.eps;  // the forward's, bit for bit
     float pi = p[i] - neg_step * mi / denom;
-    if (kDecay) pi = pi / h.decay;
+    if (kDecay) pi = float(double(pi) * h.inv_decay);  // pi landed on the forward's p0 * decay
     p[i] = pi;
     if (kFresh) {
       m[i] = 0.0f;
       v[i] = 0.0f;
     } else {
       // m1 = round(m0 + w round(g' - m0)) has no intermediate on the fp32 grid to recover:
-      // the exact inverse in double (the product of two fp32 values is exact), rounded once.
-      m[i] = kM ? float((double(mi) - double(h.lerp_w) * double(gi)) / h.keep_m) : 0.0f;
+      // the inverse in double (the product of two fp32 values is exact), rounded once.
+      m[i] = kM ? float((double(mi) - double(h.lerp_w) * double(gi)) * h.inv_keep_m) : 0.0f;
       // v1 = fma(a, g', b), with a = round((1-b2) g') and b = round(b2 v0) on the fp32 grid:
       // fma(-a, g', v1) is round(b + the forward's rounding), which lands back on b unless
-      // that rounding exceeds half an ulp of b; then one fp32 division recovers v0.
+      // that rounding exceeds half an ulp of b; then one correctly rounded division, v0.
       const float a = h.one_minus_beta2 * gi;
-      v[i] = kV ? std::max(0.0f, std::fma(-a, gi, vi) / h.keep_v) : 0.0f;
+      v[i] = kV ? std::max(0.0f, float(double(std::fma(-a, gi, vi)) * h.inv_keep_v)) : 0.0f;
     }
   }
 }
@@ -114,11 +121,13 @@ extern "C" int sh_adam_undo_abi() { return 1; }
 // Scalars arrive as doubles and are rounded to fp32 as the forward kernel rounds them.
 extern "C" void sh_adamw_undo(int64_t nt, const int64_t* table, double lr, double beta1, double beta2,
                               double weight_decay, double eps, double grad_mul, int32_t nthreads) {
-  const float lerp_w = float(1.0 - beta1), b2 = float(beta2);
-  const Undo h{float(grad_mul), float(1.0 - lr * weight_decay), lerp_w, float(1.0 - beta2), float(eps),
-               1.0 - double(lerp_w), b2};
-  const bool scale = grad_mul != 1.0, dec = weight_decay != 0.0 && h.decay != 0.0f;
-  const bool keep_m = h.keep_m != 0.0, keep_v = h.keep_v != 0.0f;
+  const float lerp_w = float(1.0 - beta1), b2 = float(beta2), decay = float(1.0 - lr * weight_decay);
+  const double keep_m = 1.0 - double(lerp_w);  // exact
+  const Undo h{float(grad_mul), decay, lerp_w, float(1.0 - beta2), float(eps),
+               1.0 / double(decay), 1.0 / keep_m, 1.0 / double(b2)};
+  // A factor of 0 lost the old value (and the redo does not read it): no division.
+  const bool scale = grad_mul != 1.0, dec = weight_decay != 0.0 && decay != 0.0f;
+  const bool has_m = keep_m != 0.0, has_v = b2 != 0.0f;
   // The bias corrections of the step being undone (the step count before it goes back),
   // derived as the forward derives them; then the count goes back by one.
   std::vector<float> coefs(2 * nt);  // -lr / bias_correction1, sqrt(bias_correction2)
@@ -144,7 +153,7 @@ extern "C" void sh_adamw_undo(int64_t nt, const int64_t* table, double lr, doubl
       const int64_t* e = table + 8 * t;
       const int64_t s = std::max(lo, base), end = std::min(hi, base + e[0]), off = s - base;
       if (s >= end) continue;
-      RangeFn fn = scale ? pick1<true>(dec, fresh[t], keep_m, keep_v) : pick1<false>(dec, fresh[t], keep_m, keep_v);
+      RangeFn fn = scale ? pick1<true>(dec, fresh[t], has_m, has_v) : pick1<false>(dec, fresh[t], has_m, has_v);
       float* p = reinterpret_cast<float*>(e[1]) + off;
       float* m = reinterpret_cast<float*>(e[3]) + off;
       float* v = reinterpret_cast<float*>(e[4]) + off;
