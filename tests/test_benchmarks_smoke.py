@@ -27,6 +27,17 @@ def test_bench_cpu_adam_smoke():
     assert any(r.get("study") == "gil" for r in rows)
 
 
+def test_bench_undo_smoke():
+    """The speculation undo's benchmark: the native one-pass kernel against the torch undo."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_undo.py"), "--smoke"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads([ln for ln in proc.stdout.splitlines() if ln.strip()][-1])
+    assert summary["summary"] is True
+    for key in ("undo_native_fp32_grad_ms", "undo_torch_fp32_grad_ms", "speedup_fp32_grad", "speedup_bf16_grad"):
+        assert isinstance(summary[key], (int, float)) and summary[key] > 0, key
+
+
 def test_bench_memory_shows_depth_independent_device_peak():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_memory.py"), "--depths", "4,12", "--width", "32",

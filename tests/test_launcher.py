@@ -250,6 +250,9 @@ TRL_RUNS = {
     "dpo_sync_ref_model": ("dpo_script.py", ["--per_device_train_batch_size", "4", "--learning_rate", "1e-2",
                                              "--bf16", "false", "--sync_ref_model", "true",
                                              "--ref_model_sync_steps", "1", "--ref_model_mixup_alpha", "0.5"]),
+    # Two blocks of each model resident (the device/host split): the trained one's stepped by the
+    # device AdamW, the reference model's kept whole on the device, the rest streamed.
+    "dpo_split": ("dpo_script.py", ["--per_device_train_batch_size", "4", "--learning_rate", "1e-3", "--bf16", "false"]),
     # Four completions per prompt, six tokens each, sampled with the seed both runs share.
     "grpo": ("grpo_script.py", ["--per_device_train_batch_size", "4", "--num_generations", "4",
                                 "--max_completion_length", "6", "--learning_rate", "1e-3", "--bf16", "false"]),
@@ -271,7 +274,8 @@ def test_trl_preference_and_rl_scripts_unchanged_train_with_stronghold(tmp_path,
         # Delayed copies and host work (testing.simulated_device): a read that does not wait
         # for the CPU updates sees old weights.
         "launcher": ([sys.executable, "-m", "stronghold_hf", path, "--output_dir", str(tmp_path / "launcher"), *common],
-                     _env(STRONGHOLD_WINDOW_SIZE="1", STRONGHOLD_SIMULATE_COPY_DELAY_MS="3")),
+                     _env(STRONGHOLD_WINDOW_SIZE="1", STRONGHOLD_SIMULATE_COPY_DELAY_MS="3",
+                          **({"STRONGHOLD_CONFIG": '{"resident": 2}'} if run.endswith("_split") else {}))),
     })
     ref = torch.load(tmp_path / "plain" / "result.pt", weights_only=True)
     result = torch.load(tmp_path / "launcher" / "result.pt", weights_only=True)
@@ -288,6 +292,7 @@ def test_trl_preference_and_rl_scripts_unchanged_train_with_stronghold(tmp_path,
         assert ref["auxiliary"]["ref_model"] is None
         ledger = result["auxiliary"]["ref_model"]
         assert ledger is not None and ledger["offloaded_trainable_params"] == 0
+        assert ledger["split_resident_blocks"] == (2 if run.endswith("_split") else 0)
         # One forward per step over every position (blocks, and units outside them that stream),
         # and the resident unit once.
         assert ledger["fetches"] == 3 * (ledger["sequence_length"] + ledger["resident_units"])

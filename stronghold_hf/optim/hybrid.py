@@ -544,6 +544,12 @@ def build_optimizer(engine, params: Iterable | None = None, *, fp16_loss_scaling
             for m, img in zip(block.masters, block.image_views):
                 if m is not None and img is not None and id(m) in stepped:  # no image: fetches convert
                     cpu_opt.register_copy_out(m, img)
+    if opt.can_speculate and engine.coordinator.policy.mode != "off":
+        # The undo's native kernel is built (or loaded from the cache) now, not at the first
+        # miss, which would pay its compile (about 0.7 s) inside a forward's wait.
+        from .undo_native import native_undo_error
+
+        native_undo_error()
     if engine.config.nvme_path is not None:
         opt.nvme = _nvme_tier(engine, cpu_opt, block_groups)
     engine.coordinator.attach_optimizer(opt)
