@@ -332,7 +332,7 @@ def plan_units(model: nn.Module, stacks: list[BlockStack], *, offload_non_block:
         if streamable(members):
             units.append(_non_block_spec(len(units), members, regs, "streamed"))
         else:
-            resident.extend(p for p in members if id(p) not in keep)
+            resident.extend((n, p) for n, p in members if id(p) not in keep)
     # The resident rest: one unit per dtype of its trainable parameters (a unit's gradients
     # share one dtype; a bf16 embedding next to fp32 norms, as PEFT's k-bit preparation leaves
     # them, makes two). Frozen parameters join the first.
