@@ -123,24 +123,27 @@ class DataParallel:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
-    def average_resident_grads_at_backward_end(self, params) -> list:
-        """Hooks that average the gradients of ``params()`` (the parameters the engine leaves on
-        the device: resident units of the split, everything outside the blocks with
-        ``offload_non_block=False``) once per backward, at its end, as DDP would. A backward
-        that accumulates none of them communicates nothing for them. Returns the handles."""
+    def resident_grad_averaging(self, params):
+        """A function to call from inside a backward (the schedule calls it when the backward
+        reaches the model's outputs): it queues, once per backward, the average of the gradients
+        of ``params()`` (the parameters the engine leaves on the device: resident units of the
+        split, everything outside the blocks with ``offload_non_block=False``, adapters attached
+        later) at the end of that backward, as DDP would. Every training backward averages, with
+        zeros for a parameter that got no gradient, so every rank issues the same collective;
+        and it is queued on the outermost backward, never once per reentrant checkpoint."""
         pending = {"task": None}
 
         def average() -> None:
             pending["task"] = None
             self.average_resident_grads_([p for p in params() if p.requires_grad])
 
-        def hook(_param) -> None:
+        def queue() -> None:
             task = torch._C._current_graph_task_id()
             if pending["task"] != task:
                 pending["task"] = task
                 torch.autograd.Variable._execution_engine.queue_callback(average)
 
-        return [p.register_post_accumulate_grad_hook(hook) for p in params() if p.requires_grad]
+        return queue
 
     def broadcast_(self, tensors: list[torch.Tensor], src: int = 0) -> None:
         """Rank ``src``'s values everywhere; host tensors through the host group."""

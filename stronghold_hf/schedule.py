@@ -121,6 +121,9 @@ class WindowSchedule:
         self.window_choice = None  # planner.WindowChoice: why W is what it is
         self.activations = None  # activations.ActivationStore when checkpointed inputs are offloaded
         self.checkpoint_watch = None  # checkpointing.CheckpointWatch: the model's checkpoint calls
+        # Data parallel: called when a backward reaches the model's outputs, it averages the
+        # gradients of the parameters left on the device at that backward's end (distributed.py).
+        self.average_resident_grads = None
         self._lanes: dict[int, GradLane] = {}  # unit index -> its lane while it has one
         # Units evicted between two backward uses with their lane kept on the device (see
         # `release`): unit index -> the parameters the lane holds a gradient for.
@@ -382,6 +385,8 @@ class WindowSchedule:
                 "forward calls.", type(module).__name__, self.num_blocks, self.blocks[0].fqn, self.blocks[-1].fqn)
         for u in reversed(self.resident_units):
             output = self._close(u, output)
+        if self.average_resident_grads is not None and torch.is_grad_enabled() and not _raised():
+            register_pre_backward(self.average_resident_grads, output)
         if not self._stack:
             # End of a pass over the sequence: only the tail a backward will need stays.
             self._evict_idle(self._turn_kept(len(self.sequence)))

@@ -211,7 +211,7 @@ class WindowEngine:
         lifecycle.register(self)  # threads and process groups stopped before interpreter exit
         self._handles: list[Any] = self.schedule.install()
         if self.dp is not None:
-            self._handles.extend(self.dp.average_resident_grads_at_backward_end(self.resident_parameters))
+            self.schedule.average_resident_grads = self.dp.resident_grad_averaging(self.resident_parameters)
         self._handles.append(self.schedule.checkpoint_watch)  # removing it gives back the checkpoint functions
         for u in self.units:
             self._handles.extend(install_state_dict_hooks(self.schedule, self.coordinator, u))
@@ -250,6 +250,8 @@ class WindowEngine:
         ws = self.config.window_size
         if sequence_length == 0:
             return 0, False  # the split keeps everything on the device: no window
+        if num_blocks == 0:  # every block is resident; a few units outside them stream: nothing to probe
+            return (max(1, min(DEFAULT_WINDOW_SIZE if ws == "auto" else int(ws), sequence_length)), False)
         if ws == "auto":
             if self.device.type == "cuda":
                 # The first training step runs with the default; auto_window.py then decides.
@@ -274,7 +276,7 @@ class WindowEngine:
         config = self.config
         budget = config.gpu_memory
         if budget is None and self.device.type == "cuda" and config.resident == "auto":
-            budget = cuda_budget_bytes(self.device)
+            budget = cuda_budget_bytes(self.device, self.model)
         if budget is not None and self.dp is not None:
             budget = self.dp.min_int(int(budget))
         in_units = {id(p) for u in plan.units for _, p in u.params}
@@ -512,14 +514,20 @@ class WindowEngine:
         Inside, each offloaded trainable parameter holds its whole fp32 value in host memory;
         reads see it. ``modifier_rank=r``: on exit, rank ``r``'s values (changed in place or
         through ``.data``) are broadcast and written into every rank's masters; otherwise
-        changes are dropped. Outside data parallelism it only finishes pending updates."""
+        changes are dropped. Parameters the engine leaves on the device (the split's resident
+        units) are whole everywhere: with ``modifier_rank=r`` rank ``r``'s values are broadcast,
+        without it a change stays on the rank that made it. Outside data parallelism it only
+        finishes pending updates."""
         self.schedule.evict_all()
         self.coordinator.synchronize()
         if params is None:
             units = list(self.units)
+            on_device = self.resident_parameters()
         else:
+            params = list(params)
             chosen = {self.unit_of(p).index for p in params if self.is_offloaded(p)}
             units = [u for u in self.units if u.index in chosen]
+            on_device = [p for p in params if not self.is_offloaded(p)]
         gathered = []
         self._gathered += 1
         try:
@@ -550,6 +558,10 @@ class WindowEngine:
                         for p, view in zip(u.params, u.host_views):
                             p.data = view
                         u.guard()
+                if modifier_rank is not None and self.dp is not None and on_device:
+                    # Parameters left on the device (the split's resident units) are whole on
+                    # every rank already: rank r's changes reach the others the same way.
+                    self.dp.broadcast_([p.data for p in on_device], src=modifier_rank)
 
     def mark_parameters_changed(self) -> None:
         """Tells the engine that offloaded parameters were written behind its back (through a

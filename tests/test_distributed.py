@@ -281,3 +281,72 @@ def test_remap_cpu_state_recuts_pieces_and_names_a_gap():
         remap_cpu_state([("b0", "w", 0, 10)], [torch.Size([10])], iter([saved[0], ([("b0", "w", 4, 6)], {})]))
     # A writer that never stepped a parameter: no state to bring, and no error.
     assert remap_cpu_state([("b0", "w", 0, 10)], [torch.Size([10])], iter([([("b0", "w", 0, 10)], {})])) == {}
+
+
+@pytest.mark.parametrize("resident", [False, 2])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_resident_gradients_are_averaged_once_per_backward(monkeypatch, reentrant, resident):
+    """In-process gloo group of one, checkpointed layers: one average of the device-resident
+    gradients per backward (reentrant checkpointing runs a backward per layer inside the outer
+    one), covering an adapter attached after offload_model, also when it is the only one."""
+    import torch.distributed as dist
+
+    from stronghold_hf import StrongholdConfig, offload_model
+    from stronghold_hf.distributed import DataParallel
+    from tiny_models import batch, tiny_model
+
+    averaged = []
+    original = DataParallel.average_resident_grads_
+    monkeypatch.setattr(DataParallel, "average_resident_grads_",
+                        lambda self, params: (averaged.append([id(p) for p in params]), original(self, params))[1])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1)
+    try:
+        model = tiny_model("gpt2", n_layer=4)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        engine = offload_model(model, StrongholdConfig(window_size=1, resident=resident), device="cpu")
+        adapter = torch.nn.Parameter(torch.zeros(model.config.n_embd))
+        model.transformer.ln_f.register_parameter("adapter", adapter)
+        model.transformer.ln_f.register_forward_hook(lambda m, a, out: out + m.adapter)
+        for step in range(2):
+            model(**batch("gpt2", seed=step)).loss.backward()
+        assert len(averaged) == 2
+        assert id(adapter) in averaged[-1] and adapter.grad is not None and adapter.grad.abs().sum() > 0
+        kept = {id(p) for p in engine.resident_parameters() if p.requires_grad}
+        assert set(averaged[-1]) == kept and len(kept) == (1 if resident is False else 1 + 2 * 12)
+        engine.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def _gather_and_modify(rank, port, out):
+    import torch.distributed as dist
+
+    from stronghold_hf import StrongholdConfig, offload_model
+    from tiny_models import tiny_model
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = tiny_model("gpt2")
+        engine = offload_model(model, StrongholdConfig(window_size=1, gpu_memory="1GB"), device="cpu")
+        head = model.lm_head.weight
+        assert not engine.is_offloaded(head)  # the split keeps it on the device
+        with engine.gathered_parameters([head], modifier_rank=0):
+            if rank == 0:
+                with torch.no_grad():
+                    head.mul_(0.5)
+        torch.save(head.detach().clone(), os.path.join(out, f"head{rank}.pt"))
+        engine.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gathered_parameters_broadcasts_resident_parameters_from_the_modifier(tmp_path):
+    """``gathered_parameters(modifier_rank=0)`` on a parameter the split keeps on the device: rank
+    0's change reaches rank 1, as it does for offloaded parameters."""
+    import torch.multiprocessing as mp
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    mp.start_processes(_gather_and_modify, args=(_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    heads = [torch.load(tmp_path / f"head{r}.pt") for r in range(2)]
+    assert torch.equal(heads[0], heads[1])
