@@ -62,7 +62,7 @@ class DeviceSplit:
     resident_blocks: int
     resident_params: int  # parameters kept on the device by the split
     resident_bytes: int  # their device bytes with gradients and Adam state (`resident_bytes`)
-    streamed_bytes: int  # the streamed rest's window, lanes and resident unit, as planned
+    streamed_bytes: int  # the streamed rest's window, lanes and resident unit, and parameters outside every unit
     budget: int | None  # the device bytes the split had (None: no budget)
     reason: str
     kept_param_ids: frozenset[int] = frozenset()  # id() of every parameter the split keeps
@@ -81,15 +81,19 @@ def device_reserve_bytes(total: int) -> int:
     return max(2 * GiB, total // 10)
 
 
-def cuda_budget_bytes(device: torch.device) -> int:
+def cuda_budget_bytes(device: torch.device, model: torch.nn.Module | None = None) -> int:
     """``gpu_memory=None`` on CUDA: the free device memory less the reserve, within a per-process
     cap (``torch.cuda.set_per_process_memory_fraction``) when one is set, so a capped process
-    plans for the card it is given."""
+    plans for the card it is given. The bytes ``model`` holds on ``device`` already (a model the
+    user moved there) count as free: the engine takes them back to the host or keeps them."""
     free, total = torch.cuda.mem_get_info(device)
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     if fraction is not None:
         total = int(fraction(device) * total)
         free = min(free, total - torch.cuda.memory_reserved(device))
+    if model is not None:
+        free += sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())
+                    if t.device == device)
     return max(0, free - device_reserve_bytes(total))
 
 
@@ -212,6 +216,11 @@ def choose_split(plan: UnitPlan, *, resident, budget: int | None, window_size: i
     else:
         reason = (f"{len(kept)} of {len(plan.units)} units stay on the device ({need / GiB:.2f} of "
                   f"{budget / GiB:.2f} GiB with the streamed rest's window)")
+    excluded = [u for u in plan.units if not eligible(u)]
+    if excluded:
+        reason += (f"; {len(excluded)} unit(s) with trainable parameters that are not fp32 stream whatever the budget "
+                   "(a resident unit's parameters are its fp32 masters: load the model in fp32 and train in bf16 with "
+                   "--bf16 or param_dtype='bf16' to let them stay)")
     return _split(plan, kept, need, budget, reason)
 
 

@@ -32,6 +32,7 @@ runs inside ``nvme.bound(unit)``, which brings the unit's moments into a ring bu
 from __future__ import annotations
 
 import contextlib
+import logging
 from functools import partial
 from typing import Any, Iterable
 
@@ -42,6 +43,8 @@ from ..scaler import DynamicLossScaler
 from ..speculation import SpecRecord, undo_adamw_
 from . import quant8
 from .cpu_adam import CPUAdam
+
+logger = logging.getLogger("stronghold_hf")
 
 _HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
 
@@ -550,7 +553,10 @@ def build_optimizer(engine, params: Iterable | None = None, *, fp16_loss_scaling
         from .undo_native import native_undo_error
 
         native_undo_error()
-    if engine.config.nvme_path is not None:
+    if engine.config.nvme_path is not None and cpu_opt is None and engine.config.offload_optimizer:
+        logger.info("stronghold: nvme_path is not used: the device/host split keeps every trained parameter on the "
+                    "device, so there is no CPU Adam state to put on disk.")
+    elif engine.config.nvme_path is not None:
         opt.nvme = _nvme_tier(engine, cpu_opt, block_groups)
     engine.coordinator.attach_optimizer(opt)
     return opt
