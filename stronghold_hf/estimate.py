@@ -348,6 +348,7 @@ class Estimate:
     resident_params_on_gpu: int = 0
     gpu_split_bytes: int = 0
     split: str = "everything streams"
+    resident_budget_bytes: int | None = None  # the device bytes the split had (what the Trainer gives the engine)
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -678,17 +679,54 @@ def _assemble(
     )
 
 
-def _split(model: nn.Module, block_classes: tuple[str, ...] | None, c: int, *, offload_non_block: bool, resident: Any,
-           budget: int | None, gpu_memory_bytes: int | None, window_size: int | str | None, grad_buffers: int):
-    """The device/host split the engine would choose (split.py): within ``budget`` (the
-    config's ``gpu_memory``), else the GPU's memory less the engine's reserve."""
-    from .discovery import plan_units
-    from .split import TRAINABLE_EXTRA_BYTES, choose_split, device_reserve_bytes
-
+def _with_split(model: nn.Module, block_classes: tuple[str, ...] | None, c: int, assemble, *, offload_non_block: bool,
+                resident: Any, gpu_memory_bytes: int | None, window_size: int | str | None, grad_buffers: int,
+                budget: int | None) -> Estimate:
+    """``assemble(split)`` for the split the engine would keep (split.py). ``resident="auto"``
+    without a budget of its own (``gpu_memory``) fills what the GPU leaves once this run's
+    activations, loss and workspace are counted (from the everything-streamed estimate), so a
+    run that fits streaming does not stop fitting because of the split. A whole-resident model
+    computes its loss whole (``chunked_loss="auto"``): when those logits would not fit, the
+    budget shrinks by them, so that something streams and the loss stays chunked. If the split
+    still would not fit, the estimate is the streamed one."""
+    streamed = assemble(None)
     if resident is False:
+        return streamed
+    measured = budget is None and resident == "auto"
+    if measured:
+        if gpu_memory_bytes is None:
+            return streamed
+        room = (gpu_memory_bytes - GPU_WORKSPACE_FIXED_BYTES) * 100 // (100 + GPU_WORKSPACE_PERCENT)
+        buffers = streamed.gpu_resident_bytes - streamed.gpu_split_bytes - (
+            streamed.gpu_engine_bytes - streamed.gpu_window_bytes - streamed.gpu_grad_buffer_bytes)
+        model_state = room - streamed.gpu_block_activation_bytes - streamed.gpu_head_activation_bytes - buffers
+        budget = max(0, model_state * 16 // 18 if c != 4 else model_state)  # autocast's 16-bit copies
+    split = _split(model, block_classes, c, offload_non_block=offload_non_block, resident=resident, budget=budget,
+                   window_size=window_size, grad_buffers=grad_buffers)
+    if split is None:
+        return streamed
+    with_split = dataclasses.replace(assemble(split), resident_budget_bytes=budget)
+    if measured and with_split.gpu_fits is False and streamed.chunked_loss and not with_split.chunked_loss:
+        whole_logits = with_split.gpu_head_activation_bytes - streamed.gpu_head_activation_bytes
+        budget = max(0, budget - whole_logits * 105 // 100)
+        split = _split(model, block_classes, c, offload_non_block=offload_non_block, resident=resident,
+                       budget=budget, window_size=window_size, grad_buffers=grad_buffers)
+        if split is None:
+            return streamed
+        with_split = dataclasses.replace(assemble(split), resident_budget_bytes=budget)
+    if with_split.gpu_fits is False and streamed.gpu_fits:
+        return streamed
+    return with_split
+
+
+def _split(model: nn.Module, block_classes: tuple[str, ...] | None, c: int, *, offload_non_block: bool, resident: Any,
+           budget: int | None, window_size: int | str | None, grad_buffers: int):
+    """The device/host split the engine would choose (split.py) within ``budget``."""
+    from .discovery import plan_units
+    from .split import TRAINABLE_EXTRA_BYTES, choose_split
+
+    if resident is False or (resident == "auto" and budget is None):
         return None
-    if budget is None and gpu_memory_bytes is not None and resident == "auto":
-        budget = max(0, gpu_memory_bytes - device_reserve_bytes(gpu_memory_bytes))
     plan = plan_units(model, find_block_stacks(model, block_classes), offload_non_block=offload_non_block)
     in_units = {id(p) for u in plan.units for _, p in u.params}
     base = sum(p.numel() * (p.element_size() + (TRAINABLE_EXTRA_BYTES if p.requires_grad else 0))
@@ -812,22 +850,26 @@ def estimate(
     if label != "fp32":
         model.to(parse_dtype(label, field_name="dtype"))
     classes = tuple(block_classes) if block_classes else None
-    split = _split(model, classes, _NBYTES[label], offload_non_block=offload_non_block, resident=resident,
-                   budget=None if resident_budget_bytes is None else parse_memory(resident_budget_bytes),
-                   gpu_memory_bytes=parse_memory(gpu_memory_bytes), window_size=window_size, grad_buffers=grad_buffers)
-    counts = _count(model, classes, bool(getattr(model_config, "is_encoder_decoder", False)), _NBYTES[label],
-                    offload_non_block, keep=split.kept_param_ids if split is not None else frozenset())
-    return _assemble(
-        counts, model_config, model_name=type(model).__name__, seq_len=seq_len, batch_size=batch_size,
-        dtype=label, gradient_checkpointing=gradient_checkpointing, window_size=window_size,
-        gpu_memory_bytes=parse_memory(gpu_memory_bytes), cpu_memory_bytes=parse_memory(cpu_memory_bytes),
-        decoder_seq_len=decoder_seq_len, notes=[], grad_buffers=grad_buffers, offload_non_block=offload_non_block,
-        chunked_loss=chunked_loss, offload_activations=offload_activations, loss_chunk_tokens=loss_chunk_tokens,
-        host_memory=host_memory, host_image=host_image, host_grads=host_grads,
-        gradient_accumulation_steps=gradient_accumulation_steps,
-        nvme_memory_bytes=None if nvme_memory_bytes is None else parse_memory(nvme_memory_bytes),
-        nvme=nvme, nvme_masters=nvme_masters, split=split,
-    )
+    gpu = parse_memory(gpu_memory_bytes)
+
+    def assemble(split):
+        counts = _count(model, classes, bool(getattr(model_config, "is_encoder_decoder", False)), _NBYTES[label],
+                        offload_non_block, keep=split.kept_param_ids if split is not None else frozenset())
+        return _assemble(
+            counts, model_config, model_name=type(model).__name__, seq_len=seq_len, batch_size=batch_size,
+            dtype=label, gradient_checkpointing=gradient_checkpointing, window_size=window_size,
+            gpu_memory_bytes=gpu, cpu_memory_bytes=parse_memory(cpu_memory_bytes),
+            decoder_seq_len=decoder_seq_len, notes=[], grad_buffers=grad_buffers, offload_non_block=offload_non_block,
+            chunked_loss=chunked_loss, offload_activations=offload_activations, loss_chunk_tokens=loss_chunk_tokens,
+            host_memory=host_memory, host_image=host_image, host_grads=host_grads,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            nvme_memory_bytes=None if nvme_memory_bytes is None else parse_memory(nvme_memory_bytes),
+            nvme=nvme, nvme_masters=nvme_masters, split=split,
+        )
+
+    return _with_split(model, classes, _NBYTES[label], assemble, offload_non_block=offload_non_block,
+                       resident=resident, gpu_memory_bytes=gpu, window_size=window_size, grad_buffers=grad_buffers,
+                       budget=None if resident_budget_bytes is None else parse_memory(resident_budget_bytes))
 
 
 def estimate_for_model(
@@ -861,11 +903,6 @@ def estimate_for_model(
         # context allowance is counted twice: a deliberate, small (< 1 GiB) overestimate.
         gpu_memory_bytes = torch.cuda.mem_get_info(device)[0]
     classes = tuple(block_classes) if block_classes else None
-    split = _split(model, classes, _NBYTES[label], offload_non_block=offload_non_block, resident=resident,
-                   budget=resident_budget_bytes, gpu_memory_bytes=gpu_memory_bytes, window_size=window_size,
-                   grad_buffers=grad_buffers)
-    counts = _count(model, classes, bool(getattr(config, "is_encoder_decoder", False)), _NBYTES[label],
-                    offload_non_block, keep=split.kept_param_ids if split is not None else frozenset())
     if gradient_checkpointing is None:
         # transformers 5.x renamed the flag; read the new name first to avoid its deprecation warning.
         flag = getattr(type(model), "is_activation_checkpointing", None)
@@ -877,16 +914,24 @@ def estimate_for_model(
             moving = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu")
             cpu_memory_bytes = avail + moving
             notes.append(f"CPU RAM: {_gib(avail)} available + {_gib(moving)} held by the model's parameters now")
-    return _assemble(
-        counts, config, model_name=type(model).__name__, seq_len=seq_len, batch_size=batch_size,
-        dtype=label, gradient_checkpointing=gradient_checkpointing, window_size=window_size,
-        gpu_memory_bytes=gpu_memory_bytes, cpu_memory_bytes=cpu_memory_bytes, decoder_seq_len=decoder_seq_len,
-        grad_buffers=grad_buffers, notes=notes, offload_non_block=offload_non_block, chunked_loss=chunked_loss,
-        offload_activations=offload_activations, loss_chunk_tokens=loss_chunk_tokens, host_memory=host_memory,
-        host_image=host_image, host_grads=host_grads, gradient_accumulation_steps=gradient_accumulation_steps,
-        nvme_memory_bytes=nvme_memory_bytes, nvme=nvme, nvme_ring_buffers=nvme_ring_buffers,
-        nvme_masters=nvme_masters, split=split,
-    )
+
+    def assemble(split):
+        counts = _count(model, classes, bool(getattr(config, "is_encoder_decoder", False)), _NBYTES[label],
+                        offload_non_block, keep=split.kept_param_ids if split is not None else frozenset())
+        return _assemble(
+            counts, config, model_name=type(model).__name__, seq_len=seq_len, batch_size=batch_size,
+            dtype=label, gradient_checkpointing=gradient_checkpointing, window_size=window_size,
+            gpu_memory_bytes=gpu_memory_bytes, cpu_memory_bytes=cpu_memory_bytes, decoder_seq_len=decoder_seq_len,
+            grad_buffers=grad_buffers, notes=list(notes), offload_non_block=offload_non_block,
+            chunked_loss=chunked_loss, offload_activations=offload_activations, loss_chunk_tokens=loss_chunk_tokens,
+            host_memory=host_memory, host_image=host_image, host_grads=host_grads,
+            gradient_accumulation_steps=gradient_accumulation_steps, nvme_memory_bytes=nvme_memory_bytes, nvme=nvme,
+            nvme_ring_buffers=nvme_ring_buffers, nvme_masters=nvme_masters, split=split,
+        )
+
+    return _with_split(model, classes, _NBYTES[label], assemble, offload_non_block=offload_non_block,
+                       resident=resident, gpu_memory_bytes=gpu_memory_bytes, window_size=window_size,
+                       grad_buffers=grad_buffers, budget=resident_budget_bytes)
 
 
 # ---------------------------------------------------------------------------- output

@@ -342,3 +342,49 @@ def test_a_whole_resident_model_computes_its_loss_as_plain_training_does():
     forced = offload_model(chunked, StrongholdConfig(window_size=1, gpu_memory=WHOLE, chunked_loss=True,
                                                      loss_chunk_tokens=4), device="cpu")
     assert forced.chunked_loss is not None and chunked(**batch("gpt2", seed=0)).logits is None
+
+
+def test_a_partly_kept_group_counts_each_parameter_where_it_is():
+    """A bf16 norm weight next to its fp32 bias: the fp32 part of the small rest can stay while the
+    other streams; every parameter is either in a unit or on the device, never both."""
+    model = tiny_model("gpt2")
+    model.transformer.ln_f.weight.data = model.transformer.ln_f.weight.data.to(torch.bfloat16)
+    engine = offload_model(model, StrongholdConfig(window_size=1, gpu_memory=WHOLE), device="cpu")
+    for p in model.parameters():
+        assert engine.is_offloaded(p) != (id(p) in engine.split.kept_param_ids)
+    stats = engine.memory_stats()
+    assert stats["split_resident_params"] == sum(p.numel() for p in engine.resident_parameters())
+    assert "not fp32 stream" in engine.split.reason  # says why the bf16 one is not resident
+
+
+def test_every_block_resident_with_a_streamed_head_and_the_default_window():
+    """Only the untied LM head streams; window_size="auto" has no block to choose by."""
+    make = lambda: tiny_model("llama", tie_word_embeddings=False, **BIG_VOCAB)  # noqa: E731
+    whole = offload_model(make(), StrongholdConfig(gpu_memory=WHOLE), device="cpu").split.resident_bytes
+    ref, model, engine = _pair(make, gpu_memory=int(whole * 0.95))
+    assert engine.blocks == [] and [u.fqn for u in engine.units] == ["lm_head"]
+    _train_both(ref, model, engine, _lm_loss("llama"))
+
+
+def test_nvme_path_with_the_whole_model_resident_is_unused_not_refused(tmp_path):
+    ref, model, engine = _pair(lambda: tiny_model("gpt2"), window_size=1, gpu_memory=WHOLE, nvme_path=str(tmp_path))
+    opt = _train_both(ref, model, engine, _lm_loss("gpt2"), steps=2)
+    assert opt.nvme is None and engine.memory_stats()["nvme_file_bytes"] == 0
+
+
+def test_auto_leaves_the_trained_shapes_activations_room_on_the_gpu():
+    """A GPT-2 1.5B shape at 8 x 2048 tokens with checkpointing on a 24 GiB GPU fits streamed; the
+    split fills only what the activations leave, so the run still fits, and the Trainer hands that
+    budget to the engine."""
+    from transformers import GPT2Config
+
+    from stronghold_hf.estimate import estimate
+
+    config = GPT2Config(n_embd=1600, n_layer=48, n_head=25, n_positions=2048)
+    common = dict(seq_len=2048, batch_size=8, gpu_memory_bytes=24 << 30, cpu_memory_bytes=512 << 30,
+                  gradient_checkpointing=True)
+    streamed = estimate(config, resident=False, **common)
+    auto = estimate(config, resident="auto", **common)
+    assert streamed.fits and auto.fits and 0 < auto.resident_units
+    assert auto.gpu_bytes_needed <= 24 << 30 and auto.resident_budget_bytes < (24 << 30) - (2 << 30)
+    assert auto.cpu_bytes_needed < streamed.cpu_bytes_needed

@@ -310,6 +310,20 @@ class _StrongholdTrainerMixin:
         else:
             self.stronghold_engine.schedule.activations.offload = True
 
+    def _adopt_split(self, est) -> None:
+        """``resident="auto"`` without ``gpu_memory``: the engine gets the budget the fit check
+        found for the model once this run's activations are counted (the engine alone only
+        knows a fixed reserve), or streams everything when only that fits."""
+        cfg = self._stronghold_config
+        if cfg.resident != "auto" or cfg.gpu_memory is not None or est.gpu_memory_bytes is None:
+            return
+        if est.resident_units and est.resident_budget_bytes:
+            _hf_logger.info(f"STRONGHOLD: the device/host split fills {est.resident_budget_bytes / 2**30:.2f} GiB of "
+                            f"the device, what this run's activations leave: {est.split}")
+            self._stronghold_config = cfg.replace(gpu_memory=est.resident_budget_bytes)
+        else:
+            self._stronghold_config = cfg.replace(resident=False)
+
     def _check_fits(self) -> None:
         """Refuses a run that cannot fit, before the engine allocates anything.
 
@@ -325,6 +339,7 @@ class _StrongholdTrainerMixin:
                                  batch_size=self.args.per_device_train_batch_size)
             est.raise_if_not_fits()
             self._adopt_activation_offload(est)
+            self._adopt_split(est)
             return
         est = self._estimate(seq_len=1, batch_size=1)
         dataclasses.replace(est, gpu_fits=None).raise_if_not_fits()
@@ -411,7 +426,10 @@ class _StrongholdTrainerMixin:
         if get_engine(model) is None:
             cfg = self._stronghold_config
             window = cfg.window_size if cfg.window_size != "auto" else 2  # no backward to probe with
-            aux_cfg = cfg.replace(window_size=window, shard_cpu_state=False, check_fit=False)
+            # Under resident="auto" a model the trainer runs next to the trained one streams: it is
+            # prepared first, and the budget belongs to the model that trains.
+            aux_cfg = cfg.replace(window_size=window, shard_cpu_state=False, check_fit=False,
+                                  **({"resident": False} if cfg.resident == "auto" else {}))
             model.requires_grad_(False)  # never trained: no gradients, no masters beyond its dtype
             try:
                 try:
