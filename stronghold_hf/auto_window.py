@@ -48,9 +48,12 @@ class _Clock:
 class AutoWindowProbe:
     """Records one training step's per-block times; `finish` returns the planner's choice."""
 
-    def __init__(self, blocks: list, device: torch.device) -> None:
+    def __init__(self, blocks: list, device: torch.device, window_bytes_cap: int | None = None) -> None:
         self.blocks = blocks  # the block units, indices 0..N-1
         self.device = device
+        # The most the window's slots may hold: with gpu_memory given, what the device/host
+        # split left of it (split.py); None: the free device memory decides alone.
+        self.window_bytes_cap = window_bytes_cap
         self.clock = _Clock(device)
         n = len(blocks)
         self.fwd_start: list = [None] * n
@@ -104,5 +107,7 @@ class AutoWindowProbe:
         # The gradient lanes are already counted in the first step's peak (they are K buffers
         # whatever W is); what grows with W is one slot per extra block.
         budget = max(0, free + cached_free - step_extra - HEADROOM_BYTES)
+        if self.window_bytes_cap is not None:
+            budget = min(budget, max(0, self.window_bytes_cap))
         slot_bytes = max(b.slot_bytes for b in self.blocks)
         return choose_window(profiles, link, device_bytes_free=budget, slot_bytes=slot_bytes)

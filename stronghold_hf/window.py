@@ -196,7 +196,12 @@ class WindowEngine:
                                        stats=self.stats, dp=self.dp, device=device)
         self.schedule.window_choice = getattr(self, "_cpu_choice", None)
         if probe_first_step:
-            self.schedule.probe = AutoWindowProbe(self.blocks, device)
+            cap = None
+            if config.gpu_memory is not None:  # the budget's rest, and the slots the plan counted already
+                split = self.split
+                slot = max(u.slot_bytes for u in self.units if u.kind != "resident")
+                cap = split.budget - split.resident_bytes - split.streamed_bytes + (window_size + 1) * slot
+            self.schedule.probe = AutoWindowProbe(self.blocks, device, window_bytes_cap=cap)
         self.schedule.activations = ActivationStore(transfer=self.transfer, ledger=self.ledger, host=self.host,
                                                     device=device, offload=config.offload_activations)
         self.promises = Promises()

@@ -91,6 +91,26 @@ def test_the_split_on_cuda_trains_like_plain_and_stays_within_its_budget(split):
     engine.close()
 
 
+def test_auto_window_stays_within_gpu_memory():
+    """window_size="auto" grows the window after the first step from free device memory; with
+    gpu_memory given it grows only into what the split left of that budget."""
+    model = _block_heavy_gpt2(8)
+    probe = offload_model(copy.deepcopy(model), StrongholdConfig(resident=False, window_size=1), device="cuda")
+    need = probe.split.streamed_bytes
+    slot = probe.memory_stats()["slot_bytes"]
+    probe.close()
+    budget = need + slot  # room for one slot more than the default window's
+    engine = offload_model(model, StrongholdConfig(resident=False, window_size="auto", gpu_memory=budget), device="cuda")
+    opt = engine.build_optimizer(lr=1e-4)
+    for step in range(2):
+        _one_step(model, engine, opt, step)
+    engine.synchronize()
+    assert engine.window_size <= 3, engine.window_choice
+    stats = engine.memory_stats()
+    assert stats["device_peak_bytes"] <= budget, (stats["device_peak_bytes"], budget)
+    engine.close()
+
+
 def _block_heavy_gpt2(layers, width=1024, **kw):
     # Big blocks, a tiny vocabulary and a short sequence: the engine's buffers dominate.
     return tiny_model("gpt2", n_embd=width, n_layer=layers, n_head=8, **kw)
