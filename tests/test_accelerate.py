@@ -26,7 +26,9 @@ def _loop(model, optimizer, accelerator, steps=3, accum=2):
     return losses
 
 
-def test_prepare_stronghold_matches_plain_accelerate():
+def _train_next_to_plain_accelerate(config):
+    """The same loop with plain accelerate and with `prepare_stronghold(config)`: the same
+    losses and weights. Returns the engine (open)."""
     ref = tiny_model("gpt2")
     model = copy.deepcopy(ref)
     acc_ref = Accelerator(cpu=True, gradient_accumulation_steps=2)
@@ -35,12 +37,16 @@ def test_prepare_stronghold_matches_plain_accelerate():
     losses_ref = _loop(ref, opt_ref, acc_ref)
 
     acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
-    model, opt, engine = prepare_stronghold(acc, model, dict(lr=1e-2, weight_decay=0.1),
-                                            config=StrongholdConfig(window_size=1))
+    model, opt, engine = prepare_stronghold(acc, model, dict(lr=1e-2, weight_decay=0.1), config=config)
     losses = _loop(model, opt, acc)
     assert losses == pytest.approx(losses_ref, rel=1e-4)
     for k, v in acc_ref.unwrap_model(ref).state_dict().items():
         torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-4, atol=6e-4, msg=lambda m: f"{k}: {m}")
+    return engine
+
+
+def test_prepare_stronghold_matches_plain_accelerate():
+    engine = _train_next_to_plain_accelerate(StrongholdConfig(window_size=1))
     assert engine.resident_blocks() == []
     engine.close()
 
@@ -71,19 +77,6 @@ def test_a_split_through_the_plugins_environment_matches_plain_accelerate(monkey
     monkeypatch.setenv("STRONGHOLD", "1")
     monkeypatch.setenv("STRONGHOLD_WINDOW_SIZE", "1")
     monkeypatch.setenv("STRONGHOLD_CONFIG", '{"resident": 2}')
-    ref = tiny_model("gpt2")
-    model = copy.deepcopy(ref)
-    acc_ref = Accelerator(cpu=True, gradient_accumulation_steps=2)
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-    ref, opt_ref = acc_ref.prepare(ref, opt_ref)
-    losses_ref = _loop(ref, opt_ref, acc_ref)
-    plugin = StrongholdPlugin()
-    acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
-    model, opt, engine = prepare_stronghold(acc, model, dict(lr=1e-2, weight_decay=0.1),
-                                            config=plugin.stronghold_config)
+    engine = _train_next_to_plain_accelerate(StrongholdPlugin().stronghold_config)
     assert engine.split.resident_blocks == 2 and len(engine.blocks) == 1
-    losses = _loop(model, opt, acc)
-    assert losses == pytest.approx(losses_ref, rel=1e-4)
-    for k, v in acc_ref.unwrap_model(ref).state_dict().items():
-        torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-4, atol=6e-4, msg=lambda m: f"{k}: {m}")
     engine.close()
