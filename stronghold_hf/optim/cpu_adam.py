@@ -49,7 +49,7 @@ from torch.autograd.profiler import record_function
 
 from ..memory import is_placeholder  # a master bound around each update (nvme_masters)
 from . import quant8
-from .native import ROUNDING_HELPERS, NativeLibrary
+from .native import ROUNDING_HELPERS, THREADING_HELPERS, NativeLibrary
 
 __all__ = ["CPUAdam", "DEFAULT_CHUNK_NUMEL", "native_kernel_error"]
 
@@ -82,7 +82,7 @@ _NATIVE_SOURCE = r"""
 #include <vector>
 
 namespace {
-""" + ROUNDING_HELPERS + r"""
+""" + ROUNDING_HELPERS + THREADING_HELPERS + r"""
 struct Hyper { float grad_mul, decay, lerp_w, beta2, one_minus_beta2, eps; };
 constexpr int64_t kGradBf16 = 16;  // table flag: the gradient is bf16 (a host gradient kept in the compute dtype)
 constexpr int64_t kWiden = 2048;  // elements of a bf16 gradient widened at a time
@@ -136,14 +136,11 @@ extern "C" void sh_adamw_step(int64_t nt, const int64_t* table, double lr, doubl
     coefs[2 * t + 1] = float(std::sqrt(1.0 - std::pow(beta2, double(*step))));
     total += e[0];
   }
-  // Small calls run on the calling thread: below ~64K elements (~2 GRAIN_SIZEs of torch's
-  // parallel_for) a fork/join costs about what a second core saves, and risks a stall.
-  const int threads = total >= 65536 ? std::max(1, int(nthreads)) : 1;
+  const int threads = threads_for(total, nthreads);
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-    // One contiguous, 64-byte-aligned slice of the concatenated tensors per thread.
-    const int64_t T = omp_get_num_threads(), id = omp_get_thread_num(), units = (total + 15) / 16;
-    const int64_t lo = std::min(total, units * id / T * 16), hi = std::min(total, units * (id + 1) / T * 16);
+    int64_t lo, hi;
+    thread_slice(total, lo, hi);
     int64_t base = 0;
     for (int64_t t = 0; t < nt && base < hi; base += table[8 * t], ++t) {
       const int64_t* e = table + 8 * t;

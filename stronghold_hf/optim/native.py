@@ -52,6 +52,22 @@ inline uint16_t to_fp16(float f) {
 
 """
 
+#: How the table-driven kernels (CPU Adam's update, the speculation undo) split one call's
+#: concatenated tensors over OpenMP threads; needs <omp.h> and <algorithm>.
+THREADING_HELPERS = r"""
+// Small calls run on the calling thread: below ~64K elements (~2 GRAIN_SIZEs of torch's
+// parallel_for) a fork/join costs about what a second core saves, and risks a stall.
+inline int threads_for(int64_t total, int64_t nthreads) { return total >= 65536 ? std::max(1, int(nthreads)) : 1; }
+
+// The calling thread's slice [lo, hi) of `total` concatenated elements: one contiguous slice per
+// thread, starting on a 16-element (64-byte) boundary, so no two threads share a cache line.
+inline void thread_slice(int64_t total, int64_t& lo, int64_t& hi) {
+  const int64_t T = omp_get_num_threads(), id = omp_get_thread_num(), units = (total + 15) / 16;
+  lo = std::min(total, units * id / T * 16);
+  hi = std::min(total, units * (id + 1) / T * 16);
+}
+"""
+
 _BUILD_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
 
 
@@ -132,4 +148,4 @@ class NativeLibrary:
         return self._error
 
 
-__all__ = ["ROUNDING_HELPERS", "build_native_library", "NativeLibrary"]
+__all__ = ["ROUNDING_HELPERS", "THREADING_HELPERS", "build_native_library", "NativeLibrary"]

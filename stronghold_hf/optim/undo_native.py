@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .native import ROUNDING_HELPERS, NativeLibrary
+from .native import ROUNDING_HELPERS, THREADING_HELPERS, NativeLibrary
 
 __all__ = ["native_undo_error", "native_undo_accepts", "undo_adamw_native_"]
 
@@ -60,7 +60,7 @@ _SOURCE = r"""
 #include <vector>
 
 namespace {
-""" + ROUNDING_HELPERS + r"""
+""" + ROUNDING_HELPERS + THREADING_HELPERS + r"""
 struct Undo {
   float grad_mul, decay, lerp_w, one_minus_beta2, eps;  // the forward's fp32 constants
   // 1 / what the forward multiplied p0, m0 and v0 by (decay, 1 - lerp_w, fp32 beta2), in
@@ -142,12 +142,11 @@ extern "C" void sh_adamw_undo(int64_t nt, const int64_t* table, double lr, doubl
     *step = *step - 1.0f;
     total += e[0];
   }
-  // Small calls run on the calling thread, as in the forward kernel.
-  const int threads = total >= 65536 ? std::max(1, int(nthreads)) : 1;
+  const int threads = threads_for(total, nthreads);
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-    const int64_t T = omp_get_num_threads(), id = omp_get_thread_num(), units = (total + 15) / 16;
-    const int64_t lo = std::min(total, units * id / T * 16), hi = std::min(total, units * (id + 1) / T * 16);
+    int64_t lo, hi;
+    thread_slice(total, lo, hi);
     int64_t base = 0;
     for (int64_t t = 0; t < nt && base < hi; base += table[8 * t], ++t) {
       const int64_t* e = table + 8 * t;
