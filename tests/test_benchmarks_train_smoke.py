@@ -35,18 +35,14 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def smoke_runs():
+def _run_side_by_side(runs: dict[str, list[str]]) -> dict[str, tuple[int, str, str]]:
+    """Starts each benchmark script with its arguments at once (offline, this checkout first on
+    the path) and returns each one's (return code, stdout, stderr)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    # bench_step runs the Llama path and the default ("auto") window next to W=1, the variants
-    # and shape family scripts/gpu_check.sh measures; bench_train stays on GPT-2.
-    extra = {"bench_step.py": ["--model", "llama-smoke", "--windows", "1,auto"]}
-    procs = {
-        name: subprocess.Popen([sys.executable, str(BENCH / name), "--smoke", *extra.get(name, [])], cwd=ROOT, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for name in CASES
-    }
+    procs = {name: subprocess.Popen([sys.executable, str(BENCH / name), *args], cwd=ROOT, env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, args in runs.items()}
     out = {}
     for name, proc in procs.items():
         try:
@@ -56,6 +52,14 @@ def smoke_runs():
             stdout, stderr = proc.communicate()
         out[name] = (proc.returncode, stdout, stderr)
     return out
+
+
+@pytest.fixture(scope="module")
+def smoke_runs():
+    # bench_step runs the Llama path and the default ("auto") window next to W=1, the variants
+    # and shape family scripts/gpu_check.sh measures; bench_train stays on GPT-2.
+    extra = {"bench_step.py": ["--model", "llama-smoke", "--windows", "1,auto"]}
+    return _run_side_by_side({name: ["--smoke", *extra.get(name, [])] for name in CASES})
 
 
 def _json_lines(stdout: str) -> list[dict]:
@@ -151,19 +155,9 @@ SPLIT_KEYS = ("tokens_per_s", "step_s", "ratio_vs_plain", "resident_share", "bud
 
 @pytest.fixture(scope="module")
 def split_runs():
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    procs = {name: subprocess.Popen([sys.executable, str(BENCH / name), *args], cwd=ROOT, env=env,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for name, args in SPLIT_RUNS.items()}
     out = {}
-    for name, proc in procs.items():
-        try:
-            stdout, stderr = proc.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            stdout, stderr = proc.communicate()
-        assert proc.returncode == 0, f"{name} {SPLIT_RUNS[name]} exited {proc.returncode}:\n{stderr[-2000:]}"
+    for name, (rc, stdout, stderr) in _run_side_by_side(SPLIT_RUNS).items():
+        assert rc == 0, f"{name} {SPLIT_RUNS[name]} exited {rc}:\n{stderr[-2000:]}"
         out[name] = _json_lines(stdout)
     return out
 
