@@ -17,11 +17,11 @@ training adds on top of plain AdamW, and why this is more than ``AdamW(fused=Tru
 
 Two kernels do the math (docs/performance.md has the measurements):
 
-* ``"native"`` (default when it builds): a ~100-line C++/OpenMP loop, compiled once with
-  the system compiler into ``~/.cache/stronghold_hf`` and called through ctypes. One pass
-  does scale, AdamW and copy-out (28 B/param, +2 for the copy), and one OpenMP region
-  covers all tensors of a call. torch's fused kernel opens one region per tensor, and on a
-  loaded machine each fork/join can wait for a descheduled thread.
+* ``"native"`` (default when it builds): a ~100-line C++/OpenMP loop (``csrc/cpu_adam.cpp``),
+  compiled once with the system compiler into ``~/.cache/stronghold_hf`` (native.py) and
+  called through ctypes. One pass does scale, AdamW and copy-out (28 B/param, +2 for the
+  copy), and one OpenMP region covers all tensors of a call. torch's fused kernel opens one
+  region per tensor, and on a loaded machine each fork/join can wait for a descheduled thread.
 * ``"torch"``: ``torch._fused_adamw_`` (aten/src/ATen/native/cpu/FusedAdamKernel.cpp), used
   when no compiler or no shared OpenMP runtime is available. Copy-out is then a second pass
   over the params, and a scaled gradient goes through it chunk by chunk
@@ -49,7 +49,7 @@ from torch.autograd.profiler import record_function
 
 from ..memory import is_placeholder  # a master bound around each update (nvme_masters)
 from . import quant8
-from .native import ROUNDING_HELPERS, THREADING_HELPERS, NativeLibrary
+from .native import NativeLibrary
 
 __all__ = ["CPUAdam", "DEFAULT_CHUNK_NUMEL", "native_kernel_error"]
 
@@ -70,107 +70,10 @@ def _flags(d: Tensor | None, g: Tensor) -> int:
     return (0 if d is None else _OUT_KIND[d.dtype]) | (_GRAD_BF16 if g.dtype == torch.bfloat16 else 0)
 
 
-# Every arithmetic step mirrors torch's fused kernel in order; -ffp-contract=off plus explicit
-# fma keep the compiler from fusing differently in the vector body and the scalar tail, so
-# every element gets the same rounding wherever chunk and thread boundaries fall.
-_NATIVE_SOURCE = r"""
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <omp.h>
-#include <vector>
-
-namespace {
-""" + ROUNDING_HELPERS + THREADING_HELPERS + r"""
-struct Hyper { float grad_mul, decay, lerp_w, beta2, one_minus_beta2, eps; };
-constexpr int64_t kGradBf16 = 16;  // table flag: the gradient is bf16 (a host gradient kept in the compute dtype)
-constexpr int64_t kWiden = 2048;  // elements of a bf16 gradient widened at a time
-using RangeFn = void (*)(float*, const float*, float*, float*, uint16_t*, int64_t, const Hyper&, float, float);
-
-// p, g, m, v: fp32 [n]; out: bf16/fp16 bits [n] or unused. kOut: 0 none, 1 bf16, 2 fp16.
-template <bool kScale, bool kDecay, bool kSmallW, int kOut>
-void adam_range(float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v,
-                uint16_t* __restrict out, int64_t n, const Hyper& h, float neg_step, float bc2_sqrt) {
-  const float w = kSmallW ? h.lerp_w : h.lerp_w - 1.0f;
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const float gi = kScale ? g[i] * h.grad_mul : g[i];
-    float pi = kDecay ? p[i] * h.decay : p[i];
-    // exp_avg.lerp_(grad, 1 - beta1) in torch's two-sided form.
-    const float mi = std::fma(w, gi - m[i], kSmallW ? m[i] : gi);
-    const float vi = std::fma(h.one_minus_beta2 * gi, gi, v[i] * h.beta2);
-    const float denom = std::sqrt(vi) / bc2_sqrt + h.eps;
-    pi = pi + neg_step * mi / denom;
-    p[i] = pi; m[i] = mi; v[i] = vi;
-    if (kOut == 1) out[i] = to_bf16(pi);
-    if (kOut == 2) out[i] = to_fp16(pi);
-  }
-}
-template <bool S, bool D, bool W> RangeFn pick3(int k) {
-  return k == 1 ? adam_range<S, D, W, 1> : k == 2 ? adam_range<S, D, W, 2> : adam_range<S, D, W, 0>;
-}
-template <bool S, bool D> RangeFn pick2(bool w, int k) { return w ? pick3<S, D, true>(k) : pick3<S, D, false>(k); }
-template <bool S> RangeFn pick1(bool d, bool w, int k) { return d ? pick2<S, true>(w, k) : pick2<S, false>(w, k); }
-}  // namespace
-
-extern "C" int sh_cpu_adam_abi() { return 3; }
-
-// table: int64 [nt, 8] = numel, then the addresses of param, grad, exp_avg, exp_avg_sq (fp32
-// [numel]; the grad bf16 when flagged), out (bf16/fp16 [numel] or 0) and step (fp32 0-d),
-// then the flags: the out kind (0/1/2) plus kGradBf16.
-// Scalars arrive as doubles and are rounded to fp32 here, as FusedAdamKernel.cpp does.
-extern "C" void sh_adamw_step(int64_t nt, const int64_t* table, double lr, double beta1, double beta2,
-                              double weight_decay, double eps, double grad_mul, int32_t nthreads) {
-  const Hyper h{float(grad_mul), float(1.0 - lr * weight_decay), float(1.0 - beta1),
-                float(beta2), float(1.0 - beta2), float(eps)};
-  const bool scale = grad_mul != 1.0, dec = weight_decay != 0.0, small_w = std::fabs(h.lerp_w) < 0.5f;
-  // As torch's _fused_adam: bump each step (in fp32), then derive the bias corrections in double.
-  std::vector<float> coefs(2 * nt);  // -lr / bias_correction1, sqrt(bias_correction2)
-  int64_t total = 0;
-  for (int64_t t = 0; t < nt; ++t) {
-    const int64_t* e = table + 8 * t;
-    float* step = reinterpret_cast<float*>(e[6]);
-    *step = *step + 1.0f;
-    coefs[2 * t] = float(-(lr / (1.0 - std::pow(beta1, double(*step)))));
-    coefs[2 * t + 1] = float(std::sqrt(1.0 - std::pow(beta2, double(*step))));
-    total += e[0];
-  }
-  const int threads = threads_for(total, nthreads);
-#pragma omp parallel num_threads(threads) if (threads > 1)
-  {
-    int64_t lo, hi;
-    thread_slice(total, lo, hi);
-    int64_t base = 0;
-    for (int64_t t = 0; t < nt && base < hi; base += table[8 * t], ++t) {
-      const int64_t* e = table + 8 * t;
-      const int64_t s = std::max(lo, base), end = std::min(hi, base + e[0]), off = s - base;
-      if (s >= end) continue;
-      const int kind = int(e[7]) & 3;
-      RangeFn fn = scale ? pick1<true>(dec, small_w, kind) : pick1<false>(dec, small_w, kind);
-      uint16_t* out = kind ? reinterpret_cast<uint16_t*>(e[5]) + off : nullptr;
-      float* p = reinterpret_cast<float*>(e[1]) + off;
-      float* m = reinterpret_cast<float*>(e[3]) + off;
-      float* v = reinterpret_cast<float*>(e[4]) + off;
-      if (!(e[7] & kGradBf16)) {
-        fn(p, reinterpret_cast<const float*>(e[2]) + off, m, v, out, end - s, h, coefs[2 * t], coefs[2 * t + 1]);
-        continue;
-      }
-      // A bf16 gradient is widened (exactly) a cache-sized piece at a time, then stepped as fp32.
-      const uint16_t* g16 = reinterpret_cast<const uint16_t*>(e[2]) + off;
-      alignas(64) float g[kWiden];
-      for (int64_t i = 0; i < end - s; i += kWiden) {
-        const int64_t n = std::min(kWiden, end - s - i);
-        widen_bf16(g16 + i, n, g);
-        fn(p + i, g, m + i, v + i, out ? out + i : nullptr, n, h, coefs[2 * t], coefs[2 * t + 1]);
-      }
-    }
-  }
-}
-"""
-
-_NATIVE = NativeLibrary("cpu_adam", _NATIVE_SOURCE, abi=("sh_cpu_adam_abi", 3), signatures={
-    "sh_adamw_step": [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_double] * 6 + [ctypes.c_int32]})
+# The kernel: csrc/cpu_adam.cpp (sh_adamw_step's table layout is documented there).
+_NATIVE = NativeLibrary("cpu_adam", "cpu_adam.cpp", abi=("sh_cpu_adam_abi", 3), signatures={
+    "sh_adamw_step": [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_double] * 6 + [ctypes.c_int32]},
+    fallback="CPUAdam(kernel='auto') steps with torch's fused AdamW kernel (torch._fused_adamw_) instead")
 _fallback_warned = threading.Event()  # warn once per process about kernel="auto" falling back
 
 

@@ -6,8 +6,8 @@ ten passes over the block, each streaming the fp32 moments and masters through m
 the H200 a miss cost ~0.5 s, the undo a good part of it (issue #34). This kernel reads
 param, grad, exp_avg and exp_avg_sq once and writes param, exp_avg and exp_avg_sq once (28
 B/param, as the forward step), on every core of the calling thread, in one OpenMP region
-per call, compiled and loaded like CPUAdam's forward kernel (native.py), whose math it
-mirrors (optim/cpu_adam.py, ``adam_range``).
+per call (``csrc/adam_undo.cpp``), compiled and loaded like CPUAdam's forward kernel
+(native.py), whose math it mirrors (``csrc/cpu_adam.cpp``, ``adam_range``).
 
 How it inverts (per element; ``g' = g * grad_mul`` in fp32, a bf16 gradient widened first,
 exactly as the forward computed it):
@@ -43,137 +43,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .native import ROUNDING_HELPERS, THREADING_HELPERS, NativeLibrary
+from .native import NativeLibrary
 
 __all__ = ["native_undo_error", "native_undo_accepts", "undo_adamw_native_"]
 
 _GRAD_BF16 = 16  # table flag: the gradient is bf16 (the forward kernel's kGradBf16)
 
-# -ffp-contract=off (native.py's flags) keeps the recomputed step term bitwise equal to the
-# forward's in the vector body and the scalar tail alike.
-_SOURCE = r"""
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <omp.h>
-#include <vector>
-
-namespace {
-""" + ROUNDING_HELPERS + THREADING_HELPERS + r"""
-struct Undo {
-  float grad_mul, decay, lerp_w, one_minus_beta2, eps;  // the forward's fp32 constants
-  // 1 / what the forward multiplied p0, m0 and v0 by (decay, 1 - lerp_w, fp32 beta2), in
-  // double. [Note: divisions] x * (1/d) in double, rounded to fp32, is x / d correctly rounded
-  // except within ~2^-52 of a tie between two floats (about one element in 2^28), and costs a
-  // multiply instead of a divide: three fp32/double divides per element made the undo
-  // compute bound, 1.5x the forward step's time on this 2-core box.
-  double inv_decay, inv_keep_m, inv_keep_v;
-};
-constexpr int64_t kGradBf16 = 16;  // table flag: the gradient is bf16
-constexpr int64_t kWiden = 2048;  // elements of a bf16 gradient widened at a time
-using RangeFn = void (*)(float*, const float*, float*, float*, int64_t, const Undo&, float, float);
-
-// p, g, m, v: fp32 [n]. kFresh: the step undone was the state's first (moments back to 0).
-// kM / kV: the old moment mattered to the forward (else it is set to 0).
-template <bool kScale, bool kDecay, bool kFresh, bool kM, bool kV>
-void undo_range(float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v,
-                int64_t n, const Undo& h, float neg_step, float bc2_sqrt) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const float gi = kScale ? g[i] * h.grad_mul : g[i];
-    const float mi = m[i], vi = v[i];
-    const float denom = std::sqrt(vi) / bc2_sqrt + h.eps;  // the forward's, bit for bit
-    float pi = p[i] - neg_step * mi / denom;
-    if (kDecay) pi = float(double(pi) * h.inv_decay);  // pi landed on the forward's p0 * decay
-    p[i] = pi;
-    if (kFresh) {
-      m[i] = 0.0f;
-      v[i] = 0.0f;
-    } else {
-      // m1 = round(m0 + w round(g' - m0)) has no intermediate on the fp32 grid to recover:
-      // the inverse in double (the product of two fp32 values is exact), rounded once.
-      m[i] = kM ? float((double(mi) - double(h.lerp_w) * double(gi)) * h.inv_keep_m) : 0.0f;
-      // v1 = fma(a, g', b), with a = round((1-b2) g') and b = round(b2 v0) on the fp32 grid:
-      // fma(-a, g', v1) is round(b + the forward's rounding), which lands back on b unless
-      // that rounding exceeds half an ulp of b; then one correctly rounded division, v0.
-      const float a = h.one_minus_beta2 * gi;
-      v[i] = kV ? std::max(0.0f, float(double(std::fma(-a, gi, vi)) * h.inv_keep_v)) : 0.0f;
-    }
-  }
-}
-template <bool S, bool D, bool F, bool M> RangeFn pick4(bool v) {
-  return v ? undo_range<S, D, F, M, true> : undo_range<S, D, F, M, false>;
-}
-template <bool S, bool D, bool F> RangeFn pick3(bool m, bool v) { return m ? pick4<S, D, F, true>(v) : pick4<S, D, F, false>(v); }
-template <bool S, bool D> RangeFn pick2(bool f, bool m, bool v) {
-  return f ? pick3<S, D, true>(m, v) : pick3<S, D, false>(m, v);
-}
-template <bool S> RangeFn pick1(bool d, bool f, bool m, bool v) {
-  return d ? pick2<S, true>(f, m, v) : pick2<S, false>(f, m, v);
-}
-}  // namespace
-
-extern "C" int sh_adam_undo_abi() { return 1; }
-
-// table: int64 [nt, 8] = numel, then the addresses of param, grad, exp_avg, exp_avg_sq (fp32
-// [numel]; the grad bf16 when flagged) and step (fp32 0-d), the flags (kGradBf16), and 0.
-// Scalars arrive as doubles and are rounded to fp32 as the forward kernel rounds them.
-extern "C" void sh_adamw_undo(int64_t nt, const int64_t* table, double lr, double beta1, double beta2,
-                              double weight_decay, double eps, double grad_mul, int32_t nthreads) {
-  const float lerp_w = float(1.0 - beta1), b2 = float(beta2), decay = float(1.0 - lr * weight_decay);
-  const double keep_m = 1.0 - double(lerp_w);  // exact
-  const Undo h{float(grad_mul), decay, lerp_w, float(1.0 - beta2), float(eps),
-               1.0 / double(decay), 1.0 / keep_m, 1.0 / double(b2)};
-  // A factor of 0 lost the old value (and the redo does not read it): no division.
-  const bool scale = grad_mul != 1.0, dec = weight_decay != 0.0 && decay != 0.0f;
-  const bool has_m = keep_m != 0.0, has_v = b2 != 0.0f;
-  // The bias corrections of the step being undone (the step count before it goes back),
-  // derived as the forward derives them; then the count goes back by one.
-  std::vector<float> coefs(2 * nt);  // -lr / bias_correction1, sqrt(bias_correction2)
-  std::vector<char> fresh(nt);
-  int64_t total = 0;
-  for (int64_t t = 0; t < nt; ++t) {
-    const int64_t* e = table + 8 * t;
-    float* step = reinterpret_cast<float*>(e[5]);
-    coefs[2 * t] = float(-(lr / (1.0 - std::pow(beta1, double(*step)))));
-    coefs[2 * t + 1] = float(std::sqrt(1.0 - std::pow(beta2, double(*step))));
-    fresh[t] = *step <= 1.0f;
-    *step = *step - 1.0f;
-    total += e[0];
-  }
-  const int threads = threads_for(total, nthreads);
-#pragma omp parallel num_threads(threads) if (threads > 1)
-  {
-    int64_t lo, hi;
-    thread_slice(total, lo, hi);
-    int64_t base = 0;
-    for (int64_t t = 0; t < nt && base < hi; base += table[8 * t], ++t) {
-      const int64_t* e = table + 8 * t;
-      const int64_t s = std::max(lo, base), end = std::min(hi, base + e[0]), off = s - base;
-      if (s >= end) continue;
-      RangeFn fn = scale ? pick1<true>(dec, fresh[t], has_m, has_v) : pick1<false>(dec, fresh[t], has_m, has_v);
-      float* p = reinterpret_cast<float*>(e[1]) + off;
-      float* m = reinterpret_cast<float*>(e[3]) + off;
-      float* v = reinterpret_cast<float*>(e[4]) + off;
-      if (!(e[6] & kGradBf16)) {
-        fn(p, reinterpret_cast<const float*>(e[2]) + off, m, v, end - s, h, coefs[2 * t], coefs[2 * t + 1]);
-        continue;
-      }
-      const uint16_t* g16 = reinterpret_cast<const uint16_t*>(e[2]) + off;
-      alignas(64) float g[kWiden];
-      for (int64_t i = 0; i < end - s; i += kWiden) {
-        const int64_t n = std::min(kWiden, end - s - i);
-        widen_bf16(g16 + i, n, g);
-        fn(p + i, g, m + i, v + i, n, h, coefs[2 * t], coefs[2 * t + 1]);
-      }
-    }
-  }
-}
-"""
-
-_NATIVE = NativeLibrary("adam_undo", _SOURCE, abi=("sh_adam_undo_abi", 1), signatures={
-    "sh_adamw_undo": [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_double] * 6 + [ctypes.c_int32]})
+# The kernel: csrc/adam_undo.cpp (sh_adamw_undo's table layout is documented there).
+_NATIVE = NativeLibrary("adam_undo", "adam_undo.cpp", abi=("sh_adam_undo_abi", 1), signatures={
+    "sh_adamw_undo": [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_double] * 6 + [ctypes.c_int32]},
+    fallback="undo_adamw_(kernel='auto') undoes with torch ops instead (speculation._undo_adamw_torch, "
+             "about ten passes over the block)")
 
 
 def native_undo_error() -> str | None:
