@@ -3,6 +3,10 @@
 Every knob of the working-window engine lives here, validated once in `__post_init__`, so
 that a bad value fails before any memory is allocated. The shape follows torchtitan's config
 dataclasses: frozen, keyword-only, slotted, one docstring per field, `Literal` for choices.
+
+The parsers of its user-facing values (`parse_dtype`, `parse_window_size`, `parse_memory`)
+live here too, at the bottom of the package: the estimator and its CLI (``estimate/``) read
+the same strings, and this module imports nothing of ours.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
@@ -44,6 +49,29 @@ def parse_dtype(value: str | torch.dtype | None, *, field_name: str = "param_dty
         f"StrongholdConfig.{field_name}={value!r} is not understood; use one of "
         f"{sorted(_DTYPE_NAMES)} or leave it unset to keep the model's dtype."
     )
+
+
+_MEM_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_memory(text: str | int) -> int:
+    """``"32GB"``, ``"32GiB"``, ``"32G"``, ``"900MB"``, ``"1.5T"`` or plain bytes -> bytes.
+
+    Units are binary and case-insensitive: K/M/G/T with or without ``B`` or ``iB`` all mean
+    2**10/2**20/2**30/2**40, so ``32GB == 32GiB == 32 * 2**30``.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise ValueError(f"memory size must be >= 0, got {text}")
+        return text
+    match = _MEM_RE.match(str(text))
+    if not match or (not match.group(2) and "i" in match.group(3).lower()):
+        raise ValueError(
+            f"cannot parse memory size {text!r}; use e.g. 32GB, 32GiB, 900MB or a plain byte count "
+            "(K/M/G/T are binary: GB = GiB = 2**30)"
+        )
+    value, unit = float(match.group(1)), match.group(2).lower()
+    return int(value * {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}[unit])
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -314,8 +342,6 @@ class StrongholdConfig:
                 "(that many blocks stay on the device) or False (everything streams)."
             )
         if self.gpu_memory is not None:
-            from .estimate import parse_memory  # estimate imports this module at load time
-
             try:
                 budget = parse_memory(self.gpu_memory)
             except ValueError as err:
@@ -324,8 +350,6 @@ class StrongholdConfig:
                 raise ValueError(f"StrongholdConfig.gpu_memory={self.gpu_memory!r}; use a positive size such as \"20GB\".")
             object.__setattr__(self, "gpu_memory", budget)
         if self.max_pinned_bytes is not None:
-            from .estimate import parse_memory  # estimate imports this module at load time
-
             try:
                 limit = parse_memory(self.max_pinned_bytes)
             except ValueError as err:

@@ -295,7 +295,7 @@ def test_moments_on_disk_save_eight_bytes_per_parameter_of_peak_rss(tmp_path):
 
 
 def test_the_trainer_fit_check_counts_the_ring_instead_of_the_moments(tmp_path, monkeypatch):
-    import stronghold_hf.estimate as est
+    import stronghold_hf.estimate.api as est  # where estimate_for_model looks it up
 
     monkeypatch.setattr(est, "available_cpu_memory_bytes", lambda: 1 << 10)  # a 1 KiB machine
     with pytest.raises(ValueError, match=r"(?s)Adam 0.00 GiB.*NVMe ring .*GiB.*\)\.") as refused:

@@ -240,7 +240,7 @@ def test_custom_optimizer_refused_before_training(tmp_path):
 
 
 def test_run_that_cannot_fit_is_refused_before_allocation(tmp_path, monkeypatch):
-    import stronghold_hf.estimate as est
+    import stronghold_hf.estimate.api as est  # where estimate_for_model looks it up
 
     monkeypatch.setattr(est, "available_cpu_memory_bytes", lambda: 1 << 10)  # a 1 KiB machine
     model = tiny_model("gpt2")

@@ -1,0 +1,372 @@
+"""The byte model: from a model's counted units to every byte a run needs, host and device.
+
+`_assemble` turns the counts of counts.py into an `Estimate` for one configuration: it
+resolves what ``"auto"`` would choose (the image, the NVMe tier, activation offload), sums
+the host and device bytes and finds the largest window that fits. `_with_split` runs it for
+the device/host split the engine would keep (split.py).
+
+What is counted (per parameter ``p``; ``c`` = compute-dtype bytes, 4 for fp32, 2 for
+bf16/fp16; a unit's device copy is in ``c`` for blocks and linear-only units such as an
+untied head, in the stored dtype for embeddings and norms):
+
+* CPU, trainable parameters (every unit): fp32 masters 4 B, Adam ``exp_avg`` + ``exp_avg_sq``
+  8 B, fp32 gradients 4 B, and the pinned image sent to the device when the device copy is
+  not fp32 (``c`` B; with fp32 the image *is* the master). With ``host_image=False`` (or
+  ``"auto"`` when the RAM would not hold it) two staging buffers of the largest unit's
+  compute-dtype copy replace the image. With bf16 compute and ``host_grads`` ``"compute"``
+  (``"auto"`` without gradient accumulation) the gradients of bf16 units cost 2 B, not 4.
+  Frozen parameters: their stored bytes only. ``K`` (``grad_buffers``) pinned gradient staging buffers of the largest streamed
+  unit, one of each resident unit. With activation offload, host buffers for the checkpointed
+  inputs. Plus a fixed process allowance (`CPU_PROCESS_BYTES`). This is what the engine's
+  memory ledger books (a test holds the two within 5%).
+* GPU, what the engine owns (the ledger's ``device_peak_bytes``, within 5%): the window, the
+  most any ``W + 1`` consecutive positions of the sequence hold (a tied embedding counts at
+  both ends); ``K`` gradient lanes of the largest trainable streamed unit; the resident units
+  and their gradient buffers. With ``offload_non_block=False`` the parameters outside the
+  blocks stay on the GPU instead, with a device AdamW at 16 B/param (18 under mixed precision:
+  HF keeps them fp32 and autocast adds a compute copy).
+* GPU, what autograd holds: the block activations (counts.py) and the loss. A causal LM whose head
+  the chunked loss reproduces (``chunked_loss.py``) holds one chunk of logits at 16 B per logit
+  and, in backward, the head's gradient summed in fp32 (``V x H x 4``, and its cast back when
+  the head computes in 16 bits); otherwise the whole logits at 12 B per logit (compute-dtype
+  logits, the fp32 log-softmax saved for backward, the fp32 gradient, its cast back). Plus
+  the final norm's input and output. A workspace allowance: `GPU_WORKSPACE_FIXED_BYTES` (CUDA
+  context, cuBLAS workspaces) plus `GPU_WORKSPACE_PERCENT` of everything else.
+* Plain training (everything on the GPU), for contrast: 16 B/param fp32, 18 B/param mixed
+  precision, the same activations, the whole logits, and the workspace.
+
+With gradient checkpointing each layer stores only its input (``s*b*h*c``) plus, during the
+recompute, one layer's full activations; with activation offload only the inputs of the last
+``W`` blocks and two in flight stay on the device, the rest wait in host memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import DEFAULT_WINDOW_SIZE, parse_window_size
+from ..discovery import find_block_stacks
+from ..transfer import FETCH_STAGING_BUFFERS  # host_image=False: the ring that replaces the image
+from .counts import (
+    ADAM_STATE_BYTES, CPU_PROCESS_BYTES, GPU_WORKSPACE_FIXED_BYTES, GPU_WORKSPACE_PERCENT, LOGIT_BYTES, _NBYTES,
+    _Counts, _gib, layer_activation_bytes,
+)
+from .report import Estimate
+
+
+def _cfg(config: Any, *names: str) -> Any:
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def _workspace(other: int) -> int:
+    return GPU_WORKSPACE_FIXED_BYTES + -(-other * GPU_WORKSPACE_PERCENT // 100)
+
+
+def _window_bytes(counts: _Counts, window: int) -> int:
+    """The most device bytes ``window + 1`` consecutive positions of the sequence hold."""
+    seq = counts.sequence
+    best = 0
+    for start in range(max(1, len(seq) - window)):
+        units = set(seq[start:start + window + 1])
+        best = max(best, sum(counts.units[u].device_bytes for u in units))
+    return best
+
+
+def _assemble(
+    counts: _Counts, config: Any, *, model_name: str, seq_len: int, batch_size: int, dtype: str,
+    gradient_checkpointing: bool, window_size: int | str | None, gpu_memory_bytes: int | None,
+    cpu_memory_bytes: int | None, decoder_seq_len: int | None, notes: list[str], grad_buffers: int = 2,
+    offload_non_block: bool = True, chunked_loss: bool | str = "auto", offload_activations: bool | str = "auto",
+    loss_chunk_tokens: int | str = "auto", host_memory: str = "exact", host_image: bool | str = "auto",
+    host_grads: str = "auto", gradient_accumulation_steps: int = 1, nvme_memory_bytes: int | None = None,
+    nvme: bool | str = "auto", nvme_ring_buffers: int = 3, nvme_masters: bool | str = "auto", split: Any = None,
+) -> Estimate:
+    if nvme not in (True, False, "auto"):
+        raise ValueError(f"nvme={nvme!r}; use \"auto\", True or False.")
+    if nvme_masters not in (True, False, "auto"):
+        raise ValueError(f"nvme_masters={nvme_masters!r}; use \"auto\", True or False.")
+    if host_grads not in ("auto", "fp32", "compute"):
+        raise ValueError(f"host_grads={host_grads!r}; use \"auto\", \"fp32\" or \"compute\".")
+    if gradient_accumulation_steps < 1:
+        raise ValueError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}.")
+    if host_image not in (True, False, "auto"):
+        raise ValueError(f"host_image={host_image!r}; use \"auto\", True or False.")
+    if host_memory not in ("exact", "lean"):
+        raise ValueError(f"host_memory={host_memory!r}; use \"exact\" or \"lean\".")
+    if seq_len < 1 or batch_size < 1:
+        raise ValueError(f"seq_len and batch_size must be >= 1, got seq_len={seq_len}, batch_size={batch_size}.")
+    c = _NBYTES[dtype]
+    n = len(counts.layers)
+    positions = len(counts.sequence)
+    largest = max(layer.params for layer in counts.layers)
+    requested: int | str = "auto" if window_size in (None, "auto") else parse_window_size(window_size)
+    w = min(DEFAULT_WINDOW_SIZE if requested == "auto" else requested, positions)
+    if requested != "auto" and requested > positions:
+        notes.append(f"window_size={requested} exceeds the {positions} streamed units; evaluated at {positions}")
+    units = counts.units
+    streamed = [u for u in units if u.kind != "resident"]
+    resident = [u for u in units if u.kind == "resident"]
+
+    # CPU: every unit's host bytes (masters, gradients, Adam state, pinned images; frozen:
+    # stored bytes), K pinned staging buffers of the largest streamed gradient, one for each
+    # resident unit, the activation buffers, the process itself.
+    trainable = sum(u.trainable for u in units)
+    master = sum(4 * u.trainable for u in units)
+    unit_adam = [u.lean_adam_bytes if host_memory == "lean" else ADAM_STATE_BYTES * u.trainable for u in units]
+    adam = sum(unit_adam)
+    image = sum(u.trainable_image_bytes for u in units)
+    # bf16 host gradients (unit.py, [Note: host gradients in the compute dtype]): 2 B instead of
+    # 4 for bf16 units, unless accumulation widens them to fp32.
+    bf16_grads = dtype == "bf16" and host_grads != "fp32" and gradient_accumulation_steps == 1
+    grad = 4 * trainable - (image if bf16_grads else 0)
+    pinned = sum(u.image_bytes for u in units)
+    # Without the image: two staging buffers of the largest block (larger units cross in pieces).
+    ring = FETCH_STAGING_BUFFERS * max((u.trainable_image_bytes for u in units if u.kind == "block"),
+                                       default=max((u.trainable_image_bytes for u in units), default=0))
+    lane = max((u.grad_bytes for u in streamed), default=0)
+    # Pinned gradient staging holds the largest block's gradient; larger units cross in pieces.
+    block_lane = max((u.grad_bytes for u in streamed if u.kind == "block"), default=lane)
+    staging = grad_buffers * block_lane + len([u for u in resident if u.trainable]) * max(
+        (u.grad_bytes for u in resident), default=0)
+
+    # Activations, from the config's shape.
+    h = _cfg(config, "hidden_size", "d_model", "n_embd", "dim")
+    a = _cfg(config, "num_attention_heads", "n_head", "num_heads", "encoder_attention_heads")
+    full = ckpt = ckpt_offloaded = head = inputs_host = 0
+    if h and a:
+        s_dec = decoder_seq_len or seq_len
+        per_layer, inputs = [], []
+        for layer in counts.layers:
+            s = s_dec if layer.cross_attention else seq_len
+            ffn = _cfg(config, "decoder_ffn_dim") if layer.cross_attention else None
+            ffn = ffn or _cfg(config, "intermediate_size", "n_inner", "d_ff", "ffn_dim", "encoder_ffn_dim") or layer.ffn
+            per_layer.append(layer_activation_bytes(
+                s, batch_size, h, a, nbytes=c, ffn=ffn, head_dim=_cfg(config, "head_dim", "d_kv"),
+                kv_heads=_cfg(config, "num_key_value_heads"), gated_mlp=layer.gated_mlp,
+                cross_attention=layer.cross_attention, s_kv=seq_len,
+            ))
+            inputs.append(s * batch_size * h * c)
+        full = sum(per_layer)
+        # Checkpointing keeps each layer's input; the recompute holds one layer in full. With
+        # the inputs offloaded, the last W stay and two more are on their way.
+        ckpt = sum(inputs) + max(per_layer)
+        kept = sorted(inputs, reverse=True)[: min(n, w + 2)]
+        ckpt_offloaded = sum(kept) + max(per_layer)
+        inputs_host = sum(inputs) - sum(inputs[-w:]) if n > w else 0
+        s_out = s_dec if any(layer.cross_attention for layer in counts.layers) else seq_len
+        tokens = s_out * batch_size
+        head = 2 * tokens * (counts.hidden or h) * c  # the final norm's input and output
+        whole_resident = not counts.units and split is not None  # the split keeps the model on the GPU
+        use_chunks = (chunked_loss is True or (chunked_loss == "auto" and not whole_resident)) and (
+            counts.chunked and counts.logits_width)
+        if use_chunks:
+            from ..chunked_loss import BYTES_PER_LOGIT, resolve_chunk_tokens
+
+            chunk = min(tokens, resolve_chunk_tokens(loss_chunk_tokens, counts.logits_width))
+            head_grad = counts.logits_width * counts.hidden * (4 + (counts.head_device_bytes if
+                                                                    counts.head_device_bytes != 4 else 0))
+            head += chunk * counts.logits_width * BYTES_PER_LOGIT + head_grad
+        else:
+            head += tokens * counts.logits_width * LOGIT_BYTES
+        plain_head = 2 * tokens * (counts.hidden or h) * c + tokens * counts.logits_width * LOGIT_BYTES
+    else:
+        use_chunks = False
+        plain_head = 0
+        notes.append("model config has no hidden size / head count: activations not counted")
+
+    # GPU: the window, the gradient lanes, what stays outside the window, activations, loss.
+    state_per_param = 16 if c == 4 else 18
+    # A unit used at several positions (a tied embedding) keeps a lane of its own between its
+    # backward uses: one more lane each (schedule.release).
+    parked = sum(1 for i, u in enumerate(units) if u.kind != "resident" and u.trainable
+                 and counts.sequence.count(i) > 1)
+    lanes = (grad_buffers + parked) * lane
+    if offload_non_block:
+        outside = sum(u.device_bytes + u.grad_bytes for u in resident) + counts.buffer_bytes
+    else:
+        outside = state_per_param * counts.resident_params + counts.buffer_bytes
+    # The split's resident units: parameters, fp32 gradients, AdamW state; autocast's 16-bit copy.
+    split_bytes = 0 if split is None else split.resident_bytes + (c * split.resident_params if c != 4 else 0)
+    outside += split_bytes
+
+    def need(window: int, offload: bool) -> int:
+        block_act = (ckpt_offloaded if offload else ckpt) if gradient_checkpointing else full
+        other = _window_bytes(counts, window) + lanes + outside + block_act + head
+        return other + _workspace(other)
+
+    offload = bool(gradient_checkpointing and offload_activations is True)
+    if offload_activations == "auto" and gradient_checkpointing and gpu_memory_bytes is not None:
+        offload = need(w, False) > gpu_memory_bytes and need(w, True) < need(w, False)
+    block_act = (ckpt_offloaded if offload else ckpt) if gradient_checkpointing else full
+    window_bytes = _window_bytes(counts, w)
+    gpu_need = need(w, offload)
+    max_w: int | None = None
+    if gpu_memory_bytes is not None:
+        max_w = 0
+        for cand in range(1, positions + 1):  # a few thousand at most: a scan is exact and cheap
+            if need(cand, offload) > gpu_memory_bytes:
+                break
+            max_w = cand
+    activation_host = inputs_host if offload else 0
+    # The NVMe tier: the moments on disk, a ring of buffers of the largest unit's moments in RAM
+    # (with nvme_masters, of its masters and moments).
+    unit_master = [4 * u.trainable for u in units]
+
+    def nvme_ring(masters_on_disk: bool) -> int:
+        per_unit = [a + (m if masters_on_disk else 0) for a, m in zip(unit_adam, unit_master)]
+        return min(nvme_ring_buffers, len(per_unit)) * max(per_unit, default=0)
+
+    # Masters on disk: no image; fetches read one block's masters at a time (fp32 scratch) and
+    # convert them through the staging ring, in the compute dtype (fp32 compute too).
+    block_trainable = max((u.trainable for u in units if u.kind == "block"),
+                          default=max((u.trainable for u in units), default=0))
+    disk_fetch = FETCH_STAGING_BUFFERS * c * block_trainable + 4 * block_trainable
+
+    def host_need(keep: bool, on_disk: bool, masters_on_disk: bool = False) -> int:
+        if masters_on_disk:
+            return (nvme_ring(True) + grad + pinned - image + disk_fetch + staging + activation_host
+                    + CPU_PROCESS_BYTES)
+        image_or_ring = 0 if keep or not image else ring - image
+        moments = nvme_ring(False) if on_disk else adam
+        return master + moments + grad + pinned + image_or_ring + staging + activation_host + CPU_PROCESS_BYTES
+
+    # What "auto" chooses, in order, the first that fits the RAM: everything in RAM; without
+    # the image (host_image="auto"); the moments on disk (with nvme_memory), image kept if it
+    # fits; then the masters on disk too (nvme_masters="auto").
+    images = [True, False] if host_image == "auto" else [bool(host_image)]
+    disks = [True] if nvme is True else [False] if nvme is False or (nvme_memory_bytes is None) else [False, True]
+    choices = [(keep, disk, False) for disk in disks for keep in images]
+    if nvme_masters is True:
+        choices = [(False, True, True)]
+    elif nvme_masters == "auto" and True in disks and host_image is not True:
+        choices.append((False, True, True))
+    keep_image, on_disk, masters_on_disk = next(
+        (c for c in choices if cpu_memory_bytes is None or host_need(*c) <= cpu_memory_bytes), choices[-1])
+    cpu_needed = host_need(keep_image, on_disk, masters_on_disk)
+    if masters_on_disk:
+        pinned += disk_fetch - image
+    elif image and not keep_image:
+        pinned += ring - image
+        if host_image == "auto":
+            notes.append(f"host_image=\"auto\" drops the pinned {dtype} image ({_gib(image)}): fetches convert the "
+                         "fp32 masters through two staging buffers")
+    if on_disk and nvme == "auto":
+        notes.append(f"the Adam moments ({_gib(adam)}) go to the NVMe tier (StrongholdConfig(nvme_path=DIR)): the host "
+                     f"holds a ring of {min(nvme_ring_buffers, len(unit_adam))} buffers instead")
+    if masters_on_disk and nvme_masters == "auto":
+        notes.append(f"the fp32 masters ({_gib(master)}) go to disk too (StrongholdConfig(nvme_masters=True)): "
+                     "every fetch reads them from the NVMe tier")
+    if on_disk and not masters_on_disk and cpu_memory_bytes is not None and cpu_needed > cpu_memory_bytes:
+        notes.append(f"with the moments on disk the host still needs the fp32 masters ({_gib(master)}) and the "
+                     f"gradients ({_gib(grad)}); StrongholdConfig(nvme_masters=True) moves the masters too")
+
+    total = counts.block_params + counts.resident_params
+    plain_state = state_per_param * total + counts.buffer_bytes
+    plain_other = plain_state + (ckpt if gradient_checkpointing else full) + plain_head
+    plain_ws = _workspace(plain_other)
+    plain_need = plain_other + plain_ws
+
+    cpu_fits = None if cpu_memory_bytes is None else cpu_needed <= cpu_memory_bytes
+    gpu_fits = None if gpu_memory_bytes is None else gpu_need <= gpu_memory_bytes
+    if cpu_fits is None:
+        notes.append("CPU RAM unknown: CPU check skipped")
+    if gpu_fits is None:
+        notes.append("GPU memory unknown: GPU check skipped")
+    on_nvme = (adam if on_disk else 0) + (master if masters_on_disk else 0)
+    nvme_fits = None if not on_disk or nvme_memory_bytes is None else on_nvme <= nvme_memory_bytes
+    fixed = window_bytes + lanes + outside + block_act + head
+    return Estimate(
+        model_name=model_name, seq_len=seq_len, batch_size=batch_size, dtype=dtype,
+        gradient_checkpointing=gradient_checkpointing, window_size=w, window_size_requested=requested,
+        num_blocks=n, block_params=counts.block_params, resident_params=counts.resident_params,
+        total_params=total, largest_block_params=largest, offload_non_block=offload_non_block,
+        chunked_loss=bool(use_chunks), offload_activations=offload,
+        cpu_master_bytes=0 if masters_on_disk else master, cpu_adam_bytes=0 if on_disk else adam, cpu_grad_bytes=grad, host_memory=host_memory,
+        host_image=bool(keep_image or not image), host_grads="compute" if bf16_grads else "fp32",
+        cpu_pinned_copy_bytes=pinned,
+        cpu_grad_staging_bytes=staging, cpu_activation_bytes=activation_host, cpu_process_bytes=CPU_PROCESS_BYTES,
+        cpu_bytes_needed=cpu_needed, cpu_memory_bytes=cpu_memory_bytes,
+        nvme_adam=on_disk, nvme_bytes_needed=on_nvme, nvme_memory_bytes=nvme_memory_bytes,
+        cpu_nvme_ring_bytes=nvme_ring(masters_on_disk) if on_disk else 0, nvme_masters=masters_on_disk,
+        gpu_resident_bytes=outside, gpu_window_bytes=window_bytes,
+        gpu_slot_bytes=max((u.device_bytes for u in streamed), default=0),
+        gpu_grad_buffer_bytes=lanes, gpu_engine_bytes=window_bytes + lanes + (outside - counts.buffer_bytes
+                                                                               if offload_non_block else split_bytes),
+        gpu_block_activation_bytes=block_act, gpu_head_activation_bytes=head,
+        gpu_workspace_bytes=gpu_need - fixed, gpu_bytes_needed=gpu_need,
+        gpu_memory_bytes=gpu_memory_bytes, max_window_size=max_w,
+        plain_state_bytes=plain_state, plain_workspace_bytes=plain_ws, plain_gpu_bytes_needed=plain_need,
+        cpu_fits=cpu_fits, gpu_fits=gpu_fits, nvme_fits=nvme_fits,
+        fits=cpu_fits is not False and gpu_fits is not False and nvme_fits is not False,
+        plain_fits=None if gpu_memory_bytes is None else plain_need <= gpu_memory_bytes,
+        block_activation_bytes_checkpointed=ckpt, block_activation_bytes_full=full, notes=tuple(notes),
+        resident_units=0 if split is None else len(split.resident),
+        resident_params_on_gpu=0 if split is None else split.resident_params, gpu_split_bytes=split_bytes,
+        split="everything streams" if split is None else split.reason,
+    )
+
+
+def _with_split(model: nn.Module, block_classes: tuple[str, ...] | None, c: int, assemble, *, offload_non_block: bool,
+                resident: Any, gpu_memory_bytes: int | None, window_size: int | str | None, grad_buffers: int,
+                budget: int | None) -> Estimate:
+    """``assemble(split)`` for the split the engine would keep (split.py). ``resident="auto"``
+    without a budget of its own (``gpu_memory``) fills what the GPU leaves once this run's
+    activations, loss and workspace are counted (from the everything-streamed estimate), so a
+    run that fits streaming does not stop fitting because of the split. A whole-resident model
+    computes its loss whole (``chunked_loss="auto"``): when those logits would not fit, the
+    budget shrinks by them, so that something streams and the loss stays chunked. If the split
+    still would not fit, the estimate is the streamed one."""
+    streamed = assemble(None)
+    if resident is False:
+        return streamed
+    measured = budget is None and resident == "auto"
+    if measured:
+        if gpu_memory_bytes is None:
+            return streamed
+        room = (gpu_memory_bytes - GPU_WORKSPACE_FIXED_BYTES) * 100 // (100 + GPU_WORKSPACE_PERCENT)
+        buffers = streamed.gpu_resident_bytes - streamed.gpu_split_bytes - (
+            streamed.gpu_engine_bytes - streamed.gpu_window_bytes - streamed.gpu_grad_buffer_bytes)
+        model_state = room - streamed.gpu_block_activation_bytes - streamed.gpu_head_activation_bytes - buffers
+        budget = max(0, model_state * 16 // 18 if c != 4 else model_state)  # autocast's 16-bit copies
+    split = _split(model, block_classes, c, offload_non_block=offload_non_block, resident=resident, budget=budget,
+                   window_size=window_size, grad_buffers=grad_buffers)
+    if split is None:
+        return streamed
+    with_split = dataclasses.replace(assemble(split), resident_budget_bytes=budget)
+    if measured and with_split.gpu_fits is False and streamed.chunked_loss and not with_split.chunked_loss:
+        whole_logits = with_split.gpu_head_activation_bytes - streamed.gpu_head_activation_bytes
+        budget = max(0, budget - whole_logits * 105 // 100)
+        split = _split(model, block_classes, c, offload_non_block=offload_non_block, resident=resident,
+                       budget=budget, window_size=window_size, grad_buffers=grad_buffers)
+        if split is None:
+            return streamed
+        with_split = dataclasses.replace(assemble(split), resident_budget_bytes=budget)
+    if with_split.gpu_fits is False and streamed.gpu_fits:
+        return streamed
+    return with_split
+
+
+def _split(model: nn.Module, block_classes: tuple[str, ...] | None, c: int, *, offload_non_block: bool, resident: Any,
+           budget: int | None, window_size: int | str | None, grad_buffers: int):
+    """The device/host split the engine would choose (split.py) within ``budget``."""
+    from ..discovery import plan_units
+    from ..split import TRAINABLE_EXTRA_BYTES, choose_split
+
+    if resident is False or (resident == "auto" and budget is None):
+        return None
+    plan = plan_units(model, find_block_stacks(model, block_classes), offload_non_block=offload_non_block)
+    in_units = {id(p) for u in plan.units for _, p in u.params}
+    base = sum(p.numel() * (p.element_size() + (TRAINABLE_EXTRA_BYTES if p.requires_grad else 0))
+               for p in model.parameters() if id(p) not in in_units)
+    ws = window_size if isinstance(window_size, int) else DEFAULT_WINDOW_SIZE
+    split = choose_split(plan, resident=resident, budget=budget, window_size=min(ws, len(plan.sequence)),
+                         grad_buffers=grad_buffers, param_dtype=None if c == 4 else torch.bfloat16, base_bytes=base)
+    return split if split.resident else None
