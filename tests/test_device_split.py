@@ -288,7 +288,7 @@ def test_trainer_command_line_split_matches_plain_and_resumes_under_another(tmp_
                                          save_steps=2))
     whole.train()
     assert whole.stronghold_engine.units == []
-    fit = whole._estimate(seq_len=16, batch_size=2)  # the start-up fit check counts the same split
+    fit = whole._stronghold_fit.estimate(seq_len=16, batch_size=2)  # the start-up fit check counts the same split
     assert fit.resident_params_on_gpu == sum(p.numel() for p in tiny_model("gpt2").parameters())
     assert fit.cpu_master_bytes == 0 and "whole model" in fit.split
     losses = lambda t: [h["loss"] for h in t.state.log_history if "loss" in h]  # noqa: E731
