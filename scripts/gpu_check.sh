@@ -21,6 +21,8 @@
 #   pytest_gpu         80/40     the CUDA tests (tests/test_gpu.py), no -x: parity, delay injection, the
 #                                ledger against the allocator (what it held at its peak, by who
 #                                allocated it: ledger_vs_allocator.json), deep == shallow peak, ...
+#   host               35/20     #41: bench_host, width 32 at 8 and 40 blocks: the engine's host work per
+#                                block over plain's (<= 0.30), and whether the GPU waited on the host
 #   step_gpt2_fp32     50/35     bench_step, GPT-2-medium shape (354 M), fp32: plain, auto, W=1 (all
 #                                streamed); the bound
 #   step_gpt2_bf16     55/40     the same in bf16, with DeepSpeed ZeRO-Offload next to it
@@ -198,6 +200,7 @@ if [ "$MODE" = cuda ]; then
     MEMORY=(--width 512 --depths 4,16,64 --seq 32 --batch 1 --cap_third --vocab_sweep 4096,131072
             --seq_sweep 512,8192 --depth_sweep 2,32)
     ESTIMATE=(--layers 2 --seq 4096)
+    HOST=(--rounds 4 --steps 4)
 else
     DEV=(--device cpu)
     GPT2=(--model smoke --warmup 1 --rounds 2 --block_steps 3 --threads 1)
@@ -209,6 +212,7 @@ else
     MEMORY=(--width 32 --depths 4,8 --steps 2 --seq 8 --sweep_hidden 64 --sweep_seq 64 --sweep_vocab 1024
             --vocab_sweep 512,4096 --seq_sweep 64,256 --depth_sweep 2,8)
     ESTIMATE=(--hidden 256 --ffn 512 --heads 4 --kv_heads 2 --vocab 8192 --seq 256)
+    HOST=(--smoke)
 fi
 STEP=(python benchmarks/bench_step.py "${DEV[@]}" --windows auto,1 --time_budget_s @SOFT@)
 
@@ -218,6 +222,7 @@ BUDGETS=(--budgets all,half,quarter,streamed)
 # optional pieces get what the pieces before them leave unused (pytest_gpu took 48 s of its 80 on
 # the H200). #35's pieces come after #34's GPT-2 runs and before its Llama ones.
 run_piece pytest_gpu 80 40 0 python -m pytest -m gpu tests -q -p no:cacheprovider
+run_piece host 35 20 0 python benchmarks/bench_host.py "${DEV[@]}" "${HOST[@]}"
 run_piece step_gpt2_fp32 50 35 18 "${STEP[@]}" "${GPT2[@]}" --peers none
 if [ "$MODE" = cuda ]; then
     run_piece step_gpt2_bf16 55 40 20 "${STEP[@]}" "${GPT2[@]}" --precision bf16 --peers zero_offload

@@ -40,10 +40,13 @@ ALL_TARGET, SPLIT_BOUND_TARGET, ORDER_TARGET, TWINFLOW_TARGET = 0.97, 0.85, 1.0,
 #: bench_step's and bench_train's ``--budgets``, largest first.
 BUDGETS = ("all", "half", "quarter", "streamed")
 SPLIT_PIECES = {"split_step": "bench_step", "split_train": "bench_train"}
+#: #41: the engine's extra host work per block, over plain training's own, at most.
+HOST_TARGET = 0.30
 
 #: piece id (its output is <id>.jsonl) -> what it is
 PIECES = {
     "pytest_gpu": "pytest -m gpu",
+    "host": "bench_host (host work per block, width 32)",
     "step_gpt2_fp32": "bench_step GPT-2-medium fp32",
     "step_gpt2_bf16": "bench_step GPT-2-medium bf16",
     "step_llama_bf16": "bench_step Llama-3.2-1B bf16",
@@ -165,6 +168,11 @@ class Report:
             "train", ("peers", "deepspeed_zero2_offload", "ratio_ours_vs_peer"), ZERO_TARGET)
         add(f"bench_train: tokens/s vs FSDP2 CPUOffloadPolicy >= {FSDP2_TARGET}x",
             "train", ("peers", "fsdp2_cpu_offload", "ratio_ours_vs_peer"), FSDP2_TARGET)
+        # #41: the engine's host work per block at most 0.3 of plain's, in the GPU configuration.
+        value, why = self.value("host", "gpu_config_ratio_paired")
+        rows.append({"target": f"bench_host: host work per block <= {HOST_TARGET} of plain's (gpu_config, paired)",
+                     "threshold": HOST_TARGET, "value": value, "met": value is not None and value <= HOST_TARGET,
+                     "why_not_run": why})
         rows += self.split_targets()
         return rows
 
@@ -224,6 +232,7 @@ class Report:
             "split_train": ("split_all_ratio_vs_plain",), "memory": ("unexplained_vs_ledger_max_abs",),
             "estimate": ("measured_vs_estimate",), "max_model": ("max_params_stronghold",),
             "nvme": ("ratio_of_disk_bound",), "fetch": ("convert_vs_h2d",),
+            "host": ("gpu_config_ratio_paired",),
         }
         rows = []
         for pid, label in PIECES.items():

@@ -172,7 +172,8 @@ def test_gpu_summary_lists_every_target_and_why_one_did_not_run(tmp_path):
         "unmet (not run: bench_step Llama-3.2-1B fp32 is not in this run)")
     assert "deepspeed is not importable" in verdict("bench_train: tokens/s vs ZeRO-Offload")
     assert verdict("bench_train: tokens/s vs FSDP2") == "met (1.940)"
-    assert "targets met: 2/25" in out and len(lines) == 25
+    assert "targets met: 2/26" in out and len(lines) == 26
+    assert verdict("bench_host") == "unmet (not run: bench_host (host work per block, width 32) is not in this run)"
     assert verdict("#35 bench_step all resident") == (
         "unmet (not run: bench_step budgets GPT-2-medium bf16 is not in this run)")
     assert "tests failed = 1\n" in out  # the pytest piece's number
@@ -217,3 +218,19 @@ def test_gpu_summary_judges_the_split_targets(tmp_path):
     assert verdict("#35 bench_step all budget: tokens/s vs Twin-Flow") == "met (1.200)"
     assert verdict("#35 bench_step half budget: tokens/s vs Twin-Flow") == "unmet (0.900)"
     assert verdict("#35 bench_step quarter budget: tokens/s vs Twin-Flow").startswith("unmet (not run: ")
+
+
+def test_bench_host_smoke():
+    """The host-work benchmark: plain's CPU time per block, the engine's extra in the GPU
+    configuration and the CPU default, their ratios and the extra aten ops, as numbers."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_host.py"), "--smoke"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.strip()]
+    summary = rows[-1]
+    assert summary["bench"] == "host" and summary["plain_us_per_block"] > 0
+    for variant in ("gpu_config", "cpu_default"):
+        for key in ("extra_us_per_block", "ratio", "ratio_paired", "extra_ops_per_block"):
+            assert isinstance(summary[f"{variant}_{key}"], (int, float)), (variant, key)
+    # The engine's own ops per block on the training thread: a handful, not one per parameter.
+    assert summary["gpu_config_extra_ops_per_block"] < 12, summary
