@@ -1,8 +1,10 @@
 """The gradient queue: a bounded number of unit gradients on their way to the host.
 
-During a unit's backward its trainable parameters' ``.grad`` are views into a *lane*: a
-device buffer in the unit's gradient layout (autograd accumulates into it in place). When
-the unit's backward is done the schedule *flushes* the lane: `send` starts one device-to-host
+During a unit's backward it holds a *lane*: a device buffer in the unit's gradient layout.
+Autograd produces the unit's gradients as it does in plain training (``.grad`` is None, so
+each is stolen, not added into a zeroed buffer); when the unit's backward is done they are
+copied into the lane in one fused op (unit.py, `collect_into_buffer`) and the schedule
+*flushes* the lane: `send` starts one device-to-host
 copy of the whole buffer into the lane's pinned staging buffer, then, on the host worker, a
 *fold* copies or adds the staged values into the unit's fp32 gradient and `release` frees
 the lane. The queue only keeps the lanes; the schedule composes the flush.
@@ -11,9 +13,10 @@ There are ``K = StrongholdConfig.grad_buffers`` lanes. A unit that needs one whi
 busy waits for the oldest flush to land: gradients drain *during* backward, so device
 memory holds at most ``K`` gradient buffers, whatever the depth (FSDP2's post-reduce event
 bounds its reduce-scatter outputs the same way). The ``K`` device buffers are allocated at the
-first use of a lane in a backward pass and kept until the pass ends
+first use of a lane in a backward pass and freed when the pass ends
 (`release_device_buffers`), so the pass holds exactly ``K`` buffers of the largest unit's
-gradient, whatever the timing; its staging buffer lives as long as the engine. The ledger
+gradient, whatever the timing ([Note: a clean lane] says how their views outlive that); the
+staging buffers live as long as the engine. The ledger
 books both. A staging buffer holds the largest *block's* gradient: a larger unit (a
 vocabulary-sized embedding or head) crosses in pieces of half of it, two in flight, each next
 piece started by the fold once it has read the one before (`StagedGradient`), so Llama-3-8B's
@@ -39,7 +42,7 @@ import threading
 import torch
 
 from .ledger import MemoryLedger
-from .memory import HostAllocator, element_size
+from .memory import HostAllocator
 from .transfer import TransferContext
 from .workers import Ticket
 
@@ -54,30 +57,64 @@ class LaneState(enum.Enum):
 
 
 class GradLane:
+    """One lane: a device buffer that lives for the engine, and its host staging buffer.
+
+    [Note: a clean lane] A lane's device bytes are allocated once and their *storage* is freed
+    at the end of every backward pass and allocated again at the next (``resize_``, as a unit's
+    slot is: unit.py, [Note: why the slot storage is resized]). So the typed buffer and each
+    parameter's view into it, made from a unit's geometry, stay valid from pass to pass and
+    are made once (`views`), not per backward. A unit's gradients are *copied* into its views
+    (unit.py, `collect_into_buffer`); views of parameters without a gradient are zeroed then.
+    The padding between parameters is never written, so once zeroed it stays zero for as long
+    as the lane serves the same geometry (``clean_key``): `GradientQueue.acquire` zeroes a lane
+    only when it was just allocated or last held another geometry, so the flush's norm and the
+    host's flat sums see zeros there, and a uniform stack of blocks costs no ``zero_`` at all.
+    """
+
     __slots__ = ("index", "state", "device_bytes", "device_buffer", "staging", "norm_host", "dtype", "numel",
-                 "unit_index", "ticket")
+                 "unit_index", "ticket", "clean_key", "_typed", "_views", "_norm_read")
 
     def __init__(self, index: int, staging: torch.Tensor) -> None:
         self.index = index
         self.state = LaneState.FREE
-        self.device_bytes: torch.Tensor | None = None  # uint8 [max bytes] on the device, for one backward pass
+        self.device_bytes: torch.Tensor | None = None  # uint8 [max bytes] on the device; storage freed between passes
         self.device_buffer: torch.Tensor | None = None  # [numel] grad dtype: the used part, typed, while in use
         # uint8 [staging bytes + 64], pinned host: the gradient (typed per flush), then, in the
-        # last 64 bytes, the flush's squared norm (pinned too, so its copy stays asynchronous).
+        # last 64 bytes, the flush's L2 norm (pinned too, so its copy stays asynchronous).
         self.staging = staging[:-_NORM_BYTES]
         self.norm_host = staging[-_NORM_BYTES:][:4].view(torch.float32)  # fp32 [1]
+        self._norm_read = self.norm_host.numpy()  # the same memory, read without a torch call
         self.dtype: torch.dtype | None = None
         self.numel = 0
         self.unit_index = -1
         self.ticket: Ticket | None = None
+        self.clean_key: int | None = None  # the geometry whose padding is zero in the lane (None: garbage)
+        self._typed: dict[tuple[torch.dtype, int], torch.Tensor] = {}  # (dtype, numel) -> the typed buffer
+        self._views: dict[int, list[torch.Tensor | None]] = {}  # geometry key -> each parameter's view
 
-    def device_view(self, offset: int, numel: int, shape) -> torch.Tensor:
-        assert self.device_buffer is not None
-        return self.device_buffer[offset : offset + numel].view(shape)
+    def typed(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """The lane's first ``numel`` elements as ``dtype`` (made once, valid across passes)."""
+        buffer = self._typed.get((dtype, numel))
+        if buffer is None:
+            buffer = self._typed[(dtype, numel)] = self.device_bytes[: numel * dtype.itemsize].view(dtype)
+        return buffer
+
+    def views(self, key: int, geometry) -> list[torch.Tensor | None]:
+        """Each trainable parameter's view into the typed buffer in use, from ``geometry``
+        (unit.py, `Unit.grad_geometry`, named by ``key``); made once per geometry."""
+        views = self._views.get(key)
+        if views is None:
+            buffer = self.device_buffer
+            base = buffer.storage_offset()
+            views = self._views[key] = [None if g is None else buffer.as_strided(g[0], g[1], base + g[2])
+                                        for g in geometry]
+        return views
 
     def staged_norm(self) -> float:
-        """The flush's squared norm (read only after the copy landed)."""
-        return float(self.norm_host[0])
+        """The flush's L2 norm (read only after the copy landed). Read through numpy: on the
+        host worker a torch call would hand the GIL to the training thread and wait to get it
+        back (unit.py, [Note: torch calls on the host worker])."""
+        return float(self._norm_read[0])
 
 
 class StagedGradient:
@@ -90,7 +127,7 @@ class StagedGradient:
         self.transfer = transfer
         self.src = src  # the device gradient (kept alive until every piece landed)
         self.numel = src.numel()
-        size = element_size(src.dtype)
+        size = src.dtype.itemsize
         whole = self.numel * size <= staging.numel()
         self.piece = self.numel if whole else max((staging.numel() // 2) // size // 64 * 64, 64)
         self._halves = [staging[: self.piece * size].view(src.dtype)] if whole else [
@@ -154,7 +191,8 @@ class GradientQueue:
         self._host = host
         self._lanes: list[GradLane] = []
         self._num_lanes = num_lanes
-        self._free = threading.Condition()
+        self._free = threading.Condition(threading.Lock())
+        self._allocated = False  # the lanes' device storage holds bytes (during a backward pass)
         self.peak_in_flight = 0
 
     def _lane_pool(self) -> list[GradLane]:
@@ -176,12 +214,18 @@ class GradientQueue:
     def busy(self) -> int:
         return sum(lane.state is not LaneState.FREE for lane in self._lanes)
 
-    def acquire(self, unit_index: int, numel: int, dtype: torch.dtype) -> GradLane:
-        """A zeroed lane of ``numel`` elements; waits for the oldest flush when all are busy."""
-        lanes = self._lane_pool()
+    def acquire(self, unit_index: int, numel: int, dtype: torch.dtype, key: int | None = None) -> GradLane:
+        """A lane of ``numel`` elements; waits for the oldest flush when all are busy. ``key``: the
+        geometry the unit will copy its gradients in with ([Note: a clean lane]); the lane is
+        zeroed unless its padding is already zero for that geometry (None: always zeroed)."""
+        lanes = self._lanes or self._lane_pool()
         while True:
             with self._free:
-                lane = next((l for l in lanes if l.state is LaneState.FREE), None)
+                lane = None
+                for candidate in lanes:
+                    if candidate.state is LaneState.FREE:
+                        lane = candidate
+                        break
                 if lane is not None:
                     lane.state = LaneState.FILLING
                     break
@@ -193,30 +237,41 @@ class GradientQueue:
                     "at once than the queue allows)."
                 )
             self._wait(oldest)
-        if lane.device_bytes is None:
-            # All K at once: the pass's device footprint does not depend on how fast copies land.
-            for other in lanes:
-                if other.device_bytes is None:
-                    other.device_bytes = torch.empty(self.max_bytes, dtype=torch.uint8, device=self.device)
-                    self.ledger.device_alloc(self.max_bytes)
-        lane.device_buffer = lane.device_bytes[: numel * element_size(dtype)].view(dtype)
-        # Zeros: autograd accumulates into it, and the alignment padding between parameters
-        # must not add to norms or sums.
-        lane.device_buffer.zero_()
+        if not self._allocated:
+            self._allocate_device_buffers()
+        lane.device_buffer = buffer = lane.typed(dtype, numel)
+        if key is None or lane.clean_key != key:
+            buffer.zero_()  # the padding between parameters must not add to norms or sums
+            lane.clean_key = key
         lane.dtype, lane.numel, lane.unit_index = dtype, numel, unit_index
-        self.peak_in_flight = max(self.peak_in_flight, self.busy)
+        busy = self.busy
+        if busy > self.peak_in_flight:
+            self.peak_in_flight = busy
         return lane
 
+    def _allocate_device_buffers(self) -> None:
+        """All K at once, at a pass's first lane: the pass's device footprint does not depend on
+        how fast copies land. The storage is kept from pass to pass, its bytes are not
+        ([Note: a clean lane])."""
+        for lane in self._lanes:
+            if lane.device_bytes is None:
+                lane.device_bytes = torch.empty(self.max_bytes, dtype=torch.uint8, device=self.device)
+            else:
+                lane.device_bytes.untyped_storage().resize_(self.max_bytes)
+            lane.clean_key = None  # fresh bytes: zeroed at first use
+            self.ledger.device_alloc(self.max_bytes)
+        self._allocated = True
+
     def send(self, lane: GradLane, send: torch.Tensor | None = None, *,
-             sq_norm: torch.Tensor | None = None) -> StagedGradient | _InPlace:
+             norm: torch.Tensor | None = None) -> StagedGradient | _InPlace:
         """Starts copying ``send`` (the lane, or this rank's shard of it) to the host; returns the
-        flush, whose ``landed()`` the fold iterates. ``sq_norm`` (a device scalar) travels too,
+        flush, whose ``landed()`` the fold iterates. ``norm`` (a device scalar) travels too,
         first on the same stream, so the first piece's landing covers it. The lane is IN_FLIGHT
         until `release`, which the fold calls after the last piece ([Note: lane lifetime])."""
         assert lane.state is LaneState.FILLING
         send = lane.device_buffer if send is None else send
-        if sq_norm is not None:
-            self.transfer.copy_d2h(lane.norm_host, sq_norm.reshape(1))
+        if norm is not None:
+            self.transfer.copy_d2h(lane.norm_host, norm.reshape(1))
         if self.transfer.mode == "sync":
             # A CPU "device": the lane is host memory already and stays untouched until the
             # fold has read it (the lane is FREE only after), so the fold reads it in place.
@@ -255,9 +310,13 @@ class GradientQueue:
                 self._wait(ticket)
 
     def release_device_buffers(self) -> None:
-        """At the end of a backward pass: gives the lanes' device memory back (after `drain`)."""
+        """At the end of a backward pass: gives the lanes' device memory back (after `drain`);
+        the lanes keep their storage objects, so their views stay made ([Note: a clean lane])."""
+        if not self._allocated:
+            return
         for lane in self._lanes:
             assert lane.state is LaneState.FREE, "release_device_buffers with a lane in use"
-            if lane.device_bytes is not None:
-                lane.device_bytes = None
-                self.ledger.device_free(self.max_bytes)
+            lane.device_bytes.untyped_storage().resize_(0)
+            lane.clean_key = None
+            self.ledger.device_free(self.max_bytes)
+        self._allocated = False

@@ -47,7 +47,7 @@ def align_up(n: int, to: int = ALIGN_BYTES) -> int:
 
 
 def element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 # ---------------------------------------------------------------------------- layouts
@@ -394,6 +394,10 @@ class DeviceSlotPool:
     @property
     def in_use(self) -> frozenset[int]:
         return frozenset(self._in_use)
+
+    def sorted_in_use(self) -> list[int]:
+        """The units holding a slot, in index order (a copy: the caller may release them)."""
+        return sorted(self._in_use)
 
     @property
     def full(self) -> bool:

@@ -133,6 +133,7 @@ class WindowSchedule:
         self._open_regions: set[int] = set()  # head units whose region (discovery.HeadRegion) is open
         self._cursor = -1  # forward position of the last use opened in this pass
         self._prefetched: set[int] = set()  # fetched ahead of need (a fetch at need counts as on demand)
+        self._ahead_cache: dict[tuple[int, int, int], tuple[int, ...]] = {}
         self._block_entries = 0  # block forwards entered (outside backward), for the check below
         self._entries_at_model_start = 0
         self._warned_no_block_ran = False
@@ -143,8 +144,9 @@ class WindowSchedule:
     def num_blocks(self) -> int:
         return len(self.blocks)
 
-    def streamed(self, u: Unit) -> bool:
-        return u.kind != "resident"
+    @staticmethod
+    def streamed(u: Unit) -> bool:
+        return u.streamed
 
     def _unit_at(self, pos: int) -> Unit:
         return self.units[self.sequence[pos]]
@@ -168,7 +170,7 @@ class WindowSchedule:
         (about 65 ms of a 292 ms step on the H200). Only a unit at several positions of the
         sequence parks: the queue has one lane more for each, so the blocks keep their K (a
         block used again by a second forward flushes as before)."""
-        if u.has_grad_buffer:
+        if u.grad_buffer is not None:
             if self.phase is Phase.BACKWARD and u.pending_backward > 0 and len(self.positions_of.get(u.index, ())) > 1:
                 self._park(u)
             else:
@@ -177,26 +179,24 @@ class WindowSchedule:
             u.evict()
 
     def _park(self, u: Unit) -> None:
-        self._parked[u.index] = u.collect_into_buffer()
+        self._parked[u.index] = sorted(set(self._parked.get(u.index, ())) | set(u.collect_into_buffer()))
         u.detach_grad_buffer()
 
     def _unpark(self, u: Unit, lane: GradLane) -> None:
-        """The next use of a parked unit: its lane goes back under the parameters' ``.grad``."""
-        touched = self._parked.pop(u.index)
-        late = [(k, p.grad) for k, p in enumerate(u.params) if p.grad is not None]  # arrived while parked
-        u.attach_grad_buffer(lane.device_buffer)
-        with torch.no_grad():
-            for k, g in late:
-                u.params[k].grad.add_(g.to(device=self.device, dtype=lane.dtype))
-                touched.append(k)
-        for k in touched:
-            u.grad_touched[k] = True
+        """The next use of a parked unit: its lane comes back holding the partial sum; what this
+        use (or a gradient that arrived while it was parked) produces adds onto it."""
+        self._attach_lane(u, lane, accumulate=True)
+
+    def _attach_lane(self, u: Unit, lane: GradLane, *, accumulate: bool = False) -> None:
+        u.attach_grad_buffer(lane.device_buffer, lane.views(u.grad_geometry_key, u.grad_geometry),
+                             accumulate=accumulate)
 
     def _has_lane(self, u: Unit) -> bool:
-        return u.has_grad_buffer or u.index in self._parked
+        return u.grad_buffer is not None or u.index in self._parked
 
-    def _evict_idle(self, keep: set[int]) -> None:
-        for idx in sorted(self.pool.in_use):
+    def _evict_idle(self, keep) -> None:
+        """Releases every unit in the pool that is neither in ``keep`` nor held, in index order."""
+        for idx in self.pool.sorted_in_use():
             u = self.units[idx]
             if idx not in keep and u.holds == 0:
                 self.release(u)  # a lane goes with it: a collective, at the same point on every rank
@@ -208,6 +208,15 @@ class WindowSchedule:
                 if self.units[self.sequence[j]].pending_backward > 0}
 
     def _ahead(self, pos: int, direction: int) -> list[int]:
+        """The units to prefetch from ``pos`` in ``direction``: the next ``W`` positions' units,
+        once each, not ``pos``'s own. Fixed for a window size, so worked out once per position."""
+        key = (pos, direction, self.window_size)
+        ahead = self._ahead_cache.get(key)
+        if ahead is None:
+            ahead = self._ahead_cache[key] = tuple(self._work_out_ahead(pos, direction))
+        return ahead
+
+    def _work_out_ahead(self, pos: int, direction: int) -> list[int]:
         n, w = len(self.sequence), self.window_size
         span = range(pos + 1, min(n, pos + w + 1)) if direction > 0 else range(pos - 1, max(-1, pos - w - 1), -1)
         out: list[int] = []
@@ -220,16 +229,15 @@ class WindowSchedule:
     def _make_resident(self, u: Unit, direction: int, pos: int) -> None:
         """Slides the window to position ``pos`` (unit ``u``): evicts what is not wanted,
         fetches ``u``, prefetches ahead. The resident unit only needs fetching."""
-        if not self.streamed(u):
+        if not u.streamed:
             if u.state is Residency.ON_HOST:
                 self._fetch(u)
             return
         ahead = self._ahead(pos, direction)
         keep = {u.index, *ahead}
-        if direction > 0:
+        if direction > 0 and pos > len(self.sequence) - self.window_size:
             keep |= self._turn_kept(pos)
-        keep |= {j for j in self.pool.in_use if self.units[j].holds > 0}
-        self._evict_idle(keep)
+        self._evict_idle(keep)  # held units stay whatever keep says
         if u.state is Residency.ON_HOST:
             if self.pool.full:  # everything left is held or wanted: free the farthest wanted one
                 self._make_room(u, pos)
@@ -253,7 +261,7 @@ class WindowSchedule:
         # on how far this rank prefetched, and under data parallelism flushing a lane is a
         # collective, and a gathered unit evicted on one rank only would be gathered again by
         # that rank alone. Without prefetches in the pool, the residents are the same everywhere.
-        idle = [j for j in self.pool.in_use if self.units[j].holds == 0 and not self.units[j].has_grad_buffer]
+        idle = [j for j in self.pool.in_use if self.units[j].holds == 0 and self.units[j].grad_buffer is None]
         fetching = [j for j in idle if self.units[j].state is Residency.FETCHING]
         candidates = fetching or idle
         if not candidates:
@@ -265,7 +273,7 @@ class WindowSchedule:
 
     def _position(self, u: Unit, candidates: tuple[int, ...] | None) -> int:
         """The forward position of a new use of ``u``: its next position at or after the cursor."""
-        if not self.streamed(u):
+        if not u.streamed:
             return -1
         positions = candidates or tuple(self.positions_of.get(u.index, ()))
         if not positions:
@@ -294,9 +302,6 @@ class WindowSchedule:
                     handles.append(m.register_forward_pre_hook(self._make_pre_forward(u, pos), with_kwargs=True))
                     handles.append(m.register_forward_hook(self._make_post_forward(u), with_kwargs=True,
                                                            always_call=True))
-            for k, (e, p) in enumerate(zip(u.layout.entries, u.params)):
-                if e.trainable:
-                    handles.append(p.register_post_accumulate_grad_hook(self._make_touched_hook(u, k)))
         for region in self.plan.head_regions:
             u = self.units[region.unit]
             handles.append(region.start.register_forward_hook(self._make_region_start(u, region.position)))
@@ -304,13 +309,6 @@ class WindowSchedule:
             handles.append(region.model.register_forward_hook(self._make_region_end(u), prepend=True,
                                                               always_call=True))
         return handles
-
-    @staticmethod
-    def _make_touched_hook(u: Unit, k: int):
-        def hook(param):
-            u.grad_touched[k] = True
-
-        return hook
 
     def _make_pre_forward(self, u: Unit, positions):
         def hook(module, args, kwargs):
@@ -481,7 +479,7 @@ class WindowSchedule:
                 u.pending_backward += 1
             else:
                 use.done = True  # nothing downstream differentiates through this call
-        if not self.streamed(u) and u.holds == 0 and u.pending_backward == 0:
+        if not u.streamed and u.holds == 0 and u.pending_backward == 0:
             self.release(u)  # no backward will need it (a forward without gradients): off the device now
         return output
 
@@ -528,7 +526,7 @@ class WindowSchedule:
         use.backward_started = True
         u.backward_holds += 1
         u.backward_position = use.position
-        if self.streamed(u):
+        if u.streamed:
             # Units later in the sequence whose post-backward never ran (their inputs needed no
             # gradient) are done by now: everything downstream of u's outputs has run.
             for j in sorted(self.pool.in_use):
@@ -540,19 +538,23 @@ class WindowSchedule:
                         self.release(later)
         self._make_resident(u, direction=-1, pos=use.position)
         u.wait_resident()
-        if u.trainable and u.index in self._parked:
+        if u.trainable and u.index in self._parked and u.grad_buffer is None:
             self._unpark(u, self._lanes[u.index])
-        elif u.trainable and not u.has_grad_buffer:
-            queue = self.grad_queue if self.streamed(u) else self.resident_queue
-            lane = queue.acquire(u.index, u.layout.padded_grad_numel, u.layout.grad_dtype)
+        elif u.trainable and u.grad_buffer is None:
+            queue = self.grad_queue if u.streamed else self.resident_queue
+            lane = queue.acquire(u.index, u.layout.padded_grad_numel, u.layout.grad_dtype, u.grad_geometry_key)
             self._lanes[u.index] = lane
-            u.attach_grad_buffer(lane.device_buffer)
+            self._attach_lane(u, lane)
         if self.probe is not None and u.kind == "block":
             self.probe.pre_backward(u.index)
         if self.activations is not None and u.kind == "block":
             self.activations.prefetch_before(use.position)
 
     def on_post_backward(self, use: UnitUse) -> None:
+        with self.worker.deferred_wake:  # the fold and a speculative update: one wake-up
+            self._post_backward(use)
+
+    def _post_backward(self, use: UnitUse) -> None:
         u = self.units[use.unit_index]
         if self.probe is not None and u.kind == "block":
             self.probe.post_backward(u.index)
@@ -599,12 +601,11 @@ class WindowSchedule:
         this one did not, and every rank must issue the same collectives ([Note: collective
         order] in distributed.py)."""
         lane = self._lanes.pop(u.index)
-        if u.index in self._parked:
-            touched = self._parked.pop(u.index)
-        else:
-            touched = u.collect_into_buffer()
+        touched = self._parked.pop(u.index, [])
+        if u.grad_buffer is not None:
+            touched = sorted(set(touched) | set(u.collect_into_buffer())) if touched else u.collect_into_buffer()
             u.detach_grad_buffer()
-        queue = self.grad_queue if self.streamed(u) else self.resident_queue
+        queue = self.grad_queue if u.streamed else self.resident_queue
         if self.dp is not None:
             touched = [k for k, e in enumerate(u.layout.entries) if e.trainable]
         elif not touched:
@@ -614,29 +615,30 @@ class WindowSchedule:
             # More gradient for a unit already updated speculatively (a late gradient, another
             # micro-batch): undo that update before the fold changes what it read.
             self.coordinator.undo_speculation(u)
-        local = u.local_params(touched)
-        accumulate = [u.grad_valid[k] for k in local]
-        fresh = u.flushes == 0 and not any(u.grad_valid)
+        local = u.local_params(touched) if u.sharded else touched
+        any_valid = any(u.grad_valid)
+        accumulate = [u.grad_valid[k] for k in local] if any_valid else [False] * len(local)
+        fresh = u.flushes == 0 and not any_valid
         send = lane.device_buffer
         if self.dp is not None:
             send = self.dp.reduce_gradient_(lane.device_buffer, u.layout.shard_numel)
-        # Squared norm of a gradient that is the unit's whole gradient for this step (this
+        # L2 norm (fp32) of a gradient that is the unit's whole gradient for this step (this
         # rank's shard of it), on the device while the buffer is read anyway (global clipping
-        # needs it; see stepping.py).
-        u.device_sq_norm = torch.linalg.vector_norm(send, dtype=torch.float32).square() if fresh else None
+        # needs it; stepping.py squares them all in one op).
+        u.device_norm = torch.linalg.vector_norm(send, dtype=torch.float32) if fresh else None
         partial_norm = self.coordinator.partial_norm if self.coordinator.speculating else None
-        flush = queue.send(lane, send, sq_norm=u.device_sq_norm if partial_norm is not None else None)
+        flush = queue.send(lane, send, norm=u.device_norm if partial_norm is not None else None)
 
         def land_and_fold(u=u, lane=lane, flush=flush, t=local, a=accumulate) -> None:
             try:
                 u.fold(flush, t, a)  # piece by piece as they land; the device buffer is reusable after
                 if partial_norm is not None:
-                    partial_norm.add(lane.staged_norm())
+                    partial_norm.add(lane.staged_norm() ** 2)
             finally:
                 queue.release(lane)
 
         # Urgent: it frees a lane the backward may be waiting for (workers.py, [Note: urgent tasks]).
-        lane.ticket = self.worker.submit(f"gradient copy of {u.fqn}", land_and_fold, unit=u.index, urgent=True)
+        lane.ticket = self.worker.submit(("gradient copy of ", u.fqn), land_and_fold, unit=u.index, urgent=True)
         for k in local:
             u.grad_valid[k] = True
         u.flushes += 1
@@ -646,15 +648,15 @@ class WindowSchedule:
 
     def _discard_lane(self, u: Unit) -> None:
         lane = self._lanes.pop(u.index)
-        if self._parked.pop(u.index, None) is None:
-            u.collect_into_buffer()
+        self._parked.pop(u.index, None)
+        if u.grad_buffer is not None:
+            u.drop_lane_gradients()
             u.detach_grad_buffer()
-        (self.grad_queue if self.streamed(u) else self.resident_queue).discard(lane)
+        (self.grad_queue if u.streamed else self.resident_queue).discard(lane)
 
     @staticmethod
     def _late_params(u: Unit) -> list[int]:
-        return [k for k, (e, p) in enumerate(zip(u.layout.entries, u.params))
-                if e.trainable and p.grad is not None and p.grad is not u.grad_views[k]]
+        return u.late_gradients()
 
     def _flush_late_grads(self, u: Unit) -> None:
         """Gradients autograd produced after ``u`` left the device (T5's relative bias, whose
@@ -662,19 +664,12 @@ class WindowSchedule:
         data parallelism it runs on every rank where any rank has one (a flush is a collective)."""
         late = self._late_params(u)
         self.stats.add("late_gradients", len(late))
-        queue = self.grad_queue if self.streamed(u) else self.resident_queue
-        lane = queue.acquire(u.index, u.layout.padded_grad_numel, u.layout.grad_dtype)
+        queue = self.grad_queue if u.streamed else self.resident_queue
+        lane = queue.acquire(u.index, u.layout.padded_grad_numel, u.layout.grad_dtype, u.grad_geometry_key)
         self._lanes[u.index] = lane
-        u.grad_buffer = lane.device_buffer  # filled by hand below, not through .grad views
-        with torch.no_grad():
-            for k in late:
-                e, p = u.layout.entries[k], u.params[k]
-                lane.device_view(e.grad_offset, e.numel, e.shape).add_(p.grad.to(device=self.device, dtype=lane.dtype))
-                p.grad = None
-                u.grad_touched[k] = True
-        for k, e in enumerate(u.layout.entries):
-            if e.trainable and k not in late:
-                u.grad_touched[k] = False
+        # The late gradients are in .grad, wherever autograd made them: the unit need not be
+        # resident for its lane to take them in (collect_into_buffer copies across devices).
+        u.attach_grad_buffer(lane.device_buffer, lane.views(u.grad_geometry_key, u.grad_geometry), late=True)
         self.flush(u)
 
     def _finish_backward(self) -> None:
@@ -750,7 +745,7 @@ class WindowSchedule:
             u.flushes_this_pass = 0
             if not any(before):
                 u.flushes = 0
-                u.device_sq_norm = None
+                u.device_norm = None
         for u in self.units:
             if u.trainable:
                 u.expose_grads()

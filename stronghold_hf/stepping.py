@@ -121,11 +121,47 @@ class StepCoordinator:
             stats.add(counter, elapsed)
             stats.add("update_total_s", elapsed)
 
-        ticket = self.worker.submit(f"{label} of {block.fqn}", timed, unit=block.index)
+        ticket = self.worker.submit((label, " of ", block.fqn), timed, unit=block.index)
         self._tickets[block.index] = ticket
         if not ticket.done():
             block.guard()  # a read before it finishes waits for it (read_guard.py)
         return ticket
+
+    def submit_in_order(self, entries) -> None:
+        """Runs ``(unit, label, fn, counter)`` entries (the step's updates, in the order the next
+        forward needs the units) on the host worker as one task. Each unit gets a ticket of its
+        own, finished with its last entry, so the next forward waits per unit as before; one
+        task instead of one per unit means one wake-up of the worker and one pass through its
+        queue per step (unit.py, [Note: torch calls on the host worker]). A unit whose work
+        raises has the error on its ticket; the units after it are still updated."""
+        groups: list[tuple[object, list, Ticket]] = []
+        for block, label, fn, counter in entries:
+            if groups and groups[-1][0] is block:
+                groups[-1][1].append((fn, counter))
+            else:
+                groups.append((block, [(fn, counter)], Ticket((label, " of ", block.fqn))))
+        if not groups:
+            return
+        for block, _, ticket in groups:
+            self._tickets[block.index] = ticket
+            if not self.worker.inline:  # inline, it is done when submit returns
+                block.guard()  # a read before its update finishes waits for it (read_guard.py)
+        stats, clock = self.stats, time.perf_counter
+
+        def run_all() -> None:
+            for _, work, ticket in groups:
+                try:
+                    for fn, counter in work:
+                        t0 = clock()
+                        fn()
+                        elapsed = clock() - t0
+                        stats.add(counter, elapsed)
+                        stats.add("update_total_s", elapsed)
+                except BaseException as err:  # re-raised, naming the unit, where its ticket is waited on
+                    ticket._error = err
+                ticket._finish()
+
+        self.worker.submit("the CPU updates of a step", run_all, unit=None)
 
     def run_inline(self, block, label: str, fn, *, counter: str = "cpu_adam_s") -> None:
         """Runs one unit's CPU work on the training thread (the unit the next forward needs first)."""
@@ -220,7 +256,14 @@ class StepCoordinator:
             self.partial_norm.reset(limit)
 
     def speculate(self, block) -> None:
-        """``block``'s gradient for this step is complete on its way to the host: update it now."""
+        """``block``'s gradient for this step is complete on its way to the host: update it now.
+
+        Once the blocks folded so far already exceed ``max_norm`` the step will clip whatever
+        the rest hold: the pass stops speculating, so the blocks after need no record, no
+        guard, no task and no rollback at the step."""
+        if self.partial_norm.exceeded:
+            self.speculating = False
+            return
         record = self.optimizer.speculation_record(block)
         if record is None:
             return
@@ -265,15 +308,17 @@ class StepCoordinator:
         which every rank holds whole after its all-reduce, counted once."""
         device = self.device
         zero = torch.zeros((), dtype=torch.float32, device=device)
-        blocks = []
+        norms, squares = [], []  # L2 norms of flushes taken on the device; squared norms taken on the host
         for b in self.units:
             if not b.trainable:
                 continue
             if b.device_norm_valid():
-                blocks.append(b.device_sq_norm.to(device))
+                norms.append(b.device_norm)
             elif b.current_grads():  # also a .grad set outside the engine's flushes (by the user)
-                blocks.append(b.host_grad_sq_norm().to(device))
-        block_part = torch.stack(blocks).sum() if blocks else zero
+                squares.append(b.host_grad_sq_norm().to(device))
+        block_part = torch.stack(norms).to(device).square().sum() if norms else zero
+        if squares:
+            block_part = block_part + torch.stack(squares).sum()
         resident = self.resident_grads()
         resident_part = zero
         if resident:

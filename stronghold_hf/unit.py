@@ -40,29 +40,47 @@ States and the only transitions (each method asserts where it starts)::
 
 from __future__ import annotations
 
+import collections
 import enum
 import functools
+import itertools
 import logging
+import operator
 
 import torch
 from torch import nn
-from torch.autograd.profiler import record_function
-
 from .discovery import UnitSpec
 from .distributed import DataParallel
 from .ledger import MemoryLedger
 from . import nvme, read_guard
 from .memory import (GRAD_ALIGN, BlockLayout, DeviceSlotPool, HostAllocator, element_size, is_placeholder, layout_block,
                      placeholder, typed_view)
+from .fastpath import engine_access as _engine_access, engine_method, host_copy_, no_grad, profiled
 from .transfer import FetchStaging, TransferContext
 
 logger = logging.getLogger("stronghold_hf")
 
 
-def _engine_access():
-    """The engine's own reads and writes of a parameter's ``.data``: never a user's read, so a
-    guarded parameter (read_guard.py) does not run its barrier for them."""
-    return torch._C.DisableTorchFunctionSubclass()
+_data_ptr = operator.methodcaller("data_ptr")
+_version = operator.attrgetter("_version")
+_grad = operator.attrgetter("grad")
+_second = operator.itemgetter(1)
+
+
+def _set_grads(tensors, grads) -> None:
+    """``t.grad = g`` for each pair, the loop in C (``grads``: a list, or ``repeat(None)``)."""
+    collections.deque(map(setattr, tensors, itertools.repeat("grad"), grads), maxlen=0)
+
+
+def _all_are(xs, ys) -> bool:
+    return all(map(operator.is_, xs, ys))
+
+_GEOMETRIES: dict[tuple, int] = {}
+
+
+def _geometry_key(geometry: tuple) -> int:
+    """Interns a gradient geometry: equal geometries get the same small integer."""
+    return _GEOMETRIES.setdefault(geometry, len(_GEOMETRIES))
 
 
 class Residency(enum.Enum):
@@ -201,8 +219,25 @@ class Unit:
         with _engine_access():
             for p, view in zip(self.params, self.host_views):
                 p.data = view
+        self._host_ptrs = [v.data_ptr() for v in self.host_views]
+        # fp32 compute on a CPU device: the image the parameters alias while "resident" is the
+        # masters' own memory, so fetch and evict leave the parameters' .data as it is.
+        self._alias_is_host = self.alias_host and all(
+            a is not None and a.data_ptr() == h.data_ptr() and a.dtype == h.dtype and a.shape == h.shape
+            for a, h in zip(self._alias_views, self.host_views))
         self._record_host_state()
         self.master_index = {id(m): k for k, m in enumerate(self.masters) if m is not None}
+        # Whether `guard` may have switched the parameters' class (read_guard.py); the engine's
+        # own reads turn the guard off only then (fastpath.engine_method).
+        self.guarded = False
+        self._has_frozen_pieces = any(gv is None for gv in self.grad_views)
+        # The trainable pieces this rank keeps, as parallel lists: the per-step gradient
+        # bookkeeping reads and writes them with loops in C (`_set_grads`, `_all_are`).
+        self._local = [k for k, gv in enumerate(self.grad_views) if gv is not None]
+        self._refresh_grad_lists()
+        self._n_local = sum(piece is not None for piece in self.pieces)  # parameters this rank keeps a piece of
+        self.trainable = self.layout.grad_numel > 0  # the layout is fixed
+        self.streamed = self.kind != "resident"  # moves through the window (the resident unit visits)
 
         self.state = Residency.ON_HOST
         self._h2d_events: list = []
@@ -216,11 +251,11 @@ class Unit:
         # The device gradient buffer while the unit has one (a lane of the gradient queue, handed
         # down by the schedule as a plain tensor): [padded trainable numel] in the grad dtype.
         self.grad_buffer: torch.Tensor | None = None
-        self._lane_views: list[torch.Tensor | None] | None = None  # the .grad views into it
-        self.grad_touched = [False] * len(self.params)  # set by post-accumulate-grad hooks
+        self._lane_views: list[torch.Tensor | None] | None = None  # each trainable parameter's part of it
+        self._lane_accumulates = False
         self.grad_valid = [False] * len(self.params)  # the host gradient holds a value (exposed as .grad)
         self.flushes = 0  # flushes folded into the host gradient since it was last empty
-        self.device_sq_norm: torch.Tensor | None = None  # valid while the host grad is one untouched flush
+        self.device_norm: torch.Tensor | None = None  # valid while the host grad is one untouched flush
         self._exposed_grad_versions: list[int] = []
         self.taken_grads = False  # this backward already took the exposed gradients from the user
         # With sharded state no rank holds whole gradients, so .grad is not exposed between
@@ -235,10 +270,6 @@ class Unit:
         self.loaded_keys: list[str] = []  # sharded load_state_dict: keys the pre-hook took (state_dict.py)
 
     # ------------------------------------------------------------------ queries
-    @property
-    def trainable(self) -> bool:
-        return self.layout.grad_numel > 0
-
     @property
     def holds(self) -> int:
         return self.forward_holds + self.backward_holds
@@ -261,7 +292,9 @@ class Unit:
 
     # ------------------------------------------------------------------ host state
     def _record_host_state(self) -> None:
-        self._host_versions = [p._version for p in self.params]
+        """What the parameters are as they go to the host: their versions (a later in-place
+        write bumps one) next to the host memory they point at (``_host_ptrs``)."""
+        self._host_versions = list(map(_version, self.params))
 
     def adopt_host_writes(self) -> bool:
         """Takes in writes made to the parameters while on the host; True if any trainable changed.
@@ -270,6 +303,17 @@ class Unit:
         (``p.data = t``) is copied into the master (this rank's piece of it, when sharded); an
         in-place write to our view shows as a bumped version counter (writes through a ``.data``
         alias do not: with bf16/fp16 compute call ``engine.mark_parameters_changed()``)."""
+        with _engine_access():
+            # The usual case, two reads per parameter in C: still pointing at its host view,
+            # not written in place since the unit left the device. (A ``.data`` replaced by a
+            # view of the same host memory in another shape is not seen here.)
+            params = self.params
+            if (not self._materialized and list(map(_data_ptr, params)) == self._host_ptrs
+                    and list(map(_version, params)) == self._host_versions):
+                return False
+        return self._adopt_host_writes()
+
+    def _adopt_host_writes(self) -> bool:
         changed = False
         with torch.no_grad(), _engine_access():
             for k, (p, view) in enumerate(zip(self.params, self.host_views)):
@@ -359,14 +403,17 @@ class Unit:
         """Reads of the parameters run the unit's read barrier first (read_guard.py): its update
         is in flight, a speculative update is not validated, or this rank holds only a shard."""
         read_guard.guard(self.params)
+        self.guarded = True
 
     def unguard(self) -> None:
-        read_guard.unguard(self.params)
+        if self.guarded:
+            read_guard.unguard(self.params)
+            self.guarded = False
 
     # ------------------------------------------------------------------ transitions
     def begin_fetch(self) -> None:
         assert self.state is Residency.ON_HOST, f"{self.fqn}: begin_fetch from {self.state}"
-        with record_function(f"stronghold.fetch:{self.fqn}"), _engine_access():
+        with profiled("stronghold.fetch:", self.fqn), _engine_access():
             self.unguard()  # the schedule waited for its update: the parameters are read freely now
             self.adopt_host_writes()
             self.refresh_image()
@@ -375,8 +422,9 @@ class Unit:
             self.ledger.device_alloc(self.slot_bytes)
             if self.alias_host:  # [Note: aliasing the host on a CPU device]
                 self.transfer.book_h2d(self.slot_bytes, fetch=True)
-                for p, view in zip(self.params, self._alias_views):
-                    p.data = view
+                if not self._alias_is_host:
+                    for p, view in zip(self.params, self._alias_views):
+                        p.data = view
                 self.state = Residency.FETCHING
                 return
             self._storage.resize_(self.slot_bytes)  # on the compute stream: [Note: allocation stream]
@@ -406,7 +454,7 @@ class Unit:
         if self.state is Residency.FETCHING:
             self._wait_copies()
             if self.sharded and self.layout.shard_numel:
-                with record_function(f"stronghold.all_gather:{self.fqn}"):
+                with profiled("stronghold.all_gather:", self.fqn):
                     self.dp.all_gather_(self.slot_trainable, self.slot_local)
             self.state = Residency.ON_DEVICE
         assert self.state is Residency.ON_DEVICE, f"{self.fqn}: wait_resident from {self.state}"
@@ -424,14 +472,30 @@ class Unit:
         if self.pool is not None:
             self.pool.release(self.index)
         with _engine_access():
-            for p, view in zip(self.params, self.host_views):
-                p.data = view
-        self._record_host_state()
+            if not self._alias_is_host:
+                for p, view in zip(self.params, self.host_views):
+                    p.data = view
+            self._record_host_state()
         self.state = Residency.ON_HOST
         if self.sharded or self.masters_on_disk:
             self.guard()  # a read must not see the placeholder: refused (a shard) or mapped (on disk)
 
     # ------------------------------------------------------------------ gradients
+    def _refresh_grad_lists(self) -> None:
+        local = self._local
+        self._lp = [self.params[k] for k in local]
+        self._lm = [self.masters[k] for k in local]
+        self._lg = [self.grad_views[k] for k in local]
+
+    def _all_valid(self) -> bool:
+        return all(map(self.grad_valid.__getitem__, self._local))
+
+    def _set_valid(self, value: bool) -> None:
+        valid = self.grad_valid
+        for k in self._local:
+            valid[k] = value
+
+    @engine_method
     def take_exposed_grads(self) -> None:
         """Reads what the user left in ``.grad`` between steps: the source of truth for accumulation.
 
@@ -443,24 +507,27 @@ class Unit:
         self._check_not_poisoned()
         self.taken_grads = True
         if self.exposes_grads:
-            with torch.no_grad():
-                for k, (p, gv) in enumerate(zip(self.params, self.grad_views)):
-                    if gv is None:
-                        continue
-                    g = p.grad
-                    if g is None:
-                        self.grad_valid[k] = False
-                    elif g is gv:
-                        self.grad_valid[k] = True
-                    else:
-                        self._host_grad_for(k, g).copy_(g)
-                        self.grad_valid[k] = True
-                    p.grad = None
+            grads = list(map(_grad, self._lp))
+            if _all_are(grads, self._lg):  # the exposed host gradients, untouched: accumulate onto them
+                self._set_valid(True)
+            elif _all_are(grads, itertools.repeat(None)):  # zeroed (set to None)
+                self._set_valid(False)
+            else:
+                with no_grad():
+                    for k, gv, g in zip(self._local, self._lg, grads):
+                        if g is None:
+                            self.grad_valid[k] = False
+                        elif g is gv:
+                            self.grad_valid[k] = True
+                        else:
+                            self._host_grad_for(k, g).copy_(g)
+                            self.grad_valid[k] = True
+            _set_grads(self._lp, itertools.repeat(None))
         if not any(self.grad_valid):
             self.flushes = 0
-            self.device_sq_norm = None
+            self.device_norm = None
         elif not self._exposed_unchanged():
-            self.device_sq_norm = None
+            self.device_norm = None
         self._exposed_grad_versions = []  # the engine owns the gradients until the next exposure
 
     def _check_not_poisoned(self) -> None:
@@ -479,18 +546,23 @@ class Unit:
     def _exposed_unchanged(self) -> bool:
         if not self.exposes_grads:
             return True  # nobody else holds the host gradients
-        return bool(self._exposed_grad_versions) and all(
-            gv is None or gv._version == v for gv, v in zip(self.grad_views, self._exposed_grad_versions)
-        )
+        return bool(self._exposed_grad_versions) and self._grad_versions() == self._exposed_grad_versions
+
+    def _grad_versions(self) -> list[int]:
+        """The version of each trainable piece's host gradient (0 for the others)."""
+        views = self.grad_views
+        return [0 if gv is None else gv._version for gv in views] if self._has_frozen_pieces else list(
+            map(_version, views))
 
     @property
     def has_grad_buffer(self) -> bool:
         return self.grad_buffer is not None
 
     @functools.cached_property
-    def _grad_geometry(self) -> list[tuple[torch.Size, tuple[int, ...], int] | None]:
-        """Per parameter, ``(shape, contiguous strides, element offset)`` of its ``.grad`` view in
-        the gradient layout (None: frozen). The layout is fixed, so it is worked out once."""
+    def grad_geometry(self) -> tuple[tuple[torch.Size, tuple[int, ...], int] | None, ...]:
+        """Per parameter, ``(shape, contiguous strides, element offset)`` of its gradient in the
+        gradient layout (None: frozen). The layout is fixed, so it is worked out once; a lane
+        keeps the views it makes from it (grads.py, `GradLane.views`)."""
         out = []
         for e in self.layout.entries:
             if not e.trainable:
@@ -501,53 +573,81 @@ class Unit:
                 strides.append(step)
                 step *= size
             out.append((e.shape, tuple(reversed(strides)), e.grad_offset))
-        return out
+        return tuple(out)
 
-    def _grad_views(self, buffer: torch.Tensor) -> list[torch.Tensor | None]:
-        """The ``.grad`` view of each trainable parameter into ``buffer``. One ``as_strided`` per
-        parameter instead of a slice and a view: the same memory, shapes and strides, at half
-        the ops on the autograd thread's hot path (a lane's buffer is a new tensor each backward
-        pass, so views of it are made per attach, not kept: held, they would keep a freed
-        buffer's memory alive)."""
-        base = buffer.storage_offset()
-        return [None if g is None else buffer.as_strided(g[0], g[1], base + g[2]) for g in self._grad_geometry]
+    @functools.cached_property
+    def grad_geometry_key(self) -> int:
+        """A small integer naming `grad_geometry` (with the gradient dtype and length): units with
+        the same one (every block of a uniform stack) share a lane's cached views."""
+        return _geometry_key((self.layout.grad_dtype, self.layout.padded_grad_numel, self.grad_geometry))
 
-    def _grad_view(self, e) -> torch.Tensor:
-        return self.grad_buffer[e.grad_offset : e.grad_offset + e.numel].view(e.shape)
+    @functools.cached_property
+    def _trainable_indices(self) -> tuple[int, ...]:
+        return tuple(k for k, e in enumerate(self.layout.entries) if e.trainable)
 
-    def attach_grad_buffer(self, buffer: torch.Tensor) -> None:
-        """Points the trainable parameters' ``.grad`` at ``buffer`` (zeroed, in the gradient
-        layout): autograd accumulates there."""
-        assert self.grad_buffer is None and self.state is Residency.ON_DEVICE, f"{self.fqn}: attach in {self.state}"
-        assert buffer.is_contiguous() and buffer.numel() >= self.layout.padded_grad_numel, \
-            f"{self.fqn}: a lane must be contiguous and hold the gradient layout"
+    @functools.cached_property
+    def _tparams(self) -> list[nn.Parameter]:
+        return [self.params[k] for k in self._trainable_indices]
+
+    def attach_grad_buffer(self, buffer: torch.Tensor, views: list[torch.Tensor | None], *,
+                           accumulate: bool = False, late: bool = False) -> None:
+        """Gives the unit a lane for this backward use: ``buffer`` (in the gradient layout) and
+        ``views``, each trainable parameter's part of it. ``.grad`` stays None, so autograd
+        *steals* each gradient as plain training does (no zeroed buffer to add into);
+        `collect_into_buffer` moves them in when the use is done. ``accumulate``: the lane holds
+        a partial sum already (a parked lane, schedule.py) and gradients add onto it. ``late``:
+        the lane takes gradients that arrived after the unit left the device (`late_gradients`)."""
+        assert self.grad_buffer is None and (late or self.state is Residency.ON_DEVICE), \
+            f"{self.fqn}: attach in {self.state}"
         self.grad_buffer = buffer
-        self._lane_views = self._grad_views(buffer)
-        for k, (p, view) in enumerate(zip(self.params, self._lane_views)):
-            if view is not None:
-                p.grad = view
-                self.grad_touched[k] = False
+        self._lane_views = views
+        self._lane_accumulates = accumulate
 
+    @engine_method
     def collect_into_buffer(self) -> list[int]:
-        """Before a flush: moves gradients that autograd put elsewhere into the buffer; returns
-        the indices of the parameters that received a gradient since it was attached."""
+        """Moves the gradients autograd produced since `attach_grad_buffer` into the lane, in one
+        fused copy (an add onto a partial sum), and clears ``.grad``; returns the indices of the
+        parameters that received one. Parameters that received none read as zeros in the lane
+        (its padding stays zero: grads.py, [Note: a clean lane])."""
         assert self.grad_buffer is not None
-        touched = []
-        views = self._lane_views or [None] * len(self.params)
-        with torch.no_grad():
-            for k, (e, p) in enumerate(zip(self.layout.entries, self.params)):
-                if not e.trainable:
-                    continue
-                g = p.grad
-                view = views[k] if views[k] is not None else self._grad_view(e)
-                if g is not None and g is not view:  # create_graph=True accumulates out of place
-                    view.add_(g.to(view.dtype))
-                    self.grad_touched[k] = True
+        params, views = self.params, self._lane_views
+        touched, srcs, dsts = [], [], []
+        for k in self._trainable_indices:
+            p = params[k]
+            g = p.grad
+            if g is not None:
+                touched.append(k)
+                srcs.append(g)
+                dsts.append(views[k])
                 p.grad = None
-                if self.grad_touched[k]:
-                    touched.append(k)
+        with no_grad():
+            if self._lane_accumulates:
+                for dst, g in zip(dsts, srcs):  # rare (a unit used twice): devices and dtypes may differ
+                    dst.add_(g.to(device=dst.device, dtype=dst.dtype))
+            else:
+                if len(touched) < len(self._trainable_indices):
+                    missing = [views[k] for k in self._trainable_indices if k not in touched]
+                    torch._foreach_zero_(missing)
+                if dsts:
+                    torch._foreach_copy_(dsts, srcs)
         self._lane_views = None
         return touched
+
+    @engine_method
+    def late_gradients(self) -> list[int]:
+        """Trainable parameters with a gradient the engine has not taken in: autograd made it
+        after the unit left the device (T5's relative bias, used by every later block)."""
+        grads = list(map(_grad, self._tparams))
+        if _all_are(grads, itertools.repeat(None)):
+            return []
+        return [k for k, g in zip(self._trainable_indices, grads) if g is not None and g is not self.grad_views[k]]
+
+    @engine_method
+    def drop_lane_gradients(self) -> None:
+        """Forgets the gradients of this use (a backward that raised): ``.grad`` back to None."""
+        for k in self._trainable_indices:
+            self.params[k].grad = None
+        self._lane_views = None
 
     def detach_grad_buffer(self) -> torch.Tensor:
         """Gives the buffer back (after `collect_into_buffer`); the schedule flushes or drops it."""
@@ -565,15 +665,19 @@ class Unit:
         The flush is this rank's shard of the gradient layout (the whole layout, unsharded)."""
         if self.grad_flat.dtype != torch.float32 and (any(accumulate) or flush.dtype != self.grad_flat.dtype):
             self._widen_grads("its gradient was accumulated")
-        n_local = sum(piece is not None for piece in self.pieces)
-        whole = len(touched) == n_local and len(set(accumulate)) <= 1  # the usual case: one flat pass
+        whole = len(touched) == self._n_local and len(set(accumulate)) <= 1  # the usual case: one flat pass
+        grad_flat = self.grad_flat
         for lo, staged in flush.landed():
             hi = lo + staged.numel()
             if whole:
+                # [Note: torch calls on the host worker] Each torch call lets go of the GIL, and
+                # the training thread, which launches the kernels, then waits to get it back:
+                # the whole flat gradient is written without slicing it first.
+                dst = grad_flat if lo == 0 and hi == grad_flat.numel() else grad_flat[lo:hi]
                 if accumulate and accumulate[0]:
-                    self.grad_flat[lo:hi].add_(staged)
+                    dst.add_(staged)
                 else:
-                    self.grad_flat[lo:hi].copy_(staged)
+                    host_copy_(dst, staged)
                 continue
             for k, acc in zip(touched, accumulate):
                 _, at, n = self.pieces[k]
@@ -586,30 +690,31 @@ class Unit:
                 else:
                     dst.copy_(src)
 
+    @engine_method
     def expose_grads(self) -> None:
         """After a backward: the masters' (and, unsharded, the parameters') ``.grad`` are the
         host gradients, or None."""
-        versions = []
-        for k, (p, m, gv) in enumerate(zip(self.params, self.masters, self.grad_views)):
-            if gv is None:
-                versions.append(0)
-                continue
-            g = gv if self.grad_valid[k] else None
-            if self.exposes_grads:
-                p.grad = g
-            m.grad = g
-            versions.append(gv._version)
-        self._exposed_grad_versions = versions
+        valid = self.grad_valid
+        grads = self._lg if self._all_valid() else [gv if valid[k] else None for k, gv in zip(self._local, self._lg)]
+        if self.exposes_grads:
+            _set_grads(self._lp, grads)
+        _set_grads(self._lm, grads)
+        self._exposed_grad_versions = self._grad_versions()
         self.taken_grads = False
 
+    @engine_method
     def current_grads(self) -> list[torch.Tensor]:
         """The gradients the next step would apply (exposed ``.grad``, or the engine's own)."""
         if self.exposes_grads:
-            return [p.grad for p, gv in zip(self.params, self.grad_views) if gv is not None and p.grad is not None]
-        return [gv for gv, valid in zip(self.grad_views, self.grad_valid) if gv is not None and valid]
+            return [g for g in map(_grad, self._lp) if g is not None]
+        return [gv for k, gv in zip(self._local, self._lg) if self.grad_valid[k]]
 
+    @engine_method
     def zero_grads(self, set_to_none: bool = True) -> None:
         """``optimizer.zero_grad()``: forget (or zero) the accumulated gradients of this block."""
+        if self.exposes_grads and set_to_none:
+            _set_grads(self._lp, itertools.repeat(None))
+            return
         for k, (p, gv) in enumerate(zip(self.params, self.grad_views)):
             if gv is None:
                 continue
@@ -625,15 +730,13 @@ class Unit:
             elif self.grad_valid[k]:
                 gv.zero_()
 
+    @engine_method
     def consume_grads(self) -> None:
         """After the step took them: the next backward starts a new accumulation window."""
-        for k, (p, gv) in enumerate(zip(self.params, self.grad_views)):
-            if gv is None:
-                continue
-            if self.exposes_grads:
-                p.grad = None
-            else:
-                self.grad_valid[k] = False
+        if self.exposes_grads:
+            _set_grads(self._lp, itertools.repeat(None))
+        else:
+            self._set_valid(False)
 
     def host_grad_sq_norm(self) -> torch.Tensor:
         """Squared L2 norm of this rank's gradients, computed on the host (fp32 scalar)."""
@@ -643,14 +746,18 @@ class Unit:
         norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
         return torch.stack([n.float() for n in norms]).square().sum()
 
+    @engine_method
     def device_norm_valid(self) -> bool:
-        if (self.device_sq_norm is None or self.flushes != 1 or not any(self.grad_valid)
+        if (self.device_norm is None or self.flushes != 1 or not any(self.grad_valid)
                 or not self._exposed_unchanged()):
             return False  # no gradient left (consumed, zeroed): the norm of the last flush is stale
-        return not self.exposes_grads or all(
-            p.grad is gv for p, gv, valid in zip(self.params, self.grad_views, self.grad_valid) if gv is not None and valid
-        )
+        if not self.exposes_grads:
+            return True
+        if self._all_valid():
+            return _all_are(map(_grad, self._lp), self._lg)
+        return all(p.grad is gv for k, p, gv in zip(self._local, self._lp, self._lg) if self.grad_valid[k])
 
+    @engine_method
     def step_grads(self) -> list[tuple[int, torch.Tensor | None]]:
         """At ``optimizer.step()`` (training thread): the gradient each trainable piece steps with,
         from the exposed ``.grad`` (which ``zero_grad`` or the user may have changed). Reads
@@ -658,31 +765,38 @@ class Unit:
         is touched here."""
         self._check_not_poisoned()
         if self.exposes_grads:
-            return [(k, p.grad) for k, (p, gv) in enumerate(zip(self.params, self.grad_views)) if gv is not None]
-        return [(k, gv if valid else None) for k, (gv, valid) in enumerate(zip(self.grad_views, self.grad_valid))
-                if gv is not None]
+            return list(zip(self._local, map(_grad, self._lp)))
+        return [(k, gv if self.grad_valid[k] else None) for k, gv in zip(self._local, self._lg)]
 
     def host_grads(self) -> list[tuple[int, torch.Tensor]]:
         """The host gradients folded so far (what a speculative update reads)."""
-        return [(k, gv) for k, (gv, valid) in enumerate(zip(self.grad_views, self.grad_valid)) if gv is not None and valid]
+        if self._all_valid():
+            return list(zip(self._local, self._lg))
+        return [(k, gv) for k, gv in zip(self._local, self._lg) if self.grad_valid[k]]
 
+    @engine_method
     def grads_match(self, grads: list[tuple[int, torch.Tensor | None]], used: list[tuple[int, torch.Tensor]]) -> bool:
         """Whether ``grads`` (from `step_grads`) are exactly the host gradients a speculative
         update ``used``, untouched since the end of backward (version counters)."""
         present = [(k, g) for k, g in grads if g is not None]
-        if [k for k, _ in present] != [k for k, _ in used]:
+        if len(present) != len(used) or any(k != j for (k, _), (j, _) in zip(present, used)):
             return False
         return all(g is self.grad_views[k] for k, g in present) and self._exposed_unchanged()
 
+    @engine_method
     def grads_modified_in_place(self) -> bool:
         """Whether an exposed host gradient was written since the end of backward."""
         return bool(self._exposed_grad_versions) and not self._exposed_unchanged()
 
+    @engine_method
     def load_master_grads(self, grads: list[tuple[int, torch.Tensor | None]]) -> bool:
         """On the host worker: points the masters' ``.grad`` at the gradients to step with."""
+        if len(grads) == len(self._lg) and _all_are(map(_second, grads), self._lg):
+            _set_grads(self._lm, self._lg)  # the usual step: every piece with its own host gradient
+            return bool(grads)
         given = dict(grads)
         any_grad = False
-        with torch.no_grad():
+        with no_grad():
             for k, (master, gv) in enumerate(zip(self.masters, self.grad_views)):
                 if gv is None:
                     continue
@@ -721,8 +835,8 @@ class Unit:
                 if self.masters[k].grad is before:
                     self.masters[k].grad = after
                 self.grad_views[k] = after
-        self._exposed_grad_versions = [0 if gv is None else gv._version for gv in self.grad_views] if (
-            self._exposed_grad_versions) else []
+        self._refresh_grad_lists()
+        self._exposed_grad_versions = self._grad_versions() if self._exposed_grad_versions else []
         self._host.free(old)
         logger.info("stronghold: %s keeps fp32 host gradients from now on (%s; host_grads=\"compute\" holds one "
                     "backward's gradient in bf16).", self.fqn, why)

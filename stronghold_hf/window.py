@@ -38,6 +38,7 @@ from .distributed import DataParallel
 from . import memory
 from .memory import GRAD_ALIGN, DeviceSlotPool, HostAllocator, element_size, layout_block
 from .optim import quant8
+from .param_watch import ParametersOutside
 from .promises import Promises
 from .schedule import Phase, WindowSchedule
 from .split import TRAINABLE_EXTRA_BYTES, DeviceSplit, choose_split, cuda_budget_bytes
@@ -163,6 +164,7 @@ class WindowEngine:
             self.fetch_staging.buffer_bytes = max(blocks or converted)
         self.blocks = [u for u in self.units if u.kind == "block"]
         self._unit_of_param = {id(p): u for u in self.units for p in u.params}
+        self._resident_parameters = ParametersOutside(model, self._unit_of_param)
         inline = config.host_worker == "inline" or (config.host_worker == "auto" and not self.transfer.is_async
                                                     and device.type == "cpu")
         self.worker = HostWorker(config.resolved_cpu_threads(), inline=inline)
@@ -330,14 +332,9 @@ class WindowEngine:
         """Parameters the engine leaves on the device, stepped by a device AdamW: the units the
         device/host split keeps (``StrongholdConfig.resident``, split.py; none on a CPU device by
         default); everything outside the blocks with ``offload_non_block=False``; and parameters
-        added to the model after `offload_model` (adapters attached later)."""
-        seen: set[int] = set()
-        out = []
-        for p in self.model.parameters():
-            if id(p) not in self._unit_of_param and id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-        return out
+        added to the model after `offload_model` (adapters attached later). Worked out again
+        only when a parameter or module was registered since (param_watch.py)."""
+        return list(self._resident_parameters.get())
 
     def master_parameters(self) -> list[nn.Parameter]:
         """The fp32 CPU masters of the trainable offloaded parameters (what CPU Adam steps)."""
@@ -619,7 +616,7 @@ class WindowEngine:
 
     def invalidate_grad_norms(self) -> None:
         for u in self.units:
-            u.device_sq_norm = None
+            u.device_norm = None
 
     @property
     def last_grad_norm(self):

@@ -90,7 +90,10 @@ def test_wheel_ships_the_kernel_sources_and_builds_them(tmp_path):
     venv.create(env_dir, system_site_packages=True, with_pip=False)  # torch comes from the system
     python = env_dir / "bin" / "python"
     # The system's pip, run by the venv's python, installs into the venv.
-    _run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel)], cwd=tmp_path)
+    # --ignore-installed: the editable install of this checkout is visible through the system
+    # site-packages at the same version, and pip would otherwise call the wheel satisfied.
+    _run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed", "-q", str(wheel)],
+         cwd=tmp_path)
     cache = tmp_path / "cache"
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     child_env.update(STRONGHOLD_CACHE_DIR=str(cache), OMP_NUM_THREADS="1")

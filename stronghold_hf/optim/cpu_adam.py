@@ -38,6 +38,7 @@ from __future__ import annotations
 import array
 import ctypes
 import math
+import operator
 import threading
 import warnings
 from collections.abc import Callable, Iterable
@@ -45,8 +46,10 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor
-from torch.autograd.profiler import record_function
 
+from ..fastpath import no_grad, profiled
+
+_grad_of = operator.attrgetter("grad")
 from ..memory import is_placeholder  # a master bound around each update (nvme_masters)
 from . import quant8
 from .native import NativeLibrary
@@ -374,7 +377,7 @@ class CPUAdam(torch.optim.Optimizer):
             if _is_true(found_inf):
                 return
             gmul = _as_float(clip_coef, "clip_coef") * _as_float(inv_loss_scale, "inv_loss_scale")
-            with torch.no_grad(), record_function(f"CPUAdam.step_groups{tuple(indices)}"):
+            with no_grad(), profiled("CPUAdam.step_groups", tuple(indices)):
                 for gi in indices:
                     self._step_group(gi, gmul)
         finally:
@@ -391,7 +394,7 @@ class CPUAdam(torch.optim.Optimizer):
             # and copy-out targets only change through load_state_dict / register_copy_out /
             # state_moved (the NVMe tier rebinds a unit's moments for each update), which clear
             # the cache.
-            key = tuple(map(id, (p.grad for p in group["params"])))
+            key = tuple(map(id, map(_grad_of, group["params"])))
             cached = self._tables.get(gi)
             if cached is not None and cached[0] == key and cached[1] is group["params"]:
                 self._run_native(cached[2], cached[3], group, gmul)
@@ -467,7 +470,9 @@ class CPUAdam(torch.optim.Optimizer):
         beta1, beta2 = (float(b) for b in group["betas"])
         lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
         # The kernel bumps the steps itself; the GIL is released for the whole call.
-        _NATIVE.load().sh_adamw_step(len(items), table.buffer_info()[0], lr, beta1, beta2, wd, eps, gmul, torch.get_num_threads())
+        _NATIVE.load()
+        lib = _NATIVE.for_elements(sum(table[0::8]))  # a small update keeps the GIL (native.py)
+        lib.sh_adamw_step(len(items), table.buffer_info()[0], lr, beta1, beta2, wd, eps, gmul, torch.get_num_threads())
 
     def _step_torch(self, items, gmul: float, hyper: dict[str, Any]) -> None:
         if gmul != 1.0:  # see [Note: the fused kernel writes the unscaled gradient back]

@@ -194,13 +194,13 @@ class StrongholdOptimizer(torch.optim.Optimizer):
             for block, label, task, counter in plan:
                 if block is inline[0] and task is not None:
                     coordinator.run_inline(block, label, task, counter=counter)
-        for block, label, task, counter in plan:
-            if inline and block is inline[0]:
-                continue
-            if task is not None and self._asynchronous:
-                coordinator.submit(block, label, task, counter=counter)
-            elif task is not None:
+        queued = [e for e in plan if e[2] is not None and not (inline and e[0] is inline[0])]
+        if self._asynchronous:
+            coordinator.submit_in_order(queued)
+        else:
+            for _, _, task, _ in queued:
                 task()
+        for block, _, _, _ in plan:
             coordinator.note_first_block(block)
         if speculated:
             engine.stats.add("speculation_hits" if misses == 0 else "speculation_misses", 1)

@@ -96,6 +96,7 @@ class NativeLibrary:
         self.name, self.source_file, self.abi, self.signatures = name, source_file, abi, signatures
         self.fallback = fallback
         self._lib: ctypes.CDLL | None = None
+        self._lib_holding_gil: ctypes.PyDLL | None = None
         self._error: str | None = None
         self._lock = threading.Lock()
 
@@ -107,13 +108,24 @@ class NativeLibrary:
                     symbol, version = self.abi
                     if getattr(lib, symbol)() != version:
                         raise RuntimeError("stale library ABI")
-                    for fn, argtypes in self.signatures.items():
-                        getattr(lib, fn).argtypes = argtypes
-                        getattr(lib, fn).restype = None
-                    self._lib = lib
+                    # [Note: small calls keep the GIL] The same library through PyDLL: its calls
+                    # keep the GIL. Letting go of it costs the thread that launches the kernels a
+                    # wait to get it back (unit.py, [Note: torch calls on the host worker]);
+                    # for a call of a few microseconds that costs more than it frees.
+                    held = ctypes.PyDLL(lib._name)
+                    for handle in (lib, held):
+                        for fn, argtypes in self.signatures.items():
+                            getattr(handle, fn).argtypes = argtypes
+                            getattr(handle, fn).restype = None
+                    self._lib, self._lib_holding_gil = lib, held
                 except Exception as err:  # any failure means: use the torch path
                     self._error = f"{type(err).__name__}: {err}; {self.fallback}"
             return self._lib
+
+    def for_elements(self, numel: int):
+        """The library to call for ``numel`` elements: keeping the GIL below `SMALL_CALL_NUMEL`
+        ([Note: small calls keep the GIL]), letting go of it above. Call after `load`."""
+        return self._lib_holding_gil if numel < SMALL_CALL_NUMEL else self._lib
 
     def error(self) -> str | None:
         """Why the library is unavailable (building it if needed) and what runs instead, or
@@ -122,4 +134,8 @@ class NativeLibrary:
         return self._error
 
 
-__all__ = ["CSRC", "build_native_library", "NativeLibrary"]
+#: Below this many elements a kernel runs on one thread in a few microseconds (common.h's
+#: ``threads_for`` cutoff): its call keeps the GIL ([Note: small calls keep the GIL]).
+SMALL_CALL_NUMEL = 65536
+
+__all__ = ["CSRC", "SMALL_CALL_NUMEL", "build_native_library", "NativeLibrary"]

@@ -93,5 +93,6 @@ def undo_adamw_native_(params: list[Tensor], grads: list[Tensor], states: list[d
     for p, g, st in zip(params, grads, states):
         table.extend((p.numel(), p.data_ptr(), g.data_ptr(), st["exp_avg"].data_ptr(), st["exp_avg_sq"].data_ptr(),
                       st["step"].data_ptr(), _GRAD_BF16 if g.dtype == torch.bfloat16 else 0, 0))
+    lib = _NATIVE.for_elements(sum(table[0::8]))  # a small undo keeps the GIL (native.py)
     lib.sh_adamw_undo(len(params), table.buffer_info()[0], lr, beta1, beta2, wd, eps, float(grad_mul),
                       torch.get_num_threads())
