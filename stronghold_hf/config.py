@@ -194,6 +194,22 @@ class StrongholdConfig:
     """Tokens per chunk of the chunked loss. ``"auto"``: one chunk's logits, their fp32 copies
     and gradients stay near 512 MiB (at least 128 and at most 8192 tokens)."""
 
+    sequence_tiling: bool | Literal["auto"] = "auto"
+    """Compute the per-token submodules of each block (the MLP, the norms that save
+    intermediates) in tiles of ``tile_tokens`` tokens, forward and backward; each tile is
+    recomputed in backward, so what such a module holds is ``O(tile)``, not ``O(sequence)``
+    (ALST's TiledMLP; ``tiling.py``). Per-token is proven by a probe at each block's first
+    long forward, not guessed from class names; attention is never tiled. Exact to fp32
+    rounding; with dropout active a tile draws its own mask (the same in distribution).
+    ``"auto"``: only calls whose sequence is longer than 16384 tokens
+    (``tiling.AUTO_MIN_SEQUENCE``); ``True``: every call longer than one tile; ``False``: never."""
+
+    tile_tokens: int | Literal["auto"] = "auto"
+    """Tokens per tile of ``sequence_tiling``. ``"auto"``: per module, the tokens whose saved
+    intermediates (as the probe measured them, times the batch) cost about 256 MiB, at least
+    256 and at most 16384 (about 2300 for Llama-3-8B's MLP in bf16 at batch 1). A call no
+    longer than one tile runs untiled."""
+
     check_fit: bool = True
     """At Trainer start-up, run the fits/does-not-fit estimate (`stronghold_hf.estimate`) with
     the sequence length actually trained, and refuse a run that cannot fit before anything
@@ -284,6 +300,15 @@ class StrongholdConfig:
         if chunk != "auto" and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ValueError(
                 f"StrongholdConfig.loss_chunk_tokens={chunk!r}; use \"auto\" or an int >= 1 (tokens per chunk)."
+            )
+        if self.sequence_tiling not in (True, False, "auto") or (
+                isinstance(self.sequence_tiling, int) and not isinstance(self.sequence_tiling, bool)):
+            raise ValueError(f"StrongholdConfig.sequence_tiling={self.sequence_tiling!r}; use \"auto\" (tile sequences "
+                             "longer than 16384 tokens), True (always) or False (never).")
+        tile = self.tile_tokens
+        if tile != "auto" and (isinstance(tile, bool) or not isinstance(tile, int) or tile < 1):
+            raise ValueError(
+                f"StrongholdConfig.tile_tokens={tile!r}; use \"auto\" or an int >= 1 (tokens per tile)."
             )
         if self.cpu_threads is not None and (
             isinstance(self.cpu_threads, bool) or not isinstance(self.cpu_threads, int) or self.cpu_threads < 1

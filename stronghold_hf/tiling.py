@@ -1,0 +1,588 @@
+"""Sequence tiling: the per-token submodules of each block run in tiles of ``T`` tokens.
+
+Offloading bounds the parameters on the device; the activations of a long sequence are the
+next wall. Inside a block only the attention core needs the whole sequence. The MLP and the
+norms treat each token on its own, yet autograd keeps their intermediates for every token at
+once: a Llama-3-8B MLP saves four ``[s, 14336]`` tensors, 3.7 GB in bf16 at 32k tokens, for
+one block (with checkpointing, during that block's backward). ALST's TiledMLP (Bekman et al.,
+"Arctic Long Sequence Training", arXiv:2506.13996; DeepSpeed's ``TiledMLP``) computes such a
+module tile by tile under ``no_grad`` and keeps only its input; backward recomputes each
+tile and differentiates it, so what the module holds beyond its input and output is
+``O(T)``, not ``O(s)``. DESIGN.md §7.
+
+The pieces:
+
+* `TiledForward`: the autograd Function (forward in tiles, backward recomputes per tile);
+* `probe`: a cheap test that a submodule is per-token (a token's output depends on that
+  token only) and worth tiling (it saves intermediates per token beyond its input);
+* `SequenceTiling`: at each block's first long forward, finds the per-token submodules
+  without class names and routes their calls through `TiledForward`; ``remove()`` gives the
+  model back.
+
+With dropout active, a tile draws its own mask: the result is the same in distribution as
+the untiled module's, not bit for bit (the backward replays the forward's masks exactly).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copyreg
+import enum
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+logger = logging.getLogger("stronghold_hf")
+
+TilingMode = bool | Literal["auto"]
+TileTokens = int | Literal["auto"]
+
+#: ``sequence_tiling="auto"`` tiles a call only when its sequence is longer than this. Below
+#: it the intermediates of one block's MLP fit next to the rest (Llama-3-8B, bf16: 1.8 GB at
+#: 16k tokens), and tiling would only cost the recompute (about a third of the MLP's FLOPs).
+AUTO_MIN_SEQUENCE = 16384
+#: ``tile_tokens="auto"`` aims what one tile of a module saves for backward (as `probe`
+#: measured it, times the batch) at this many bytes...
+AUTO_TILE_BYTES = 256 * 2**20
+#: ...within these bounds (Llama-3-8B's MLP in bf16 at batch 1: about 2300 tokens).
+AUTO_TILE_MIN, AUTO_TILE_MAX = 256, 16384
+#: Tokens `probe` runs a module on, and the fewest it can decide with.
+PROBE_TOKENS, MIN_PROBE_TOKENS = 8, 4
+#: A per-token module is tiled only if it saves for backward, per token and beyond its input,
+#: at least this many times its input's bytes: a bare Linear saves only its input (tiling would
+#: cost a recompute for nothing; under bf16 autocast also a bf16 copy of it, half as many
+#: bytes), a LayerNorm kernel two floats, an RMSNorm written in torch a normalised copy, an MLP
+#: several ``ffn`` rows.
+WORTH_FRACTION = 1.0
+
+_SITE = "_stronghold_tile_site"
+_PLAIN = "_stronghold_tiled_plain"
+
+
+def resolve_tile_tokens(tile_tokens: TileTokens, saved_bytes_per_token: int) -> int:
+    """Tokens per tile: ``tile_tokens`` itself, or for ``"auto"`` the tokens whose saved
+    intermediates (``saved_bytes_per_token``, the batch included) cost about
+    `AUTO_TILE_BYTES`, clamped to ``[AUTO_TILE_MIN, AUTO_TILE_MAX]``."""
+    if tile_tokens == "auto":
+        tokens = AUTO_TILE_BYTES // max(int(saved_bytes_per_token), 1)
+        return max(AUTO_TILE_MIN, min(AUTO_TILE_MAX, tokens))
+    if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int) or tile_tokens < 1:
+        raise ValueError(f"tile_tokens={tile_tokens!r}: pass an int >= 1 or 'auto'.")
+    return tile_tokens
+
+
+# --------------------------------------------------------------------------------------------
+# The Function
+# --------------------------------------------------------------------------------------------
+
+
+def _tile(x: Tensor, start: int, tokens: int) -> Tensor:
+    # Contiguous: a batch > 1 slices the middle dim, and modules ``view`` their input (GPT-2's
+    # Conv1D). One tile's copy; free for batch 1, where the slice is contiguous already.
+    return x[..., start:start + tokens, :].contiguous()
+
+
+def run_in_tiles(run: Callable[[Tensor], Tensor], x: Tensor, tile_tokens: int) -> Tensor:
+    """``run(x)`` assembled from ``run`` on tiles of ``x`` along dim -2 (under the caller's grad mode)."""
+    s = x.shape[-2]
+    out = None
+    for start in range(0, s, tile_tokens):
+        xt = _tile(x, start, tile_tokens)
+        yt = run(xt)
+        if not isinstance(yt, Tensor) or yt.shape[:-1] != xt.shape[:-1]:
+            raise RuntimeError(f"sequence tiling: a tile of shape {tuple(xt.shape)} gave "
+                               f"{tuple(yt.shape) if isinstance(yt, Tensor) else type(yt).__name__}; "
+                               "a per-token module keeps the leading shape. Set sequence_tiling=False.")
+        if out is None:  # [..., s, h_out], filled tile by tile: no list of tiles to concatenate
+            out = yt.new_empty((*yt.shape[:-2], s, yt.shape[-1]))
+        out[..., start:start + tile_tokens, :] = yt
+    return out
+
+
+def _autocast_state(device_type: str) -> dict[str, Any]:
+    return dict(device_type=device_type, enabled=torch.is_autocast_enabled(device_type),
+                dtype=torch.get_autocast_dtype(device_type), cache_enabled=torch.is_autocast_cache_enabled())
+
+
+def _rng_state(device: torch.device) -> tuple:
+    on_cuda = device.type == "cuda"
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if on_cuda else None, device
+
+
+@contextlib.contextmanager
+def _replayed_rng(state: tuple | None):
+    """The forward's RNG state for the recompute, and the caller's back afterwards (like
+    ``torch.utils.checkpoint``'s ``preserve_rng_state``)."""
+    if state is None:
+        yield
+        return
+    cpu, device_state, device = state
+    with torch.random.fork_rng(devices=[device] if device_state is not None else []):
+        torch.set_rng_state(cpu)
+        if device_state is not None:
+            torch.cuda.set_rng_state(device_state, device)
+        yield
+
+
+def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+class TiledForward(torch.autograd.Function):
+    """``run(x)`` over tiles of ``tile_tokens`` along dim -2 of ``x``, keeping only ``x``.
+
+    ``run`` is per-token (``[..., s, h] -> [..., s, h']``) and reads ``params``. They are
+    inputs here only so that their gradients leave through this node to autograd's
+    ``AccumulateGrad``, like any other gradient (``.grad`` stealing, accumulation, DDP's
+    hooks). ``preserve_rng``: replay the forward's RNG state in the recompute (dropout).
+    """
+
+    @staticmethod
+    def forward(ctx, run, tile_tokens: int, preserve_rng: bool, x: Tensor, *params: Tensor) -> Tensor:
+        ctx.run, ctx.tile_tokens, ctx.params = run, tile_tokens, params
+        # [Note: autocast in backward] As torch.utils.checkpoint: the recompute must run under
+        # the autocast of the forward (it decides the dtypes of the intermediates and so of
+        # the gradients), not under whatever is active where ``backward()`` is called.
+        ctx.autocast = _autocast_state(x.device.type)
+        ctx.rng = _rng_state(x.device) if preserve_rng else None
+        ctx.save_for_backward(x)
+        return run_in_tiles(run, x, tile_tokens)  # autograd runs a Function's forward without grad
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: Tensor):
+        (x,) = ctx.saved_tensors
+        need_x = ctx.needs_input_grad[3]
+        wanted = [k for k, need in enumerate(ctx.needs_input_grad[4:]) if need]
+        params = [ctx.params[k] for k in wanted]
+        grad_x = torch.empty_like(x) if need_x else None
+        # [Note: fp32 parameter sums] Each tile's parameter gradient is summed in fp32 for a
+        # 16-bit parameter, rounded once at the end: the untiled matmul sums over all tokens
+        # in fp32 and rounds once; a 16-bit running sum would round once per tile.
+        sums: list[Tensor | None] = [None] * len(params)
+        s, tokens = x.shape[-2], ctx.tile_tokens
+        with torch.enable_grad(), torch.autocast(**ctx.autocast), _replayed_rng(ctx.rng):
+            for start in range(0, s, tokens):
+                xt = _tile(x, start, tokens).detach().requires_grad_(need_x)
+                yt = ctx.run(xt)
+                inputs = [xt, *params] if need_x else params
+                grads = (torch.autograd.grad(yt, inputs, _tile(grad_out, start, tokens), allow_unused=True)
+                         if yt.requires_grad else (None,) * len(inputs))
+                # [Note: tile lifetime] The tile's graph (its [.., T, ffn] intermediates) is
+                # freed when ``grad`` returns; only the input gradient's slice and the sums stay.
+                if need_x:
+                    gx, grads = grads[0], grads[1:]
+                    grad_x[..., start:start + tokens, :] = 0 if gx is None else gx
+                for i, g in enumerate(grads):
+                    if g is None:
+                        continue
+                    if sums[i] is None:
+                        sums[i] = g.to(_sum_dtype(g.dtype), copy=True)
+                    else:
+                        sums[i] += g
+        out = [None] * len(ctx.params)
+        for k, p, total in zip(wanted, params, sums):
+            out[k] = None if total is None else total.to(p.dtype)
+        return None, None, None, grad_x, *out
+
+
+# --------------------------------------------------------------------------------------------
+# The probe
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What `probe` found for one module: tile it or not, why, and what tiling saves."""
+
+    tiled: bool
+    reason: str
+    per_token: bool = False
+    """Proven per-token (``tiled`` also needs something to save)."""
+    saved_bytes_per_token: int = 0
+    """Bytes the module saves for backward per token of one sequence, beyond its input."""
+
+
+def _relative_change(got: Tensor, want: Tensor) -> float:
+    scale = want.abs().max().item()
+    change = (got - want).abs().max().item()
+    return change / max(scale, 1e-30) if change == change else float("inf")  # NaN: as large as can be
+
+
+def _saved_bytes(run: Callable[[Tensor], Tensor], x: Tensor) -> int:
+    """Bytes of the distinct storages autograd saves for ``run(x)``, ``x``'s own excluded."""
+    storages: dict[int, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        storage = t.untyped_storage()
+        if storage.nbytes():
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    leaf = x.detach().clone().requires_grad_()
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run(leaf)
+    storages.pop(leaf.untyped_storage().data_ptr(), None)
+    return sum(storages.values())
+
+
+def probe(run: Callable[[Tensor], Any], module: nn.Module, x: Tensor) -> Verdict:
+    """Whether ``run`` (``module``'s own forward on one call, ``x`` put in) is per-token and
+    worth tiling, decided on the first tokens of ``x``'s first sequence.
+
+    In eval mode (no dropout), without grad, under the caller's autocast (the dtypes the module
+    really computes in; params are never cast): (i) the rows of the tokens left alone must not
+    change when the first and last tokens' inputs change (attention, convolutions over the
+    sequence and recurrences fail here); (ii) running the tokens in two pieces must give the
+    same rows (a module that reads its own position in the input, or its length, fails here).
+    Both to the rounding of the compute dtype. Then, with grad, the bytes it saves for
+    backward at two token counts: their slope is what tiling saves per token (constant saves,
+    such as autocast's cast weights, cancel)."""
+    k = min(x.shape[-2], PROBE_TOKENS)
+    first = x[(*(slice(0, 1),) * (x.dim() - 2), slice(0, k))].detach()
+    device_type = x.device.type
+    compute = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+    tolerance = 1e-4 if compute in (torch.float32, torch.float64) else 2e-2
+    modes = [(m, m.training) for m in module.modules()]
+    try:
+        for m, _ in modes:
+            m.training = False
+        with torch.no_grad():
+            y = run(first)
+            if not (isinstance(y, Tensor) and y.is_floating_point() and y.shape[:-1] == first.shape[:-1]):
+                return Verdict(False, "returns no tensor of its input's leading shape")
+            moved = first.clone()
+            for t in (0, k - 1):
+                moved[..., t, :] = moved[..., t, :] * -1.5 + 0.25
+            if _relative_change(run(moved)[..., 1:k - 1, :], y[..., 1:k - 1, :]) > tolerance:
+                return Verdict(False, "a token's output changes with other tokens' inputs")
+            cut = k // 2 - 1
+            pieces = torch.cat([run(first[..., :cut, :]), run(first[..., cut:, :])], dim=-2)
+            if _relative_change(pieces, y) > tolerance:
+                return Verdict(False, "a split of the tokens gives other rows")
+        half = k // 2
+        per_token = (_saved_bytes(run, first) - _saved_bytes(run, first[..., :half, :])) // (k - half)
+    except Exception as err:  # noqa: BLE001 - a probe that cannot run proves nothing
+        return Verdict(False, f"the probe raised {type(err).__name__}: {str(err)[:120]}")
+    finally:
+        for m, training in modes:
+            m.training = training
+    row = first[..., 0, :].numel() * first.element_size()
+    if per_token < WORTH_FRACTION * row:
+        return Verdict(False, f"per-token, but saves {per_token} B per token beyond its {row} B input: "
+                              "nothing for tiling to save", True, per_token)
+    return Verdict(True, f"per-token, saves {per_token} B per token beyond its input", True, per_token)
+
+
+# --------------------------------------------------------------------------------------------
+# Installing
+# --------------------------------------------------------------------------------------------
+
+
+class _State(enum.Enum):
+    PROBING = "probing"  # swapped for its block's first long forward: the first call probes
+    TILED = "tiled"
+
+
+#: What else a candidate's call may pass: values a probe cannot change. Anything else (a
+#: container that may hold tensors, a KV cache that a call appends to) rules the call out.
+_PLAIN_VALUES = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.Size)
+
+
+def _one_tensor(args: tuple, kwargs: dict) -> tuple[int | str, Tensor] | None:
+    """(position or keyword, tensor) of a call's only tensor argument, when everything else it
+    passes is a plain value; None for any other call."""
+    found = None
+    for slot, value in (*enumerate(args), *kwargs.items()):
+        if isinstance(value, Tensor):
+            if found is not None:
+                return None
+            found = (slot, value)
+        elif not isinstance(value, _PLAIN_VALUES):
+            return None
+    return found
+
+
+class TileSite:
+    """One module being probed or tiled: its plain class and how its calls are tiled."""
+
+    __slots__ = ("owner", "cls", "block", "name", "lead", "state", "slot", "saved_bytes_per_token", "calls")
+
+    def __init__(self, owner: SequenceTiling, cls: type, block: int, name: str, lead: torch.Size) -> None:
+        self.owner = owner
+        self.cls = cls  # the class before the swap, whose forward computes each tile
+        self.block = block  # id() of the block being decided when it was swapped
+        self.name = name  # relative to that block, for the log
+        self.lead = lead  # the block input's leading shape [..., s]: a candidate's input has it
+        self.state = _State.PROBING
+        self.slot: int | str | None = None  # where the call passes the tensor to tile
+        self.saved_bytes_per_token = 0
+        self.calls = 0  # calls computed in tiles
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if self.state is _State.PROBING:
+            return self.owner._first_call(self, module, args, kwargs)
+        found = _one_tensor(args, kwargs)
+        tokens = None
+        if found is not None and found[0] == self.slot and found[1].dim() >= 2:
+            tokens = self.owner.tile_tokens_for(found[1], self.saved_bytes_per_token)
+        if tokens is None:  # at most one tile, or a call of another shape: the module as it is
+            return self.cls.forward(module, *args, **kwargs)
+        x = found[1]
+        self.calls += 1
+        run = self._runner(module, args, kwargs)
+        params = [p for p in module.parameters() if p.requires_grad]
+        if torch.is_grad_enabled() and (x.requires_grad or params):
+            return TiledForward.apply(run, tokens, module.training, x, *params)
+        return run_in_tiles(run, x, tokens)
+
+    def _runner(self, module: nn.Module, args: tuple, kwargs: dict) -> Callable[[Tensor], Any]:
+        forward, slot = self.cls.forward, self.slot
+        if isinstance(slot, int):
+            head, tail = args[:slot], args[slot + 1:]
+            return lambda t: forward(module, *head, t, *tail, **kwargs)
+        return lambda t: forward(module, *args, **{**kwargs, slot: t})
+
+
+# [Note: the tiled class] A module being probed or tiled has its class swapped for a
+# subclass of the same name whose ``forward`` goes through its `TileSite`, which calls the
+# plain class's ``forward`` once per tile. That is what FSDP2's ``fully_shard`` does
+# (``FSDP<Class>``), and what the engine does for ``model.device``. Parameters (the same
+# objects), buffers, submodules, ``state_dict`` keys, ``repr`` and the module's own hooks (run
+# once, around the whole call) are untouched. The alternatives fall short: a forward pre-hook
+# cannot replace the computation; a wrapper module in the parent adds a level to every
+# parameter name; an instance ``forward`` is accelerate's ``add_hook_to_module`` (STYLE.md).
+# `remove` assigns the class back. A copy or pickle of the module is of the plain class.
+_TILING_CLASSES: dict[type, type] = {}
+
+
+def _plain_reduce_ex(self, protocol):
+    # Rebuilt as the plain class, without the site: a copy is an ordinary module. (pickle
+    # refuses ``copyreg.__newobj__`` of another class than the object's; ``_reconstructor``,
+    # protocol 0's form, builds any class.)
+    state = {k: v for k, v in self.__getstate__().items() if k != _SITE}
+    return copyreg._reconstructor, (getattr(type(self), _PLAIN), object, None), state
+
+
+def _tiling_class(cls: type) -> type:
+    sub = _TILING_CLASSES.get(cls)
+    if sub is None:
+        def forward(self, *args, **kwargs):
+            return self.__dict__[_SITE](self, args, kwargs)
+
+        functools.update_wrapper(forward, cls.forward)  # the plain forward's name, docstring and signature
+        sub = type(cls.__name__, (cls,), {
+            "forward": forward, "__reduce_ex__": _plain_reduce_ex, _PLAIN: cls,
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
+        })
+        _TILING_CLASSES[cls] = sub
+    return sub
+
+
+def _restore(module: nn.Module) -> None:
+    site = module.__dict__.pop(_SITE, None)
+    if site is not None:
+        module.__class__ = site.cls
+
+
+def _observed(module: nn.Module) -> bool:
+    """Whether hooks watch the module or a submodule (transformers' output recorders, a
+    user's): tiled, they would see each tile instead of the call."""
+    return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+               for m in module.modules())
+
+
+def _block_input(args: tuple, kwargs: dict) -> Tensor | None:
+    """A block's hidden states: its first floating tensor argument of at least two dims."""
+    for value in (*args, kwargs.get("hidden_states"), *kwargs.values()):
+        if isinstance(value, Tensor) and value.is_floating_point() and value.dim() >= 2:
+            return value
+    return None
+
+
+def _never_swapped(module: nn.Module) -> bool:
+    if type(module).forward is nn.Module.forward or "forward" in module.__dict__:
+        return True  # a container nobody calls, or a forward set on the instance (that one would run)
+    if isinstance(module, torch.jit.ScriptModule):
+        return True
+    # A block inside a block: transformers wraps a GradientCheckpointingLayer subclass's
+    # forward in its checkpoint (``__init_subclass__``), which would wrap the tiling class too.
+    return any(c.__name__ == "GradientCheckpointingLayer" for c in type(module).__mro__)
+
+
+class SequenceTiling:
+    """Sequence tiling installed on a model's blocks (`install`); `remove` undoes it.
+
+    Each block gets a forward pre-hook (a shape check per call until the block is decided). At
+    the block's first forward long enough to tile, it swaps the block's submodules into a
+    probing class for that forward ([Note: the tiled class]): each one's first call is judged
+    (a candidate takes one tensor with the block input's leading shape ``[..., s]``, nothing
+    hooks it, and `probe` proves it per-token and worth tiling) and computed in tiles at once
+    if it passed, so the first step is bounded too. The outermost passing module wins: once the MLP is tiled its Linear layers are
+    never judged. When the block returns, every module not tiled gets its class back, the
+    block's hooks go, and one log line per distinct outcome says what is tiled and why the
+    rest is not. From then on only the tiled modules differ from the model's own code.
+    """
+
+    def __init__(self, model: nn.Module, mode: TilingMode, tile_tokens: TileTokens) -> None:
+        self.model = model
+        self.mode = mode
+        self.tile_tokens = tile_tokens
+        self.auto_min_sequence = AUTO_MIN_SEQUENCE  # "auto" tiles calls longer than this
+        least = tile_tokens if isinstance(tile_tokens, int) else AUTO_TILE_MIN
+        # The shortest block call that could tile anything (before any probe ran).
+        self._min_tokens = max(MIN_PROBE_TOKENS, least + 1, self.auto_min_sequence + 1 if mode == "auto" else 0)
+        self._block_hooks: dict[int, list] = {}
+        self._swapped: dict[int, nn.Module] = {}
+        self._verdicts: dict[int, list[tuple[str, str, Verdict]]] = {}
+        self._probing = 0  # depth of probes running: modules they call run as they are
+        self._logged: set[str] = set()
+
+    @classmethod
+    def install(cls, model: nn.Module, mode: TilingMode = "auto", tile_tokens: TileTokens = "auto",
+                block_classes: tuple[str, ...] | None = None) -> SequenceTiling:
+        """Tiles the per-token submodules of ``model``'s blocks (`discovery.find_block_stacks`).
+
+        ``mode``: ``True`` tiles every call longer than one tile; ``"auto"`` only calls whose
+        sequence is longer than `AUTO_MIN_SEQUENCE`; ``False`` installs nothing.
+        ``tile_tokens``: an int, or ``"auto"`` (`resolve_tile_tokens`)."""
+        if mode not in (True, False, "auto") or (isinstance(mode, int) and not isinstance(mode, bool)):
+            raise ValueError(f"sequence tiling mode {mode!r}: use \"auto\", True or False.")
+        resolve_tile_tokens(tile_tokens, 1)  # validate now, not at the first long step
+        tiling = cls(model, mode, tile_tokens)
+        if mode is False:
+            return tiling
+        if any(_SITE in m.__dict__ for m in model.modules()):
+            raise ValueError(f"{type(model).__name__} already has sequence tiling; remove() it before installing again.")
+        from .discovery import find_block_stacks
+
+        blocks = {id(b): b for stack in find_block_stacks(model, block_classes) for b in stack.blocks}
+        for block in blocks.values():  # the forward hook comes with the first long call
+            tiling._block_hooks[id(block)] = [block.register_forward_pre_hook(tiling._block_pre, with_kwargs=True)]
+        return tiling
+
+    # ------------------------------------------------------------------ the policy
+    def tile_tokens_for(self, x: Tensor, saved_bytes_per_token: int) -> int | None:
+        """Tokens per tile for a call on ``x`` ``[..., s, h]``, or None: not tiled (one tile
+        would hold it all, or ``"auto"`` and the sequence is not longer than `AUTO_MIN_SEQUENCE`)."""
+        s = x.shape[-2]
+        if self.mode == "auto" and s <= self.auto_min_sequence:
+            return None
+        rows = x.shape[:-2].numel()
+        tokens = resolve_tile_tokens(self.tile_tokens, saved_bytes_per_token * rows)
+        return tokens if s > tokens else None
+
+    # ------------------------------------------------------------------ the first long forward
+    def _block_pre(self, block: nn.Module, args: tuple, kwargs: dict) -> None:
+        x = args[0] if args else None  # the hidden states, in every HF block: a quick look first
+        if type(x) is not Tensor or not x.is_floating_point() or x.dim() < 2:
+            x = _block_input(args, kwargs)
+            if x is None:
+                return
+        if x.shape[-2] < self._min_tokens or torch.is_inference_mode_enabled():
+            return
+        lead = x.shape[:-1]
+        if id(block) not in self._verdicts:  # (it is, after a first long call that raised)
+            self._verdicts[id(block)] = []
+            # Registered now, it runs when this very call returns: nothing else pays for it.
+            self._block_hooks[id(block)].append(block.register_forward_hook(self._block_post))
+        for name, m in block.named_modules():
+            if m is block or _SITE in m.__dict__ or _never_swapped(m):
+                continue
+            m.__dict__[_SITE] = TileSite(self, type(m), id(block), name, lead)
+            m.__class__ = _tiling_class(type(m))
+            self._swapped[id(m)] = m
+
+    def _block_post(self, block: nn.Module, args: tuple, output: Any) -> None:
+        verdicts = self._verdicts.pop(id(block), None)
+        if verdicts is None:
+            return  # a call too short to tile: the block stays undecided
+        for m in block.modules():
+            site = m.__dict__.get(_SITE)
+            if site is not None and site.state is _State.PROBING:  # not called: nothing to tile
+                _restore(m)
+                self._swapped.pop(id(m), None)
+        for handle in self._block_hooks.pop(id(block), []):
+            handle.remove()
+        self._log(block, verdicts)
+
+    def _first_call(self, site: TileSite, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if self._probing:  # called by the probe of a module around it: as it is
+            return site.cls.forward(module, *args, **kwargs)
+        found = _one_tensor(args, kwargs)
+        if found is None or not found[1].is_floating_point() or found[1].shape[:-1] != site.lead:
+            verdict = None  # not a candidate: not called with one [..., s, h] tensor
+        elif _observed(module):
+            verdict = Verdict(False, "hooks observe it or a submodule")
+        else:
+            slot, x = found
+            site.slot = slot
+            self._probing += 1
+            try:
+                verdict = probe(site._runner(module, args, kwargs), module, x)
+            finally:
+                self._probing -= 1
+        if verdict is not None and site.block in self._verdicts:
+            self._verdicts[site.block].append((site.name, site.cls.__name__, verdict))
+        if verdict is None or not verdict.tiled:
+            _restore(module)
+            self._swapped.pop(id(module), None)
+            return site.cls.forward(module, *args, **kwargs)
+        site.state = _State.TILED
+        site.saved_bytes_per_token = verdict.saved_bytes_per_token
+        for inner in module.modules():  # the outermost wins: what runs inside a tile stays plain
+            if inner is not module and _SITE in inner.__dict__:
+                _restore(inner)
+                self._swapped.pop(id(inner), None)
+        return site(module, args, kwargs)
+
+    def _log(self, block: nn.Module, verdicts: list[tuple[str, str, Verdict]]) -> None:
+        tiled = [f"{n} ({c})" for n, c, v in verdicts if v.tiled]
+        idle = [n for n, _, v in verdicts if v.per_token and not v.tiled]
+        unproven = [f"{n} ({c}): {v.reason}" for n, c, v in verdicts if not v.per_token]
+        line = f"sequence tiling in each {type(block).__name__}: tiles {', '.join(tiled) or 'nothing'}"
+        if idle:
+            line += f"; per-token with nothing to save (left as they are): {', '.join(idle)}"
+        if unproven:
+            line += f"; not proven per-token, left untiled: {'; '.join(unproven)}"
+        if line not in self._logged:
+            self._logged.add(line)
+            logger.info("stronghold: %s", line)
+
+    # ------------------------------------------------------------------ handle
+    def remove(self) -> None:
+        """Removes the hooks and gives every module its class back; idempotent."""
+        for handles in self._block_hooks.values():
+            for handle in handles:
+                handle.remove()
+        self._block_hooks.clear()
+        for m in self._swapped.values():
+            _restore(m)
+        self._swapped.clear()
+        self._verdicts.clear()
+
+
+def tiled_modules(model: nn.Module) -> dict[str, TileSite]:
+    """The modules of ``model`` whose calls are tiled, by name, with their `TileSite` (its
+    ``calls`` counts the calls computed in tiles)."""
+    return {name: m.__dict__[_SITE] for name, m in model.named_modules()
+            if _SITE in m.__dict__ and m.__dict__[_SITE].state is _State.TILED}
+
+
+__all__ = [
+    "AUTO_MIN_SEQUENCE",
+    "AUTO_TILE_BYTES",
+    "SequenceTiling",
+    "TileSite",
+    "TiledForward",
+    "Verdict",
+    "probe",
+    "resolve_tile_tokens",
+    "run_in_tiles",
+    "tiled_modules",
+]
