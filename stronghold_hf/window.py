@@ -45,6 +45,7 @@ from .split import TRAINABLE_EXTRA_BYTES, DeviceSplit, choose_split, cuda_budget
 from .state_dict import install_state_dict_hooks
 from .stats import EngineStats
 from .stepping import StepCoordinator
+from .tiling import SequenceTiling
 from .transfer import FetchStaging, TransferContext
 from .unit import Residency, Unit
 from .workers import HostWorker
@@ -730,7 +731,9 @@ def offload_model(model: nn.Module, config: StrongholdConfig | dict | None = Non
         device = torch.device("cuda", torch.cuda.current_device())
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"offload_model: device {device} is not supported; use 'cuda' or 'cpu'.")
-    return WindowEngine(model, config, device)
+    engine = WindowEngine(model, config, device)
+    engine._handles.append(SequenceTiling.install(model, config.sequence_tiling, config.tile_tokens, config.block_classes))
+    return engine
 
 
 def get_engine(model: nn.Module) -> WindowEngine | None:
