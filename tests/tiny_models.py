@@ -29,6 +29,8 @@ FAMILIES: dict[str, tuple[type, dict]] = {
                                          word_embed_proj_dim=32, max_position_embeddings=64, pad_token_id=1)),
     "qwen2": (T.AutoModelForCausalLM, dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
                                            num_key_value_heads=1, intermediate_size=64, max_position_embeddings=64)),
+    "mistral": (T.AutoModelForCausalLM, dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+                                             num_key_value_heads=1, intermediate_size=64, max_position_embeddings=64)),
     "gpt_neox": (T.AutoModelForCausalLM, dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
                                               intermediate_size=64, max_position_embeddings=64)),
     "distilbert": (T.AutoModelForMaskedLM, dict(dim=32, n_layers=3, n_heads=2, hidden_dim=64, max_position_embeddings=64)),
