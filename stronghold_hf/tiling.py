@@ -423,11 +423,11 @@ class SequenceTiling:
     probing class for that forward ([Note: the tiled class]): each one's first call is judged
     (a candidate takes one tensor with the block input's leading shape ``[..., s]``, nothing
     hooks it, and `probe` proves it per-token and worth tiling) and computed in tiles at once
-    if it passed, so the first step is bounded too. The outermost passing module wins: once the MLP is tiled its Linear layers are
-    never judged. When the block returns, every module not tiled gets its class back, the
-    block's hooks go, and one log line per distinct outcome says what is tiled and why the
-    rest is not. From then on only the tiled modules differ from the model's own code.
-    """
+    if it passed, so the first step is bounded too. The outermost passing module wins: once
+    the MLP is tiled its Linear layers are never judged. When the block returns, every module
+    not tiled gets its class back, the block's hooks go, and one log line per distinct outcome
+    says what is tiled and why the rest is not. From then on only the tiled modules differ
+    from the model's own code."""
 
     def __init__(self, model: nn.Module, mode: TilingMode, tile_tokens: TileTokens) -> None:
         self.model = model
@@ -458,7 +458,8 @@ class SequenceTiling:
         if mode is False:
             return tiling
         if any(_SITE in m.__dict__ for m in model.modules()):
-            raise ValueError(f"{type(model).__name__} already has sequence tiling; remove() it before installing again.")
+            raise ValueError(f"{type(model).__name__} already has sequence tiling; remove() it before installing "
+                             "again.")
         from .discovery import find_block_stacks
 
         blocks = {id(b): b for stack in find_block_stacks(model, block_classes) for b in stack.blocks}
