@@ -178,6 +178,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             logits = transform(F.linear(hidden[_rows(hidden, rows)], weight, bias))
             total += F.cross_entropy(logits.float(), targets[start:start + chunk_tokens],
                                      ignore_index=ignore_index, reduction="sum")
+            del logits  # before the next chunk's: one chunk of logits at a time
         return total
 
     @staticmethod
@@ -215,6 +216,10 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                     grad_weight += grads.pop(0)
                 if need_bias:
                     grad_bias += grads.pop(0)
+                # [Note: chunk lifetime] also means the names: held over to the next iteration,
+                # this chunk's logits (and the graph ``loss`` holds) would be alive next to the
+                # next chunk's, two chunks at the loss's peak instead of one.
+                del logits, loss, x, grads, wanted
         if need_weight:
             grad_weight = grad_weight.to(weight.dtype)
         if need_bias:

@@ -112,3 +112,81 @@ def saved_bytes_per_unit(child_code: str, baseline: str, variant: str, what: str
     print(f"peak RSS growth, {count / 1e6:.1f} M {what}: {baseline} {growth[baseline] / 2**20:.0f} MiB, {variant} "
           f"{growth[variant] / 2**20:.0f} MiB, saved {saved:.2f} B each")
     return count, saved
+
+
+#: A two-layer model of a family, fp32, offloaded (window 1, inline); one warm-up step at 256
+#: tokens, then for each length in argv[1] (comma-separated) the peak RSS is reset and one step
+#: runs at that length (argv[2] == "1": gradient checkpointing). Prints one line per length:
+#: the peak-RSS growth of that step, in KiB.
+ACTIVATION_PEAK_CHILD = r"""
+import ctypes, sys
+import torch
+import transformers as T
+from stronghold_hf import StrongholdConfig, offload_model
+
+family, lengths, ckpt = sys.argv[3], [int(x) for x in sys.argv[1].split(",")], sys.argv[2] == "1"
+torch.manual_seed(0)
+torch.set_num_threads(1)
+model = T.AutoModelForCausalLM.from_config(activation_config(family))
+model.train()
+if ckpt:
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+engine = offload_model(model, StrongholdConfig(window_size=1, host_worker="inline", resident=False), device="cpu")
+opt = engine.build_optimizer(lr=1e-4)
+
+
+def step(n):
+    ids = torch.randint(0, 512, (1, n))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def status_kib(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+step(256)
+for n in lengths:
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    before = status_kib("VmRSS")
+    step(n)
+    print(n, status_kib("VmHWM") - before, flush=True)
+"""
+
+
+def activation_config(family: str):
+    """The model ACTIVATION_PEAK_CHILD trains: two layers, hidden 64, a 256-wide MLP (gated in
+    Llama and Qwen2), a 512-token vocabulary, no dropout."""
+    import transformers as T
+
+    if family == "llama":
+        return T.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16384,
+                             tie_word_embeddings=False)
+    if family == "qwen2":
+        return T.Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16384,
+                             tie_word_embeddings=False)
+    if family == "gpt2":
+        return T.GPT2Config(vocab_size=512, n_embd=64, n_inner=256, n_layer=2, n_head=2, n_positions=16384,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    raise ValueError(family)
+
+
+def activation_peak_kib(family: str, lengths, checkpointing: bool) -> dict[int, int]:
+    """Runs ACTIVATION_PEAK_CHILD: the peak-RSS growth (KiB) of a step at each of ``lengths``."""
+    import inspect
+
+    code = inspect.getsource(activation_config) + ACTIVATION_PEAK_CHILD
+    # Every allocation of 64 KiB or more is its own mapping, returned on free: the peak RSS
+    # follows the live tensors, not the heap's history (glibc raises its threshold otherwise).
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
+    proc = subprocess.run([sys.executable, "-c", code, ",".join(map(str, lengths)), "1" if checkpointing else "0",
+                           family], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split() for line in proc.stdout.strip().splitlines() if line.strip()]
+    return {int(n): int(kib) for n, kib in rows[-len(lengths):]}

@@ -17,7 +17,7 @@ from torch import nn
 from .. import memory
 from ..config import parse_dtype, parse_memory
 from .budget import _assemble, _with_split
-from .counts import _NBYTES, _count, _gib
+from .counts import ATTENTION_KINDS, _NBYTES, _count, _gib, attention_kind
 from .meta import build_meta_model
 from .report import Estimate
 
@@ -36,12 +36,20 @@ def _dtype_label(dtype: str | torch.dtype) -> str:
 def _estimate_built(
     model: nn.Module, config: Any, label: str, block_classes: Sequence[str] | None, *, window_size: int | str | None,
     gpu_memory_bytes: int | None, grad_buffers: int, offload_non_block: bool, resident: int | bool | str,
-    resident_budget_bytes: int | None, notes: Sequence[str] = (), **options: Any,
+    resident_budget_bytes: int | None, notes: Sequence[str] = (), attn_implementation: str | None = None,
+    sequence_tiling: bool | str = "auto", tile_tokens: int | str = "auto", **options: Any,
 ) -> Estimate:
     """`_assemble` over ``model``'s units, for each split `_with_split` tries (none, then the
-    engine's); ``options``: the rest of `_assemble`'s keywords, as the caller resolved them."""
+    engine's); ``options``: the rest of `_assemble`'s keywords, as the caller resolved them.
+    ``attn_implementation=None``: what the model runs (``config._attn_implementation``, which
+    transformers sets for the class: SDPA where it supports it)."""
     classes = tuple(block_classes) if block_classes else None
     encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+    if attn_implementation is not None and attn_implementation not in ATTENTION_KINDS:
+        raise ValueError(f"attn_implementation={attn_implementation!r}; use one of {ATTENTION_KINDS} (or None: the "
+                         "model's own).")
+    attention = attention_kind(attn_implementation or getattr(config, "_attn_implementation", None))
+    options.update(attention=attention, sequence_tiling=sequence_tiling, tile_tokens=tile_tokens)
 
     def assemble(split):
         counts = _count(model, classes, encoder_decoder, _NBYTES[label], offload_non_block,
@@ -64,6 +72,7 @@ def estimate(
     host_image: bool | str = "auto", host_grads: str = "auto", gradient_accumulation_steps: int = 1,
     nvme_memory_bytes: int | str | None = None, nvme: bool | str = "auto", nvme_masters: bool | str = "auto",
     resident: int | bool | str = False, resident_budget_bytes: int | str | None = None,
+    attn_implementation: str | None = None, sequence_tiling: bool | str = "auto", tile_tokens: int | str = "auto",
 ) -> Estimate:
     """Estimates STRONGHOLD and plain-training memory for a config (built on the meta device).
 
@@ -86,7 +95,10 @@ def estimate(
     ``gpu_memory`` (``None``: the GPU's memory less the engine's reserve): the units the split
     keeps on the GPU (split.py) count there with their AdamW state, not on the host. Only fp32
     trainable parameters can be resident, so a ``dtype`` other than fp32 (the model taken as
-    loaded in it) keeps everything streaming, as the engine would.
+    loaded in it) keeps everything streaming, as the engine would. ``attn_implementation``:
+    the attention that runs (``None``: what transformers picks for the model class; eager
+    attention stores ``s x s`` scores, SDPA and flash attention do not). ``sequence_tiling``,
+    ``tile_tokens``: `StrongholdConfig`'s (the MLP in tiles of ``T`` tokens).
     """
     model = build_meta_model(model_config, auto_class)
     label = _dtype_label(dtype)
@@ -97,6 +109,7 @@ def estimate(
         gpu_memory_bytes=parse_memory(gpu_memory_bytes), grad_buffers=grad_buffers,
         offload_non_block=offload_non_block, resident=resident,
         resident_budget_bytes=None if resident_budget_bytes is None else parse_memory(resident_budget_bytes),
+        attn_implementation=attn_implementation, sequence_tiling=sequence_tiling, tile_tokens=tile_tokens,
         seq_len=seq_len, batch_size=batch_size, gradient_checkpointing=gradient_checkpointing,
         cpu_memory_bytes=parse_memory(cpu_memory_bytes), decoder_seq_len=decoder_seq_len, chunked_loss=chunked_loss,
         offload_activations=offload_activations, loss_chunk_tokens=loss_chunk_tokens, host_memory=host_memory,
@@ -116,6 +129,7 @@ def estimate_for_model(
     host_image: bool | str = "auto", host_grads: str = "auto", gradient_accumulation_steps: int = 1,
     nvme_memory_bytes: int | None = None, nvme: bool | str = "auto", nvme_ring_buffers: int = 3,
     nvme_masters: bool | str = "auto", resident: int | bool | str = False, resident_budget_bytes: int | None = None,
+    attn_implementation: str | None = None, sequence_tiling: bool | str = "auto", tile_tokens: int | str = "auto",
 ) -> Estimate:
     """The same estimate from a live, already built model (call before moving it to the GPU).
 
@@ -151,7 +165,8 @@ def estimate_for_model(
     return _estimate_built(
         model, config, label, block_classes, window_size=window_size, gpu_memory_bytes=gpu_memory_bytes,
         grad_buffers=grad_buffers, offload_non_block=offload_non_block, resident=resident,
-        resident_budget_bytes=resident_budget_bytes, notes=notes, seq_len=seq_len, batch_size=batch_size,
+        resident_budget_bytes=resident_budget_bytes, notes=notes, attn_implementation=attn_implementation,
+        sequence_tiling=sequence_tiling, tile_tokens=tile_tokens, seq_len=seq_len, batch_size=batch_size,
         gradient_checkpointing=gradient_checkpointing, cpu_memory_bytes=cpu_memory_bytes,
         decoder_seq_len=decoder_seq_len, chunked_loss=chunked_loss, offload_activations=offload_activations,
         loss_chunk_tokens=loss_chunk_tokens, host_memory=host_memory, host_image=host_image, host_grads=host_grads,

@@ -53,7 +53,7 @@ from ..discovery import find_block_stacks
 from ..transfer import FETCH_STAGING_BUFFERS  # host_image=False: the ring that replaces the image
 from .counts import (
     ADAM_STATE_BYTES, CPU_PROCESS_BYTES, GPU_WORKSPACE_FIXED_BYTES, GPU_WORKSPACE_PERCENT, LOGIT_BYTES, _NBYTES,
-    _Counts, _gib, layer_activation_bytes,
+    _Counts, _gib, activation_saves, layer_memory, mlp_tile_tokens, uses_rotary,
 )
 from .report import Estimate
 
@@ -64,6 +64,15 @@ def _cfg(config: Any, *names: str) -> Any:
         if value is not None:
             return value
     return None
+
+
+#: Config fields that carry a dropout probability: with any of them above 0 the masks are stored.
+_DROPOUT_FIELDS = ("attention_dropout", "hidden_dropout", "hidden_dropout_prob", "attention_probs_dropout_prob",
+                   "resid_pdrop", "attn_pdrop", "embd_pdrop", "dropout_rate", "dropout", "activation_dropout")
+
+
+def _has_dropout(config: Any) -> bool:
+    return any(isinstance(getattr(config, f, None), (int, float)) and getattr(config, f) > 0 for f in _DROPOUT_FIELDS)
 
 
 def _workspace(other: int) -> int:
@@ -88,6 +97,7 @@ def _assemble(
     loss_chunk_tokens: int | str = "auto", host_memory: str = "exact", host_image: bool | str = "auto",
     host_grads: str = "auto", gradient_accumulation_steps: int = 1, nvme_memory_bytes: int | None = None,
     nvme: bool | str = "auto", nvme_ring_buffers: int = 3, nvme_masters: bool | str = "auto", split: Any = None,
+    attention: str = "eager", sequence_tiling: bool | str = "auto", tile_tokens: int | str = "auto",
 ) -> Estimate:
     if nvme not in (True, False, "auto"):
         raise ValueError(f"nvme={nvme!r}; use \"auto\", True or False.")
@@ -141,25 +151,37 @@ def _assemble(
     h = _cfg(config, "hidden_size", "d_model", "n_embd", "dim")
     a = _cfg(config, "num_attention_heads", "n_head", "num_heads", "encoder_attention_heads")
     full = ckpt = ckpt_offloaded = head = inputs_host = 0
+    layer_peak, layer_transient, layer_largest = 0, 0, ("", 0)
     if h and a:
         s_dec = decoder_seq_len or seq_len
-        per_layer, inputs = [], []
+        layers, inputs, tiles = [], [], []
         for layer in counts.layers:
             s = s_dec if layer.cross_attention else seq_len
             ffn = _cfg(config, "decoder_ffn_dim") if layer.cross_attention else None
             ffn = ffn or _cfg(config, "intermediate_size", "n_inner", "d_ff", "ffn_dim", "encoder_ffn_dim") or layer.ffn
-            per_layer.append(layer_activation_bytes(
+            saves = activation_saves(config)
+            tile = mlp_tile_tokens(sequence_tiling, tile_tokens, s, batch_size,
+                                   ((4 if layer.gated_mlp else 2) + saves) * (ffn or 4 * h) * c)
+            tiles.append(tile)
+            layers.append(layer_memory(
                 s, batch_size, h, a, nbytes=c, ffn=ffn, head_dim=_cfg(config, "head_dim", "d_kv"),
                 kv_heads=_cfg(config, "num_key_value_heads"), gated_mlp=layer.gated_mlp,
-                cross_attention=layer.cross_attention, s_kv=seq_len,
+                cross_attention=layer.cross_attention, s_kv=seq_len, attention=attention,
+                dropout=_has_dropout(config), tile_tokens=tile, rotary=uses_rotary(config), activation_saves=saves,
             ))
             inputs.append(s * batch_size * h * c)
-        full = sum(per_layer)
-        # Checkpointing keeps each layer's input; the recompute holds one layer in full. With
-        # the inputs offloaded, the last W stay and two more are on their way.
-        ckpt = sum(inputs) + max(per_layer)
+        worst = max(layers, key=lambda m: m.peak)
+        layer_peak, layer_largest = worst.peak, worst.largest
+        layer_transient = max(m.transient for m in layers)
+        # Without checkpointing every layer's saved tensors live until its backward, and the
+        # backward of one adds its transient.
+        full = sum(m.saved for m in layers) + max(m.transient for m in layers)
+        # Checkpointing keeps each layer's input; one layer is recomputed and backpropagated at
+        # a time (its saved tensors and its transient). With the inputs offloaded, the last W
+        # stay and two more are on their way.
+        ckpt = sum(inputs) + layer_peak
         kept = sorted(inputs, reverse=True)[: min(n, w + 2)]
-        ckpt_offloaded = sum(kept) + max(per_layer)
+        ckpt_offloaded = sum(kept) + layer_peak
         inputs_host = sum(inputs) - sum(inputs[-w:]) if n > w else 0
         s_out = s_dec if any(layer.cross_attention for layer in counts.layers) else seq_len
         tokens = s_out * batch_size
@@ -173,7 +195,9 @@ def _assemble(
             chunk = min(tokens, resolve_chunk_tokens(loss_chunk_tokens, counts.logits_width))
             head_grad = counts.logits_width * counts.hidden * (4 + (counts.head_device_bytes if
                                                                     counts.head_device_bytes != 4 else 0))
-            head += chunk * counts.logits_width * BYTES_PER_LOGIT + head_grad
+            # BYTES_PER_LOGIT prices a 16-bit chunk (its fp32 copy and its 16-bit gradient
+            # included); an fp32 chunk needs neither: 12 B.
+            head += chunk * counts.logits_width * (BYTES_PER_LOGIT if c != 4 else 12) + head_grad
         else:
             head += tokens * counts.logits_width * LOGIT_BYTES
         plain_head = 2 * tokens * (counts.hidden or h) * c + tokens * counts.logits_width * LOGIT_BYTES
@@ -197,9 +221,18 @@ def _assemble(
     split_bytes = 0 if split is None else split.resident_bytes + (c * split.resident_params if c != 4 else 0)
     outside += split_bytes
 
+    # The loss and the layers' backward do not hold memory at the same time: the loss's chunks
+    # and the final norm are freed before the last layer's backward starts, so what the layers
+    # keep throughout (every layer's saved tensors, or the checkpointed inputs) adds to the
+    # larger of the two: the loss, or one layer's backward (with checkpointing its recompute too).
+    phase = layer_peak if gradient_checkpointing else layer_transient
+
+    def activations(block_act: int, loss: int) -> int:
+        return block_act - phase + max(loss, phase)
+
     def need(window: int, offload: bool) -> int:
         block_act = (ckpt_offloaded if offload else ckpt) if gradient_checkpointing else full
-        other = _window_bytes(counts, window) + lanes + outside + block_act + head
+        other = _window_bytes(counts, window) + lanes + outside + activations(block_act, head)
         return other + _workspace(other)
 
     offload = bool(gradient_checkpointing and offload_activations is True)
@@ -270,7 +303,7 @@ def _assemble(
 
     total = counts.block_params + counts.resident_params
     plain_state = state_per_param * total + counts.buffer_bytes
-    plain_other = plain_state + (ckpt if gradient_checkpointing else full) + plain_head
+    plain_other = plain_state + activations(ckpt if gradient_checkpointing else full, plain_head)
     plain_ws = _workspace(plain_other)
     plain_need = plain_other + plain_ws
 
@@ -282,7 +315,16 @@ def _assemble(
         notes.append("GPU memory unknown: GPU check skipped")
     on_nvme = (adam if on_disk else 0) + (master if masters_on_disk else 0)
     nvme_fits = None if not on_disk or nvme_memory_bytes is None else on_nvme <= nvme_memory_bytes
-    fixed = window_bytes + lanes + outside + block_act + head
+    act_peak = activations(block_act, head)
+    fixed = window_bytes + lanes + outside + act_peak
+    layer_phase = (f"one layer's recompute and backward (largest: {layer_largest[0]})" if gradient_checkpointing
+                   else f"one layer's backward (largest: {layer_largest[0]})")
+    terms = {"the window": window_bytes, "the gradient lanes": lanes, "what stays outside the window": outside,
+             "the checkpointed layer inputs" if gradient_checkpointing else "the layers' saved activations":
+                 block_act - phase,
+             layer_phase if phase >= head else "the loss (final norm, logits)": max(phase, head),
+             "the workspace": gpu_need - fixed}
+    bounded_by = max(terms, key=terms.get)
     return Estimate(
         model_name=model_name, seq_len=seq_len, batch_size=batch_size, dtype=dtype,
         gradient_checkpointing=gradient_checkpointing, window_size=w, window_size_requested=requested,
@@ -300,7 +342,7 @@ def _assemble(
         gpu_slot_bytes=max((u.device_bytes for u in streamed), default=0),
         gpu_grad_buffer_bytes=lanes, gpu_engine_bytes=window_bytes + lanes + (outside - counts.buffer_bytes
                                                                                if offload_non_block else split_bytes),
-        gpu_block_activation_bytes=block_act, gpu_head_activation_bytes=head,
+        gpu_block_activation_bytes=block_act, gpu_head_activation_bytes=head, gpu_activation_peak_bytes=act_peak,
         gpu_workspace_bytes=gpu_need - fixed, gpu_bytes_needed=gpu_need,
         gpu_memory_bytes=gpu_memory_bytes, max_window_size=max_w,
         plain_state_bytes=plain_state, plain_workspace_bytes=plain_ws, plain_gpu_bytes_needed=plain_need,
@@ -311,6 +353,9 @@ def _assemble(
         resident_units=0 if split is None else len(split.resident),
         resident_params_on_gpu=0 if split is None else split.resident_params, gpu_split_bytes=split_bytes,
         split="everything streams" if split is None else split.reason,
+        attn_implementation=attention, tile_tokens=max((t for t in tiles if t), default=None) if h and a else None,
+        gpu_bounded_by=bounded_by,
+        gpu_layer_peak_bytes=layer_peak, layer_largest_tensor=layer_largest[0],
     )
 
 
@@ -334,7 +379,7 @@ def _with_split(model: nn.Module, block_classes: tuple[str, ...] | None, c: int,
         room = (gpu_memory_bytes - GPU_WORKSPACE_FIXED_BYTES) * 100 // (100 + GPU_WORKSPACE_PERCENT)
         buffers = streamed.gpu_resident_bytes - streamed.gpu_split_bytes - (
             streamed.gpu_engine_bytes - streamed.gpu_window_bytes - streamed.gpu_grad_buffer_bytes)
-        model_state = room - streamed.gpu_block_activation_bytes - streamed.gpu_head_activation_bytes - buffers
+        model_state = room - streamed.gpu_activation_peak_bytes - buffers
         budget = max(0, model_state * 16 // 18 if c != 4 else model_state)  # autocast's 16-bit copies
     split = _split(model, block_classes, c, offload_non_block=offload_non_block, resident=resident, budget=budget,
                    window_size=window_size, grad_buffers=grad_buffers)

@@ -13,6 +13,8 @@ from typing import Any, Sequence
 
 from ..config import parse_memory, parse_window_size
 from .api import estimate
+from ..tiling import AUTO_MIN_SEQUENCE, AUTO_TILE_BYTES
+from .counts import ATTENTION_KINDS
 from .meta import _AUTO_CLASSES, load_config
 
 
@@ -36,6 +38,15 @@ def _parse_resident(text: str) -> int | bool | str:
     if value.isdigit():
         return int(value)
     raise ValueError(text)
+
+
+def _parse_tile(text: str) -> int | str:
+    if text == "auto":
+        return text
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"{value} tokens per tile; use auto or an int >= 1")
+    return value
 
 
 def _arg_type(parse: Any, name: str) -> Any:
@@ -102,6 +113,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--resident_budget", type=memory, default=None,
                         help="StrongholdConfig.gpu_memory: the GPU bytes the split may fill (default: the GPU less "
                         "the reserve)")
+    parser.add_argument("--attn_implementation", choices=list(ATTENTION_KINDS), default=None,
+                        help="the attention that runs (default: what transformers picks for the model class, SDPA "
+                        "where supported): eager stores the heads x s x s scores, sdpa and flash_attention_2 do not")
+    parser.add_argument("--sequence_tiling", type=auto_flag, default="auto",
+                        help="the MLP in tiles of --tile_tokens tokens (StrongholdConfig.sequence_tiling): auto "
+                        f"(default: above {AUTO_MIN_SEQUENCE} tokens), true or false")
+    parser.add_argument("--tile_tokens", type=_arg_type(_parse_tile, "auto or an int >= 1"), default="auto",
+                        help=f"tokens per tile (default auto: tiles that save about {AUTO_TILE_BYTES >> 20} MiB)")
     parser.add_argument("--check", action="store_true", help="exit with status 3 when STRONGHOLD does not fit")
     args = parser.parse_args(argv)
 
@@ -120,6 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             host_image=args.host_image, host_grads=args.host_grads,
             gradient_accumulation_steps=args.gradient_accumulation_steps, nvme_memory_bytes=args.nvme_memory,
             nvme_masters=args.nvme_masters, resident=args.resident, resident_budget_bytes=args.resident_budget,
+            attn_implementation=args.attn_implementation, sequence_tiling=args.sequence_tiling,
+            tile_tokens=args.tile_tokens,
         )
     except (ValueError, OSError, KeyError) as err:
         parser.error(str(err))

@@ -10,19 +10,19 @@ activations. The per-element costs and fixed allowances (`ADAM_STATE_BYTES`,
 module imports nothing else of the estimator.
 
 Activations follow Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-Transformer Models" (arXiv:2205.05198), section 4.1: a transformer layer stores
-``s*b*h*(34 + 5*a*s/h)`` bytes with 16-bit activations and 1-byte dropout masks. Broken into
-its parts that is ``16`` stored ``s*b*h`` tensors (attention 5, layer norms 2, MLP 1 + 2x4)
-plus two 1-byte masks, and 2 stored ``a*s*s*b`` tensors (softmax output, its dropout) plus
-one mask. `layer_activation_bytes` keeps that breakdown and scales the tensors by the
-compute dtype's bytes (fp32: ``s*b*h*(66 + 9*a*s/h)``) while masks stay 1 byte; the MLP
-term uses the real FFN width (2 tensors of ``s*b*ffn``, or 4 for gated MLPs such as
-SwiGLU), and Q/K/V use the real head and KV-head dims, so the formula is exact for
-``ffn = 4h`` MHA and approximately right elsewhere. It assumes eager attention: with SDPA or
-flash attention the ``s*s`` terms are not stored, so the estimate is an upper bound there.
-Decoder layers of encoder-decoder models add a cross-attention block (its Q path and
-output on the target length, K/V on the source length, scores ``a*s_tgt*s_src*b``) and a
-layer norm.
+Transformer Models" (arXiv:2205.05198), section 4.1, broken into the tensors that hold them
+(`layer_memory`): per token, the attention block saves its normed input, Q, K and V, and the
+output projection's input; the MLP its input and (4 for gated MLPs such as SwiGLU, else 2)
+``ffn``-wide tensors; the two norms their inputs. *Which attention runs* decides the rest:
+eager attention stores the ``a x s x s`` softmax (and its dropout output) and backward holds
+its gradient; SDPA and flash attention store no ``s x s`` term, only their output and an fp32
+log-sum-exp per head and token. Dropout masks (1 byte) count only when the config has
+dropout. The *transient* of a layer's backward (what exists beyond the saved tensors while it
+runs: the gradients flowing through the MLP or the attention core, and the layer's input and
+output gradients) counts too, since with checkpointing one layer is recomputed and
+backpropagated at a time. Sequence tiling (tiling.py) keeps the MLP's ``ffn``-wide tensors to
+one tile of ``T`` tokens. Decoder layers of encoder-decoder models add a cross-attention block
+(its Q path on the target length, K/V on the source length).
 """
 
 from __future__ import annotations
@@ -163,28 +163,152 @@ def _count(model: nn.Module, block_classes: tuple[str, ...] | None, encoder_deco
                    hidden, chunked, head_bytes, sum(trainable), frozen_bytes, max(trainable, default=0))
 
 
+#: Attention implementations the estimator knows (transformers' ``attn_implementation``).
+ATTENTION_KINDS = ("eager", "sdpa", "flash_attention_2")
+
+def mlp_tile_tokens(sequence_tiling: bool | str, tile_tokens: int | str, seq_len: int, batch: int,
+                    saved_per_token: int) -> int | None:
+    """The tile tiling.py gives an MLP that saves ``saved_per_token`` bytes per token beyond its
+    input, in a run of ``seq_len`` tokens (None: it runs untiled). ``"auto"`` tiles above
+    ``AUTO_MIN_SEQUENCE`` tokens, in tiles that save about ``AUTO_TILE_BYTES``."""
+    from ..tiling import AUTO_MIN_SEQUENCE, AUTO_TILE_BYTES, AUTO_TILE_MAX, AUTO_TILE_MIN
+
+    if sequence_tiling is False or (sequence_tiling == "auto" and seq_len <= AUTO_MIN_SEQUENCE):
+        return None
+    if tile_tokens == "auto":
+        tile = AUTO_TILE_BYTES // max(saved_per_token * batch, 1)
+        tile = max(AUTO_TILE_MIN, min(AUTO_TILE_MAX, tile))
+    else:
+        tile = int(tile_tokens)
+    return tile if tile < seq_len else None
+
+
+#: Activation functions transformers writes as several ops, and the ffn-wide tensors each saves
+#: for backward beyond its input (``gelu_new``: tanh's output, ``0.5 * x`` and ``1 + tanh``).
+_ACTIVATION_SAVES = {"gelu_new": 3, "gelu_fast": 3, "quick_gelu": 1, "gelu_python": 2}
+
+
+def activation_saves(config) -> int:
+    """`layer_memory`'s ``activation_saves`` for a model config (0: a native activation)."""
+    name = next((getattr(config, f) for f in ("hidden_act", "hidden_activation", "activation_function", "dense_act_fn")
+                 if isinstance(getattr(config, f, None), str)), None)
+    return _ACTIVATION_SAVES.get(str(name), 0)
+
+
+def uses_rotary(config) -> bool:
+    """Whether the model applies rotary position embeddings to Q and K."""
+    return any(getattr(config, f, None) is not None for f in ("rope_theta", "rope_parameters", "rope_scaling",
+                                                               "rotary_dim", "rotary_pct")) or (
+        getattr(config, "position_embedding_type", None) == "rotary")
+
+
+def attention_kind(implementation: str | None) -> str:
+    """transformers' ``attn_implementation`` as one of `ATTENTION_KINDS`: every kernel that
+    stores no ``s x s`` scores (flash 2 or 3, flex, the kernels hub's) counts as flash/SDPA."""
+    name = (implementation or "eager").lower()
+    if name == "eager":
+        return "eager"
+    return "flash_attention_2" if "flash" in name else "sdpa"
+
+
+@dataclass(frozen=True, slots=True)
+class LayerMemory:
+    """What one transformer layer holds, in bytes: ``saved`` for its backward (all of it kept
+    between forward and backward without checkpointing; held during its recompute with it),
+    ``transient`` on top of that while its backward runs, and the group of tensors that is
+    the largest part of the two (``largest``: its name and bytes)."""
+
+    saved: int
+    transient: int
+    largest: tuple[str, int]
+
+    @property
+    def peak(self) -> int:
+        """Saved plus transient: one layer's recompute and backward at their height."""
+        return self.saved + self.transient
+
+
+def layer_memory(
+    s: int, b: int, h: int, a: int, *, nbytes: int, ffn: int | None = None, head_dim: int | None = None,
+    kv_heads: int | None = None, gated_mlp: bool = False, cross_attention: bool = False, s_kv: int | None = None,
+    attention: str = "eager", dropout: bool = True, tile_tokens: int | None = None, rotary: bool = False,
+    activation_saves: int = 0,
+) -> LayerMemory:
+    """One transformer layer's activations (Korthikanti et al. 2022, generalised; see the
+    module docstring). ``attention``: one of `ATTENTION_KINDS`; ``tile_tokens``: the MLP runs
+    in tiles of that many tokens (tiling.py), ``None``: untiled; ``rotary``: rotary position
+    embeddings (RoPE keeps Q and K before rotation and their rotated halves: ``2q + 2kv``);
+    ``activation_saves``: the ``ffn``-wide tensors an activation function written as several
+    ops saves beyond its input (`activation_saves`: 3 for ``gelu_new``, 0 for native ones).
+
+    With ``nbytes=2``, ``ffn=4h``, plain MHA, eager attention and dropout, ``saved`` is exactly
+    ``s*b*h*(34 + 5*a*s/h)``."""
+    if attention not in ATTENTION_KINDS:
+        raise ValueError(f"attention={attention!r}; use one of {ATTENTION_KINDS}.")
+    ffn = 4 * h if ffn is None else ffn
+    d = head_dim or h // a
+    q, kv = a * d, (kv_heads or a) * d
+    sb = s * b
+    c = nbytes
+    eager = attention == "eager"
+    mask = 1 if dropout else 0
+    # Saved for backward, by group: bytes.
+    groups = {
+        "norm inputs (2 x hidden)": 2 * sb * h * c,
+        "attention input and Q, K, V": sb * (h + q + 2 * kv) * c,
+        "attention output (o_proj input)": sb * q * c,
+    }
+    if rotary:
+        groups["rotary embedding (Q, K before rotation and their rotated halves)"] = sb * (2 * q + 2 * kv) * c
+    if eager:  # the softmax output and its dropout output are stored, plus the dropout mask
+        groups["attention scores (heads x s x s)"] = a * s * s * b * (2 * c + mask)
+    else:  # the kernel keeps its output and an fp32 log-sum-exp per head and token
+        groups["attention kernel output and log-sum-exp"] = sb * (q * c + 4 * a)
+    wide = ((4 if gated_mlp else 2) + activation_saves) * ffn
+    if tile_tokens is not None and tile_tokens < s:  # tiled: the input whole, the ffn-wide tensors per tile
+        groups["MLP input (tiled: one tile's ffn-wide tensors)"] = sb * h * c + tile_tokens * b * (h + wide) * c
+    else:
+        groups[f"MLP input and {'4' if gated_mlp else '2'} x ffn-wide tensors"] = sb * (h + wide) * c
+    groups["dropout masks"] = 2 * sb * h * mask
+    if cross_attention:
+        s_kv = s if s_kv is None else s_kv
+        x = {
+            "cross-attention Q path and norm": sb * (h + 2 * q + h) * c + sb * h * mask,
+            "cross-attention K, V": 2 * s_kv * b * kv * c,
+        }
+        if eager:
+            x["cross-attention scores"] = a * s * s_kv * b * (2 * c + mask)
+        else:
+            x["cross-attention kernel output"] = sb * (q * c + 4 * a)
+        groups.update(x)
+    saved = sum(groups.values())
+    # The backward's working set beyond the saved tensors: the layer's output gradient and its
+    # input gradient throughout, and at its height either the MLP's gradients or the attention
+    # core's (dO and dQ, dK, dV; eager also the scores' gradient and the softmax backward's
+    # temporary). The MLP's: as each op's backward runs, the tensors it saved are freed, so
+    # beyond the saved ones it holds two ffn-wide gradients at once when gated (the gate's and
+    # the up projection's), one otherwise; one tile of them when tiled.
+    mlp_tokens = tile_tokens if tile_tokens is not None and tile_tokens < s else s
+    mlp_bwd = mlp_tokens * b * (2 if gated_mlp else 1) * ffn * c
+    attn_bwd = sb * (2 * q + 2 * kv) * c + (2 * a * s * s * b * c if eager else 0)
+    transient = 2 * sb * h * c + max(mlp_bwd, attn_bwd)
+    name, nbytes_largest = max(groups.items(), key=lambda kv_: kv_[1])
+    if max(mlp_bwd, attn_bwd) > nbytes_largest:
+        name = ("the MLP's gradients (ffn-wide)" if mlp_bwd >= attn_bwd else
+                "the attention core's gradients" + (" (s x s scores)" if eager else ""))
+        nbytes_largest = max(mlp_bwd, attn_bwd)
+    return LayerMemory(saved=saved, transient=transient, largest=(name, nbytes_largest))
+
+
 def layer_activation_bytes(
     s: int, b: int, h: int, a: int, *, nbytes: int, ffn: int | None = None, head_dim: int | None = None,
     kv_heads: int | None = None, gated_mlp: bool = False, cross_attention: bool = False, s_kv: int | None = None,
+    attention: str = "eager", dropout: bool = True,
 ) -> int:
-    """Bytes one transformer layer saves for backward (Korthikanti et al. 2022, generalised).
+    """Bytes one transformer layer saves for backward (`layer_memory`'s ``saved``).
 
-    With ``nbytes=2``, ``ffn=4h`` and plain MHA this is exactly ``s*b*h*(34 + 5*a*s/h)``.
+    With ``nbytes=2``, ``ffn=4h``, plain MHA, eager attention and dropout this is exactly
+    ``s*b*h*(34 + 5*a*s/h)``.
     """
-    ffn = 4 * h if ffn is None else ffn
-    q = a * (head_dim or h // a)
-    kv = (kv_heads or a) * (head_dim or h // a)
-    sb = s * b
-    # Attention: QKV input, Q, K, V, output-projection input; two layer-norm inputs; the MLP
-    # input and (gated: 4, else 2) ffn-wide tensors around the activation function.
-    elems = sb * (h + q + 2 * kv + q) + 2 * sb * h + sb * h + (4 if gated_mlp else 2) * sb * ffn
-    masks = 2 * sb * h  # attention-output and MLP dropout masks, 1 byte each
-    scores = a * s * s * b  # softmax output and its dropout output are stored, plus a mask
-    total = (elems + 2 * scores) * nbytes + masks + scores
-    if cross_attention:
-        s_kv = s if s_kv is None else s_kv
-        x_scores = a * s * s_kv * b
-        # Q input, Q, output-projection input and the extra layer norm on the target length;
-        # K and V on the source length; scores as above; one more output dropout mask.
-        total += (sb * (h + 2 * q) + sb * h + 2 * s_kv * b * kv + 2 * x_scores) * nbytes + sb * h + x_scores
-    return total
+    return layer_memory(s, b, h, a, nbytes=nbytes, ffn=ffn, head_dim=head_dim, kv_heads=kv_heads, gated_mlp=gated_mlp,
+                        cross_attention=cross_attention, s_kv=s_kv, attention=attention, dropout=dropout).saved

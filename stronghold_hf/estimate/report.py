@@ -89,6 +89,14 @@ class Estimate:
     gpu_split_bytes: int = 0
     split: str = "everything streams"
     resident_budget_bytes: int | None = None  # the device bytes the split had (what the Trainer gives the engine)
+    # The activations' model: the attention that runs, the MLP's tile (None: untiled), one
+    # layer's recompute and backward at their height, and what bounds the GPU verdict.
+    gpu_activation_peak_bytes: int = 0  # what the layers keep, plus the larger of the loss and one layer's backward
+    attn_implementation: str = "eager"
+    tile_tokens: int | None = None
+    gpu_layer_peak_bytes: int = 0
+    layer_largest_tensor: str = ""
+    gpu_bounded_by: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -189,7 +197,9 @@ def _table(e: Estimate) -> str:
         f"{e.model_name}: {e.total_params / 1e9:.3f} B params ({e.block_params / 1e9:.3f} B in {e.num_blocks} blocks, "
         f"largest {e.largest_block_params / 1e6:.1f} M; {e.resident_params / 1e6:.1f} M outside them), seq "
         f"{e.seq_len} x batch {e.batch_size}, {e.dtype}, gradient checkpointing {ckpt}"
-        + (", checkpointed activations offloaded" if e.offload_activations else ""),
+        + (", checkpointed activations offloaded" if e.offload_activations else "")
+        + f", {e.attn_implementation} attention"
+        + (f", MLP in tiles of {e.tile_tokens} tokens" if e.tile_tokens else ""),
         f"{'CPU RAM (STRONGHOLD)':<54}{'GiB':>10}",
         row("fp32 master weights: on NVMe (nvme_masters)" if e.nvme_masters else "fp32 master weights (4 B/param)",
             e.cpu_master_bytes),
@@ -220,10 +230,15 @@ def _table(e: Estimate) -> str:
           if e.resident_units else []),
         row(f"block activations ({'checkpointed' if e.gradient_checkpointing else 'all stored'}"
             + (", offloaded" if e.offload_activations else "") + ")", e.gpu_block_activation_bytes),
+        *([row("  of which one layer's recompute and backward", e.gpu_layer_peak_bytes)]
+          if e.gradient_checkpointing else []),
         row(loss, e.gpu_head_activation_bytes),
+        row("  activations at their peak (the loss and a layer's backward do not overlap)",
+            e.gpu_activation_peak_bytes),
         row(f"workspace ({GPU_WORKSPACE_FIXED_BYTES / GiB:.1f} GiB + {GPU_WORKSPACE_PERCENT}%)", e.gpu_workspace_bytes),
         total("total", e.gpu_bytes_needed, e.gpu_memory_bytes, e.gpu_fits),
         f"  largest window_size that fits: {'unknown' if e.max_window_size is None else e.max_window_size}",
+        f"  bounded by: {e.gpu_bounded_by}; a layer's largest tensors: {e.layer_largest_tensor}",
         "Plain training (everything on the GPU)",
         row(f"params+grads+Adam ({e.total_params / 1e9:.3f} B x {16 if c == 4 else 18} B)", e.plain_state_bytes),
         row("activations (blocks, whole logits)", e.plain_gpu_bytes_needed - e.plain_state_bytes

@@ -84,7 +84,8 @@ class FitCheck:
             offload_activations=cfg.offload_activations, loss_chunk_tokens=cfg.loss_chunk_tokens,
             host_memory=cfg.host_memory, host_image=cfg.host_image, host_grads=cfg.host_grads,
             gradient_accumulation_steps=args.gradient_accumulation_steps, resident=cfg.resident,
-            resident_budget_bytes=cfg.gpu_memory, **_nvme_estimate_args(cfg), **shape,
+            resident_budget_bytes=cfg.gpu_memory, sequence_tiling=cfg.sequence_tiling, tile_tokens=cfg.tile_tokens,
+            **_nvme_estimate_args(cfg), **shape,
         )
 
     def at_start(self, dataset: Any) -> StrongholdConfig:

@@ -1,0 +1,41 @@
+"""The estimator's activations against what a training step really holds, measured from outside.
+
+The estimator models the attention that runs (SDPA here: no ``s x s`` scores saved), one
+layer's recompute and backward on top of what the layers keep, and the loss and a layer's
+backward not holding memory at the same time (estimate/counts.py, budget.py). A child process
+trains a two-layer model of each family at several sequence lengths, with and without
+gradient checkpointing, on the CPU "device", where every activation is host memory: the
+growth of its peak RSS from one length to the next must be what the estimate's activation
+peak grows by, within 10%. Differences between lengths, so that what does not depend on the
+length (the engine's buffers, the lanes' untouched pages, a position embedding's gradient)
+drops out.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from child_rss import activation_config, activation_peak_kib
+from stronghold_hf.estimate import estimate
+
+LENGTHS = (1024, 4096, 8192, 16384)
+
+
+def _estimated_peak(family: str, seq: int, checkpointing: bool) -> int:
+    e = estimate(activation_config(family), seq_len=seq, batch_size=1, dtype="fp32", gpu_memory_bytes=2**40,
+                 cpu_memory_bytes=2**40, gradient_checkpointing=checkpointing, resident=False,
+                 auto_class="causal_lm", offload_activations=False)
+    assert e.attn_implementation == "sdpa" and e.tile_tokens is None
+    return e.gpu_activation_peak_bytes
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_activation_peak_grows_as_measured_within_ten_percent(family, checkpointing):
+    measured = {s: kib * 1024 for s, kib in activation_peak_kib(family, LENGTHS, checkpointing).items()}
+    estimated = {s: _estimated_peak(family, s, checkpointing) for s in LENGTHS}
+    base = LENGTHS[0]
+    for s in LENGTHS[1:]:
+        grew, predicted = measured[s] - measured[base], estimated[s] - estimated[base]
+        assert grew > 0
+        assert abs(predicted / grew - 1) <= 0.10, (family, checkpointing, s, grew / 2**20, predicted / 2**20)
