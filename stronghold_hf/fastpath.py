@@ -12,7 +12,7 @@ more than the work they wrap there:
   guard's ``__torch_function__`` (about 3 us per attribute); `engine_access` turns that off
   for the body, once per call instead of once per attribute;
 * a torch call lets go of the GIL, and on the host worker that hands it to the training
-  thread, which then waits to get it back (unit.py, [Note: torch calls on the host worker]);
+  thread, which then waits to get it back (unit_grads.py, [Note: torch calls on the host worker]);
   `host_copy_` copies a small host buffer keeping the GIL.
 """
 
@@ -75,11 +75,12 @@ def engine_access():
 
 def engine_method(fn):
     """Runs the method under `engine_access` (the whole body: one switch, not one per read)
-    when its object's parameters may be guarded (``self.guarded``); as it is otherwise."""
+    when its object's parameters may be guarded (``self.read_guard.guarded``, read_guard.py); as
+    it is otherwise."""
 
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
-        if not self.guarded:
+        if not self.read_guard.guarded:
             return fn(self, *args, **kwargs)
         with _DisableSubclass():
             return fn(self, *args, **kwargs)

@@ -3,7 +3,7 @@
 During a unit's backward it holds a *lane*: a device buffer in the unit's gradient layout.
 Autograd produces the unit's gradients as it does in plain training (``.grad`` is None, so
 each is stolen, not added into a zeroed buffer); when the unit's backward is done they are
-copied into the lane in one fused op (unit.py, `collect_into_buffer`) and the schedule
+copied into the lane in one fused op (unit_grads.py, `collect_into_buffer`) and the schedule
 *flushes* the lane: `send` starts one device-to-host
 copy of the whole buffer into the lane's pinned staging buffer, then, on the host worker, a
 *fold* copies or adds the staged values into the unit's fp32 gradient and `release` frees
@@ -64,7 +64,7 @@ class GradLane:
     slot is: unit.py, [Note: why the slot storage is resized]). So the typed buffer and each
     parameter's view into it, made from a unit's geometry, stay valid from pass to pass and
     are made once (`views`), not per backward. A unit's gradients are *copied* into its views
-    (unit.py, `collect_into_buffer`); views of parameters without a gradient are zeroed then.
+    (unit_grads.py, `collect_into_buffer`); views of parameters without a gradient are zeroed then.
     The padding between parameters is never written, so once zeroed it stays zero for as long
     as the lane serves the same geometry (``clean_key``): `GradientQueue.acquire` zeroes a lane
     only when it was just allocated or last held another geometry, so the flush's norm and the
@@ -101,7 +101,7 @@ class GradLane:
 
     def views(self, key: int, geometry) -> list[torch.Tensor | None]:
         """Each trainable parameter's view into the typed buffer in use, from ``geometry``
-        (unit.py, `Unit.grad_geometry`, named by ``key``); made once per geometry."""
+        (memory.py, `BlockLayout.grad_geometry`, named by ``key``); made once per geometry."""
         views = self._views.get(key)
         if views is None:
             buffer = self.device_buffer
@@ -113,7 +113,7 @@ class GradLane:
     def staged_norm(self) -> float:
         """The flush's L2 norm (read only after the copy landed). Read through numpy: on the
         host worker a torch call would hand the GIL to the training thread and wait to get it
-        back (unit.py, [Note: torch calls on the host worker])."""
+        back (unit_grads.py, [Note: torch calls on the host worker])."""
         return float(self._norm_read[0])
 
 

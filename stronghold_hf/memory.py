@@ -89,6 +89,12 @@ class BlockLayout:
     shards: int
     shard_numel: int  # elements of one shard of the trainable region (a multiple of GRAD_ALIGN)
     frozen_offset: int  # byte offset of the frozen region in the slot
+    # Per parameter, ``(shape, contiguous strides, element offset)`` of its gradient in the
+    # gradient layout (None: frozen), and a small integer naming it with the gradient dtype and
+    # length: units with the same key (every block of a uniform stack) share a gradient lane's
+    # views of it (grads.py, `GradLane.views`).
+    grad_geometry: tuple[tuple[torch.Size, tuple[int, ...], int] | None, ...]
+    grad_geometry_key: int
 
     @property
     def padded_grad_numel(self) -> int:
@@ -146,8 +152,22 @@ def layout_block(fqn: str, named: list[tuple[str, torch.nn.Parameter]], param_dt
         else:
             entries.append(ParamEntry(name, p.shape, p.numel(), p.dtype, p.dtype, False, byte_off, -1))
             byte_off += align_up(p.numel() * element_size(p.dtype))
+    geometry = tuple((e.shape, _contiguous_strides(e.shape), e.grad_offset) if e.trainable else None
+                     for e in entries)
+    key = _GEOMETRIES.setdefault((grad_dtype, shards * shard_numel, geometry), len(_GEOMETRIES))
     return BlockLayout(tuple(entries), max(byte_off, ALIGN_BYTES), grad_off, grad_dtype, shards, shard_numel,
-                       frozen_offset)
+                       frozen_offset, geometry, key)
+
+
+_GEOMETRIES: dict[tuple, int] = {}  # interned gradient geometries: equal ones get the same small integer
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
 
 
 def available_host_bytes() -> int | None:

@@ -155,7 +155,7 @@ def state_file_bytes(regions: list[Region]) -> int:
 # ---------------------------------------------------------------------------- masters on disk
 class DiskMasters:
     """The fp32 masters of the offloaded units on disk (``nvme_masters=True``), from
-    ``offload_model`` on: one page-aligned extent per unit holding what ``Unit.master_flat``
+    ``offload_model`` on: one page-aligned extent per unit holding what ``UnitHost.master_flat``
     would hold in RAM (this rank's flat shard, fp32 ``[S]``).
 
     Three kinds of access, and who makes them:

@@ -102,4 +102,26 @@ def is_guarded(p: torch.Tensor) -> bool:
     return type(p) is GuardedParameter
 
 
-__all__ = ["GuardedParameter", "register", "unregister", "guard", "unguard", "is_guarded"]
+class ReadGuard:
+    """The guard over one unit's parameters. `guard` switches their class so that a read runs
+    the unit's barrier first; `unguard` switches it back. ``guarded``: whether the class may be
+    switched now; the engine's own reads turn the guard off only then (fastpath.engine_method).
+    The unit and its gradient state (unit_grads.py) share one, so both know."""
+
+    __slots__ = ("params", "guarded")
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self.guarded = False
+
+    def guard(self) -> None:
+        guard(self.params)
+        self.guarded = True
+
+    def unguard(self) -> None:
+        if self.guarded:
+            unguard(self.params)
+            self.guarded = False
+
+
+__all__ = ["GuardedParameter", "ReadGuard", "register", "unregister", "guard", "unguard", "is_guarded"]

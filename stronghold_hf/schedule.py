@@ -170,7 +170,7 @@ class WindowSchedule:
         (about 65 ms of a 292 ms step on the H200). Only a unit at several positions of the
         sequence parks: the queue has one lane more for each, so the blocks keep their K (a
         block used again by a second forward flushes as before)."""
-        if u.grad_buffer is not None:
+        if u.grads.grad_buffer is not None:
             if self.phase is Phase.BACKWARD and u.pending_backward > 0 and len(self.positions_of.get(u.index, ())) > 1:
                 self._park(u)
             else:
@@ -179,8 +179,8 @@ class WindowSchedule:
             u.evict()
 
     def _park(self, u: Unit) -> None:
-        self._parked[u.index] = sorted(set(self._parked.get(u.index, ())) | set(u.collect_into_buffer()))
-        u.detach_grad_buffer()
+        self._parked[u.index] = sorted(set(self._parked.get(u.index, ())) | set(u.grads.collect_into_buffer()))
+        u.grads.detach_grad_buffer()
 
     def _unpark(self, u: Unit, lane: GradLane) -> None:
         """The next use of a parked unit: its lane comes back holding the partial sum; what this
@@ -188,11 +188,12 @@ class WindowSchedule:
         self._attach_lane(u, lane, accumulate=True)
 
     def _attach_lane(self, u: Unit, lane: GradLane, *, accumulate: bool = False) -> None:
-        u.attach_grad_buffer(lane.device_buffer, lane.views(u.grad_geometry_key, u.grad_geometry),
-                             accumulate=accumulate)
+        assert u.state is Residency.ON_DEVICE, f"{u.fqn}: a lane for a unit in {u.state}"
+        u.grads.attach_grad_buffer(lane.device_buffer, lane.views(u.layout.grad_geometry_key, u.layout.grad_geometry),
+                                   accumulate=accumulate)
 
     def _has_lane(self, u: Unit) -> bool:
-        return u.grad_buffer is not None or u.index in self._parked
+        return u.grads.grad_buffer is not None or u.index in self._parked
 
     def _evict_idle(self, keep) -> None:
         """Releases every unit in the pool that is neither in ``keep`` nor held, in index order."""
@@ -538,11 +539,11 @@ class WindowSchedule:
                         self.release(later)
         self._make_resident(u, direction=-1, pos=use.position)
         u.wait_resident()
-        if u.trainable and u.index in self._parked and u.grad_buffer is None:
+        if u.trainable and u.index in self._parked and u.grads.grad_buffer is None:
             self._unpark(u, self._lanes[u.index])
-        elif u.trainable and u.grad_buffer is None:
+        elif u.trainable and u.grads.grad_buffer is None:
             queue = self.grad_queue if u.streamed else self.resident_queue
-            lane = queue.acquire(u.index, u.layout.padded_grad_numel, u.layout.grad_dtype, u.grad_geometry_key)
+            lane = queue.acquire(u.index, u.layout.padded_grad_numel, u.layout.grad_dtype, u.layout.grad_geometry_key)
             self._lanes[u.index] = lane
             self._attach_lane(u, lane)
         if self.probe is not None and u.kind == "block":
@@ -584,11 +585,7 @@ class WindowSchedule:
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         for u in self.units:
             if u.trainable:
-                # From here on autograd owns .grad; gradients that arrive after a unit left the
-                # device land in fresh tensors (late gradients), never in host buffers.
-                u.take_exposed_grads()
-                u.valid_at_pass_start = list(u.grad_valid)
-                u.flushes_this_pass = 0
+                u.grads.begin_pass()  # autograd owns .grad from here on
         self.coordinator.begin_backward_pass()
 
     def flush(self, u: Unit) -> None:
@@ -602,36 +599,37 @@ class WindowSchedule:
         order] in distributed.py)."""
         lane = self._lanes.pop(u.index)
         touched = self._parked.pop(u.index, [])
-        if u.grad_buffer is not None:
-            touched = sorted(set(touched) | set(u.collect_into_buffer())) if touched else u.collect_into_buffer()
-            u.detach_grad_buffer()
+        if u.grads.grad_buffer is not None:
+            touched = sorted(set(touched) | set(u.grads.collect_into_buffer())) if touched else u.grads.collect_into_buffer()
+            u.grads.detach_grad_buffer()
         queue = self.grad_queue if u.streamed else self.resident_queue
         if self.dp is not None:
             touched = [k for k, e in enumerate(u.layout.entries) if e.trainable]
         elif not touched:
             queue.discard(lane)
             return
-        if u.spec is not None:
+        if u.grads.spec is not None:
             # More gradient for a unit already updated speculatively (a late gradient, another
             # micro-batch): undo that update before the fold changes what it read.
             self.coordinator.undo_speculation(u)
-        local = u.local_params(touched) if u.sharded else touched
-        any_valid = any(u.grad_valid)
-        accumulate = [u.grad_valid[k] for k in local] if any_valid else [False] * len(local)
-        fresh = u.flushes == 0 and not any_valid
+        local = u.grads.local_params(touched) if u.sharded else touched
+        any_valid = any(u.grads.grad_valid)
+        accumulate = [u.grads.grad_valid[k] for k in local] if any_valid else [False] * len(local)
+        fresh = u.grads.flushes == 0 and not any_valid
         send = lane.device_buffer
         if self.dp is not None:
             send = self.dp.reduce_gradient_(lane.device_buffer, u.layout.shard_numel)
         # L2 norm (fp32) of a gradient that is the unit's whole gradient for this step (this
         # rank's shard of it), on the device while the buffer is read anyway (global clipping
         # needs it; stepping.py squares them all in one op).
-        u.device_norm = torch.linalg.vector_norm(send, dtype=torch.float32) if fresh else None
+        u.grads.device_norm = torch.linalg.vector_norm(send, dtype=torch.float32) if fresh else None
         partial_norm = self.coordinator.partial_norm if self.coordinator.speculating else None
-        flush = queue.send(lane, send, norm=u.device_norm if partial_norm is not None else None)
+        flush = queue.send(lane, send, norm=u.grads.device_norm if partial_norm is not None else None)
 
         def land_and_fold(u=u, lane=lane, flush=flush, t=local, a=accumulate) -> None:
             try:
-                u.fold(flush, t, a)  # piece by piece as they land; the device buffer is reusable after
+                for lo, staged in flush.landed():  # piece by piece as they land; the device buffer is reusable after
+                    u.grads.fold(t, a, lo, staged)
                 if partial_norm is not None:
                     partial_norm.add(lane.staged_norm() ** 2)
             finally:
@@ -640,36 +638,32 @@ class WindowSchedule:
         # Urgent: it frees a lane the backward may be waiting for (workers.py, [Note: urgent tasks]).
         lane.ticket = self.worker.submit(("gradient copy of ", u.fqn), land_and_fold, unit=u.index, urgent=True)
         for k in local:
-            u.grad_valid[k] = True
-        u.flushes += 1
-        u.flushes_this_pass += 1
-        if self.coordinator.speculating and u.pending_backward == 0 and not u.spec_blocked:
+            u.grads.grad_valid[k] = True
+        u.grads.flushes += 1
+        u.grads.flushes_this_pass += 1
+        if self.coordinator.speculating and u.pending_backward == 0 and not u.grads.spec_blocked:
             self.coordinator.speculate(u)
 
     def _discard_lane(self, u: Unit) -> None:
         lane = self._lanes.pop(u.index)
         self._parked.pop(u.index, None)
-        if u.grad_buffer is not None:
-            u.drop_lane_gradients()
-            u.detach_grad_buffer()
+        if u.grads.grad_buffer is not None:
+            u.grads.drop_lane_gradients()
+            u.grads.detach_grad_buffer()
         (self.grad_queue if u.streamed else self.resident_queue).discard(lane)
-
-    @staticmethod
-    def _late_params(u: Unit) -> list[int]:
-        return u.late_gradients()
 
     def _flush_late_grads(self, u: Unit) -> None:
         """Gradients autograd produced after ``u`` left the device (T5's relative bias, whose
         gradient arrives through every later block): one more flush that accumulates. Under
         data parallelism it runs on every rank where any rank has one (a flush is a collective)."""
-        late = self._late_params(u)
+        late = u.grads.late_gradients()
         self.stats.add("late_gradients", len(late))
         queue = self.grad_queue if u.streamed else self.resident_queue
-        lane = queue.acquire(u.index, u.layout.padded_grad_numel, u.layout.grad_dtype, u.grad_geometry_key)
+        lane = queue.acquire(u.index, u.layout.padded_grad_numel, u.layout.grad_dtype, u.layout.grad_geometry_key)
         self._lanes[u.index] = lane
         # The late gradients are in .grad, wherever autograd made them: the unit need not be
         # resident for its lane to take them in (collect_into_buffer copies across devices).
-        u.attach_grad_buffer(lane.device_buffer, lane.views(u.grad_geometry_key, u.grad_geometry), late=True)
+        u.grads.attach_grad_buffer(lane.device_buffer, lane.views(u.layout.grad_geometry_key, u.layout.grad_geometry))
         self.flush(u)
 
     def _finish_backward(self) -> None:
@@ -679,7 +673,7 @@ class WindowSchedule:
             u.backward_holds = 0
             if self._has_lane(u):
                 self.flush(u)
-        late = [u for u in self.units if u.trainable and self._late_params(u)]
+        late = [u for u in self.units if u.trainable and u.grads.late_gradients()]
         if self.dp is not None:  # which units have late gradients is the ranks' union
             flags = torch.zeros(len(self.units), dtype=torch.int32, device=self.device)
             for u in late:
@@ -697,7 +691,7 @@ class WindowSchedule:
             self.activations.end_backward()
         for u in self.units:
             if u.trainable:
-                u.expose_grads()
+                u.grads.expose_grads()
         self.phase = Phase.IDLE if not self._stack else Phase.FORWARD
         if self.checkpoint_watch is not None:
             self.checkpoint_watch.check_backward()
@@ -721,34 +715,22 @@ class WindowSchedule:
                 u.forward_holds = 0
             if self._has_lane(u):
                 self._discard_lane(u)
-            for k, e in enumerate(u.layout.entries):
-                if e.trainable and u.params[k].grad is not None and u.params[k].grad is not u.grad_views[k]:
-                    u.params[k].grad = None  # a late gradient of the failed pass
+            u.grads.drop_stray_grads()  # late gradients of the failed pass
         self.drain_gradients()
         self.coordinator.speculating = False
         if self.activations is not None:
             self.activations.end_backward()
         for u in self.units:
-            if u.spec is not None:
+            if u.grads.spec is not None:
                 self.coordinator.undo_speculation(u)  # the step it guessed will not come
-            u.spec_blocked = False
+            u.grads.spec_blocked = False
             if u.state is not Residency.ON_HOST and u.holds == 0:
                 u.evict()
-            if not u.trainable or not u.flushes_this_pass:
-                continue
-            before = u.valid_at_pass_start
-            if any(before):
-                # Part of this pass was added onto gradients accumulated earlier; the sum can
-                # no longer be split. Refuse to step on it until the user zeroes them.
-                u.grads_poisoned = True
-            u.grad_valid = list(before)
-            u.flushes_this_pass = 0
-            if not any(before):
-                u.flushes = 0
-                u.device_norm = None
+            if u.trainable:
+                u.grads.roll_back_pass()  # what earlier backwards left stays
         for u in self.units:
             if u.trainable:
-                u.expose_grads()
+                u.grads.expose_grads()
         self.phase = Phase.IDLE
         logger.warning("stronghold: a backward pass raised before it finished; its gradients were discarded.")
 

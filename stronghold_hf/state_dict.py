@@ -27,11 +27,12 @@ from .unit import Residency, Unit
 
 def install_state_dict_hooks(schedule, coordinator, u: Unit) -> list[Any]:
     handles = []
+    loaded: list[str] = []  # sharded load_state_dict: keys the pre-hooks took, until the post-hook reads them
     for module, names in u.owners:
         handles += [
             module.register_state_dict_post_hook(_state_dict_hook(schedule, coordinator, u, names)),
-            module._register_load_state_dict_pre_hook(_load_pre_hook(schedule, coordinator, u, names)),
-            module.register_load_state_dict_post_hook(_load_post_hook(u, names)),
+            module._register_load_state_dict_pre_hook(_load_pre_hook(schedule, coordinator, u, names, loaded)),
+            module.register_load_state_dict_post_hook(_load_post_hook(u, names, loaded)),
         ]
     return handles
 
@@ -46,11 +47,11 @@ def _state_dict_hook(schedule, coordinator, u: Unit, names):
                     "weights; model.state_dict() alone cannot assemble them. Call engine.full_state_dict() on "
                     "every rank (the Trainer's save does), or use StrongholdConfig(shard_cpu_state=False)."
                 )
-            values = u.full_values()  # collective: every rank gathers this unit now, in the same order
-        elif u.masters_on_disk:
-            values = u.full_values()  # mapped from the file (nvme_masters)
+            values = u.host.full_values()  # collective: every rank gathers this unit now, in the same order
+        elif u.host.masters_on_disk:
+            values = u.host.full_values()  # mapped from the file (nvme_masters)
         elif u.state is not Residency.ON_HOST:  # mid-pass: the slot holds a compute copy
-            values = [v.detach() for v in u.host_views]
+            values = [v.detach() for v in u.host.param_views]
         else:
             return None
         for name, k in names:
@@ -61,14 +62,14 @@ def _state_dict_hook(schedule, coordinator, u: Unit, names):
     return hook
 
 
-def _load_pre_hook(schedule, coordinator, u: Unit, names):
+def _load_pre_hook(schedule, coordinator, u: Unit, names, loaded_keys: list[str]):
     def hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         coordinator.wait_update(u, forward=False)
         if u.state is not Residency.ON_HOST:
             if u.holds:
                 raise RuntimeError(f"stronghold: load_state_dict during the forward or backward of {u.fqn}.")
             schedule.release(u)
-        if not (u.sharded or u.masters_on_disk):
+        if not (u.sharded or u.host.masters_on_disk):
             return  # the default load writes each parameter, which is its host master now
         # Sharded: every rank takes its piece of each full tensor into its masters. On disk:
         # the values go to the file.
@@ -79,24 +80,24 @@ def _load_pre_hook(schedule, coordinator, u: Unit, names):
                 if key not in state_dict or not u.layout.entries[k].trainable:
                     continue
                 value = state_dict.pop(key)
-                view = u.host_views[k]
+                view = u.host.param_views[k]
                 if tuple(value.shape) != tuple(view.shape):
                     error_msgs.append(f"size mismatch for {key}: copying {tuple(value.shape)} into {tuple(view.shape)}")
                     continue
-                u._write_host_value(k, value.to(torch.float32))
+                u.host.write_value(k, value.to(torch.float32))
                 loaded.append(key)
-        u.image_stale = not u.layout.masters_in_image
-        u.loaded_keys.extend(loaded)
+        u.host.image_stale = not u.layout.masters_in_image
+        loaded_keys.extend(loaded)
 
     return hook
 
 
-def _load_post_hook(u: Unit, names):
+def _load_post_hook(u: Unit, names, loaded_keys: list[str]):
     def hook(module, incompatible_keys):
-        loaded = set(u.loaded_keys)
+        loaded = set(loaded_keys)
         if loaded:
             incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys if k not in loaded]
-            u.loaded_keys.clear()
+            loaded_keys.clear()
         for name, k in names:
             owner_name, _, leaf = name.rpartition(".")
             owner = module.get_submodule(owner_name) if owner_name else module

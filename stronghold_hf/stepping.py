@@ -56,6 +56,12 @@ def _state_bytes(optimizer) -> int:
     return total
 
 
+def _host_sq_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Squared L2 norm of a unit's host gradients (fp32 scalar)."""
+    norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
+    return torch.stack([n.float() for n in norms]).square().sum()
+
+
 class StepCoordinator:
     def __init__(self, *, units: list, worker, stats, dp, device: torch.device, speculative_step: str,
                  device_parameters) -> None:
@@ -124,7 +130,7 @@ class StepCoordinator:
         ticket = self.worker.submit((label, " of ", block.fqn), timed, unit=block.index)
         self._tickets[block.index] = ticket
         if not ticket.done():
-            block.guard()  # a read before it finishes waits for it (read_guard.py)
+            block.read_guard.guard()  # a read before it finishes waits for it (read_guard.py)
         return ticket
 
     def submit_in_order(self, entries) -> None:
@@ -132,7 +138,7 @@ class StepCoordinator:
         forward needs the units) on the host worker as one task. Each unit gets a ticket of its
         own, finished with its last entry, so the next forward waits per unit as before; one
         task instead of one per unit means one wake-up of the worker and one pass through its
-        queue per step (unit.py, [Note: torch calls on the host worker]). A unit whose work
+        queue per step (unit_grads.py, [Note: torch calls on the host worker]). A unit whose work
         raises has the error on its ticket; the units after it are still updated."""
         groups: list[tuple[object, list, Ticket]] = []
         for block, label, fn, counter in entries:
@@ -145,7 +151,7 @@ class StepCoordinator:
         for block, _, ticket in groups:
             self._tickets[block.index] = ticket
             if not self.worker.inline:  # inline, it is done when submit returns
-                block.guard()  # a read before its update finishes waits for it (read_guard.py)
+                block.read_guard.guard()  # a read before its update finishes waits for it (read_guard.py)
         stats, clock = self.stats, time.perf_counter
 
         def run_all() -> None:
@@ -209,7 +215,7 @@ class StepCoordinator:
     def wait_update(self, block, *, forward: bool = True) -> None:
         """Before the engine reads ``block``'s bytes: its CPU work is done (and a speculative
         update that no step validated is undone first)."""
-        if block.spec is not None:
+        if block.grads.spec is not None:
             self.undo_speculation(block)
         ticket = self._tickets.pop(block.index, None)
         if ticket is not None:
@@ -239,8 +245,8 @@ class StepCoordinator:
             if self._first_ticket is ticket:
                 self._account_first_block()
             unit = self.units[index]
-            if unit.spec is None and not unit.sharded:
-                unit.unguard()
+            if unit.grads.spec is None and not unit.sharded:
+                unit.read_guard.unguard()
 
     # ------------------------------------------------------------------ speculation
     def begin_backward_pass(self) -> None:
@@ -267,27 +273,27 @@ class StepCoordinator:
         record = self.optimizer.speculation_record(block)
         if record is None:
             return
-        block.spec = record
-        block.guard()  # a read before the step validates it sees the value the last step produced
+        block.grads.spec = record
+        block.read_guard.guard()  # a read before the step validates it sees the value the last step produced
         partial = self.partial_norm
         self.submit(block, "the speculative CPU optimizer update",
                     lambda: self.optimizer.apply_speculation(block, record, partial), counter="speculative_update_s")
         self.stats.add("speculated_blocks", 1)
 
     def undo_speculation(self, block) -> None:
-        if block.grads_modified_in_place():
+        if block.grads.grads_modified_in_place():
             # The undo recomputes the old moments from the gradient the update read: refuse
             # rather than undo with a gradient that was changed since.
             self._wait_ticket(block)  # did the speculative update run?
-            if block.spec.applied:
+            if block.grads.spec.applied:
                 raise RuntimeError(
                     f"stronghold: the gradients of {block.fqn} were changed in place after the engine had updated the "
                     "block speculatively with them, and the step it guessed did not come, so the update can no "
                     "longer be undone exactly. Clear gradients with zero_grad(set_to_none=True) or "
                     "optimizer.zero_grad(), or set StrongholdConfig(speculative_step='off')."
                 )
-        record, block.spec = block.spec, None
-        block.spec_blocked = True  # more gradient arrived or the step did not come: no second guess
+        record, block.grads.spec = block.grads.spec, None
+        block.grads.spec_blocked = True  # more gradient arrived or the step did not come: no second guess
         self.submit(block, "the rollback of a speculative update", lambda: self.optimizer.undo_speculation(block, record),
                     counter="rollback_s")
 
@@ -298,7 +304,7 @@ class StepCoordinator:
         return [p.grad for p in self._device_parameters() if p.grad is not None]
 
     def _offloaded_grads(self) -> list[torch.Tensor]:
-        return [g for b in self.units for g in b.current_grads()]
+        return [g for b in self.units for g in b.grads.current_grads()]
 
     def global_grad_sq_norm(self) -> torch.Tensor:
         """Sum of squared gradient entries over all parameters, as a device fp32 scalar.
@@ -312,10 +318,12 @@ class StepCoordinator:
         for b in self.units:
             if not b.trainable:
                 continue
-            if b.device_norm_valid():
-                norms.append(b.device_norm)
-            elif b.current_grads():  # also a .grad set outside the engine's flushes (by the user)
-                squares.append(b.host_grad_sq_norm().to(device))
+            if b.grads.device_norm_valid():
+                norms.append(b.grads.device_norm)
+            else:  # accumulated on the host, or a .grad set outside the engine's flushes (by the user)
+                grads = b.grads.current_grads()
+                if grads:
+                    squares.append(_host_sq_norm(grads).to(device))
         block_part = torch.stack(norms).to(device).square().sum() if norms else zero
         if squares:
             block_part = block_part + torch.stack(squares).sum()

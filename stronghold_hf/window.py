@@ -9,7 +9,7 @@ the optimizer step. This module composes those parts and answers the public API
 it decides nothing about residency itself. docs/design.md draws the flow.
 
 Between steps every unit is on the host and its parameters point at their host memory, so
-they are always safe to read and write (unit.py, [Note: parameters always point at real
+they are always safe to read and write (unit_host.py, [Note: parameters always point at real
 memory]). By default nothing but the window lives on the device: with
 ``StrongholdConfig(offload_non_block=False)`` the parameters outside the blocks stay there
 instead, stepped by a device AdamW (the first version's behaviour).
@@ -138,14 +138,14 @@ class WindowEngine:
         # Lean host memory: pieces start on the 8-bit moments' blocks (memory.layout_block).
         grad_align = quant8.BLOCK if config.host_memory == "lean" else GRAD_ALIGN
         dtypes = [unit_device_dtype(s, config.param_dtype) for s in specs]
-        # bf16 host gradients need CPU Adam's kernels, which read them (unit.py, [Note: host
+        # bf16 host gradients need CPU Adam's kernels, which read them (unit_grads.py, [Note: host
         # gradients in the compute dtype]). "auto" arrives resolved from the Trainer and the
         # accelerate plugin; on its own it means fp32, since the gradients may be read by an
         # optimizer the user built over model.parameters(), which wants fp32 ones.
         compute_grads = config.host_grads == "compute" and config.offload_optimizer
         shards = self.dp.shards if self.dp is not None else 1
         # Masters on disk (nvme_masters): the file is made before the units, which write their
-        # initial masters straight into it ([Note: masters on disk], unit.py); no image then.
+        # initial masters straight into it ([Note: masters on disk], unit_host.py); no image then.
         self.disk_masters = self._disk_masters(specs, dtypes, shards, grad_align) if config.nvme_masters else None
         self.host_image = False if self.disk_masters is not None else keep_host_image(config, specs, dtypes, shards,
                                                                                       compute_grads)
@@ -158,10 +158,11 @@ class WindowEngine:
                  disk_masters=self.disk_masters)
             for s, d in zip(specs, dtypes)
         ]
-        converted = [self._shard_bytes(u) for u in self.units if u.fetch_staging is not None]
+        converted = [self._shard_bytes(u) for u in self.units if u.host.fetch_staging is not None]
         self.fetch_staging = staging if converted else None
         if self.fetch_staging is not None:  # the largest block: larger units go through in pieces
-            blocks = [self._shard_bytes(u) for u in self.units if u.fetch_staging is not None and u.kind == "block"]
+            blocks = [self._shard_bytes(u) for u in self.units
+                      if u.host.fetch_staging is not None and u.kind == "block"]
             self.fetch_staging.buffer_bytes = max(blocks or converted)
         self.blocks = [u for u in self.units if u.kind == "block"]
         self._unit_of_param = {id(p): u for u in self.units for p in u.params}
@@ -177,14 +178,15 @@ class WindowEngine:
         # its backward uses (schedule.release), and the blocks still have K.
         uses = {i: plan.sequence.count(i) for i in set(plan.sequence)}
         parked_lanes = sum(1 for u in streamed if u.trainable and uses.get(u.index, 0) > 1)
-        self.grad_queue = GradientQueue(config.grad_buffers + parked_lanes, max((u.grad_nbytes_device for u in streamed), default=0), device=device,
+        self.grad_queue = GradientQueue(config.grad_buffers + parked_lanes,
+                                        max((u.layout.trainable_bytes for u in streamed), default=0), device=device,
                                         host=self.host, transfer=self.transfer, ledger=self.ledger,
                                         staging_bytes=max(blocks or [self._shard_bytes(u) for u in streamed] or [0]))
         resident_queue = None
         if resident:
             # A resident unit keeps its lane for the whole backward: one lane each, of their size.
-            resident_queue = GradientQueue(len(resident), max(u.grad_nbytes_device for u in resident), device=device,
-                                           host=self.host, transfer=self.transfer, ledger=self.ledger,
+            resident_queue = GradientQueue(len(resident), max(u.layout.trainable_bytes for u in resident),
+                                           device=device, host=self.host, transfer=self.transfer, ledger=self.ledger,
                                            staging_bytes=max(self._shard_bytes(u) for u in resident))
         speculative = "off" if inline and config.speculative_step == "auto" else config.speculative_step
         self.coordinator = StepCoordinator(units=self.units, worker=self.worker, stats=self.stats, dp=self.dp,
@@ -226,8 +228,8 @@ class WindowEngine:
         self._gathered = 0  # depth of gathered_parameters() contexts
         for u in self.units:
             read_guard.register(u.params, self, u.index)
-            if u.sharded or u.masters_on_disk:
-                u.guard()  # a shard: a read between steps is refused with the fix; on disk: mapped
+            if u.sharded or u.host.masters_on_disk:
+                u.read_guard.guard()  # a shard: a read between steps is refused with the fix; on disk: mapped
         self._device_reporting = _report_compute_device(model, device)
         self.chunked_loss = None
         # "auto": not when the split keeps everything on the device (the model trains as plain).
@@ -339,7 +341,7 @@ class WindowEngine:
 
     def master_parameters(self) -> list[nn.Parameter]:
         """The fp32 CPU masters of the trainable offloaded parameters (what CPU Adam steps)."""
-        return [m for u in self.units for m in u.masters if m is not None]
+        return [m for u in self.units for m in u.host.masters if m is not None]
 
     def optimizer_parameters(self) -> list[nn.Parameter]:
         """What a plain torch optimizer can step: every trainable parameter of the model.
@@ -423,8 +425,8 @@ class WindowEngine:
         out["grad_lanes"] = self.grad_queue.num_lanes  # K, plus one per unit used at several positions
         # The pinned compute-dtype image of trainable parameters (0 with fp32 compute, where the
         # masters cross, or with host_image=False), and the staging ring that replaces it.
-        out["host_image_bytes"] = sum(u.image_trainable.numel() for u in self.units
-                                      if u.image_trainable is not None and not u.layout.masters_in_image)
+        out["host_image_bytes"] = sum(u.host.image_trainable.numel() for u in self.units
+                                      if u.host.image_trainable is not None and not u.layout.masters_in_image)
         out["fetch_staging_bytes"] = self.fetch_staging.allocated_bytes if self.fetch_staging is not None else 0
         out["grad_staging_bytes"] = sum(q.staging_allocated_bytes for q in (self.grad_queue, self.schedule.resident_queue)
                                         if q is not None)
@@ -494,8 +496,8 @@ class WindowEngine:
         read sees what the last ``step()`` produced); a shard this rank holds is refused."""
         u = self.units[index]
         self.coordinator.wait_update(u, forward=False)
-        if u.masters_on_disk and not u.sharded and u.state is Residency.ON_HOST:
-            u.materialize()  # the value, mapped from the file
+        if u.host.masters_on_disk and not u.sharded and u.state is Residency.ON_HOST:
+            u.host.materialize()  # the value, mapped from the file
         elif u.sharded and u.state is Residency.ON_HOST:
             if self.schedule.gathering or self._gathered:
                 return  # the values are being assembled (full_state_dict, gathered_parameters)
@@ -506,7 +508,7 @@ class WindowEngine:
                 "engine.gathered_parameters(params):` entered on every rank (modifier_rank=r writes rank r's changes "
                 "back), or use StrongholdConfig(shard_cpu_state=False)."
             )
-        u.unguard()
+        u.read_guard.unguard()
 
     @contextlib.contextmanager
     def gathered_parameters(self, params=None, modifier_rank: int | None = None):
@@ -535,11 +537,12 @@ class WindowEngine:
         self._gathered += 1
         try:
             for u in units:  # the same order on every rank: each full_values is a collective
-                u.unguard()
-                if u.masters_on_disk and not u.sharded:
-                    u.materialize()  # a write is taken into the file at the next fetch
+                u.read_guard.unguard()
+                if u.host.masters_on_disk and not u.sharded:
+                    assert u.state is Residency.ON_HOST, f"{u.fqn}: gathered while resident"
+                    u.host.materialize()  # a write is taken into the file at the next fetch
                 elif u.sharded:
-                    values = u.full_values()
+                    values = u.host.full_values()
                     with torch.no_grad():
                         for e, p, v in zip(u.layout.entries, u.params, values):
                             if e.trainable:
@@ -556,11 +559,11 @@ class WindowEngine:
                     if u in gathered:
                         if modifier_rank is not None:
                             for k, p in trainable:
-                                u._write_host_value(k, p.data.to(torch.float32))
-                            u.image_stale = not u.layout.masters_in_image
-                        for p, view in zip(u.params, u.host_views):
+                                u.host.write_value(k, p.data.to(torch.float32))
+                            u.host.image_stale = not u.layout.masters_in_image
+                        for p, view in zip(u.params, u.host.param_views):
                             p.data = view
-                        u.guard()
+                        u.read_guard.guard()
                 if modifier_rank is not None and self.dp is not None and on_device:
                     # Parameters left on the device (the split's resident units) are whole on
                     # every rank already: rank r's changes reach the others the same way.
@@ -572,7 +575,7 @@ class WindowEngine:
         compute-dtype copies. Not needed with fp32 compute, where the master is what travels."""
         for u in self.units:
             if not u.layout.masters_in_image:
-                u.image_stale = True
+                u.host.image_stale = True
 
     # ------------------------------------------------------------------ state dict
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -617,7 +620,7 @@ class WindowEngine:
 
     def invalidate_grad_norms(self) -> None:
         for u in self.units:
-            u.device_norm = None
+            u.grads.device_norm = None
 
     @property
     def last_grad_norm(self):
@@ -681,7 +684,7 @@ class WindowEngine:
         for u in self.units:
             read_guard.unregister(u.params)
         for u in self.units:  # with sharded state, gathering is collective: every rank closes
-            u.restore_parameters(target, u.full_values())
+            u.restore_parameters(target, u.host.full_values())
         if self.disk_masters is not None:  # the masters are in the parameters now: the files go
             self.disk_masters.close()
             self.disk_masters.directory.remove()

@@ -135,7 +135,7 @@ def test_gradients_through_frozen_blocks():
 
     ref, model, engine = _pair(make, window_size=1)
     _step_both(ref, model, engine, lambda m, s: m(**batch("llama", seed=s)).loss)
-    assert not engine.blocks[1].trainable and engine.blocks[1].grad_flat is None
+    assert not engine.blocks[1].trainable and engine.blocks[1].grads.grad_flat is None
 
 
 def test_retained_graph_backward_twice_accumulates():

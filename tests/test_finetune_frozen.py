@@ -54,9 +54,9 @@ def test_frozen_body_costs_only_its_stored_bytes(family, dtype):
     assert stats["offloaded_trainable_params"] == trainable == sum(u.layout.grad_numel for u in outside)
     # The frozen body: its stored bytes on the host, no master, no gradient, no Adam state.
     for b in engine.blocks:
-        assert b.master_flat is None and b.grad_flat is None and b.image_trainable is None
+        assert b.host.master_flat is None and b.grads.grad_flat is None and b.host.image_trainable is None
         stored = sum(p.numel() * p.element_size() for p in b.params)
-        assert stored <= b.image_frozen.numel() <= stored + 64 * len(b.params)
+        assert stored <= b.host.image_frozen.numel() <= stored + 64 * len(b.params)
     # Only the trainable parameters outside the blocks send gradients and keep Adam state.
     assert stats["d2h_bytes"] == 4 * trainable
     assert stats["optimizer_state_bytes"] == 8 * trainable + 4 * sum(len(u.layout.trainable) for u in outside)

@@ -40,7 +40,7 @@ def _train(model, family, *, steps=3, accumulate=1, by_hand=False, **config):
         opt.zero_grad()
     state = {k: v.clone() for k, v in engine.full_state_dict().items()}
     stats = engine.memory_stats()
-    grad_dtypes = {u.grad_flat.dtype for u in engine.units if u.grad_flat is not None}
+    grad_dtypes = {u.grads.grad_flat.dtype for u in engine.units if u.grads.grad_flat is not None}
     engine.close()
     return state, stats, grad_dtypes
 
@@ -150,7 +150,7 @@ def test_accelerate_plugin_resolves_auto_by_its_accumulation(accumulation):
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
     _, _, engine = prepare_stronghold(accelerator, tiny_model("llama"), dict(lr=1e-3),
                                       config={"window_size": 1, "param_dtype": "bfloat16"})
-    dtypes = {u.grad_flat.dtype for u in engine.blocks}
+    dtypes = {u.grads.grad_flat.dtype for u in engine.blocks}
     engine.close()
     assert dtypes == ({torch.bfloat16} if accumulation == 1 else {torch.float32})
 
@@ -188,5 +188,5 @@ def test_offload_model_alone_keeps_fp32_gradients_for_a_users_optimizer():
             model(**batch("llama", seed=step)).loss.backward()
         opt.step()
         opt.zero_grad()
-    assert {u.grad_flat.dtype for u in engine.units if u.grad_flat is not None} == {torch.float32}
+    assert {u.grads.grad_flat.dtype for u in engine.units if u.grads.grad_flat is not None} == {torch.float32}
     engine.close()

@@ -169,7 +169,7 @@ def test_a_lane_takes_a_blocks_gradients_in_one_fused_copy_through_views_made_on
     engine = offload_model(model, StrongholdConfig(window_size=1), device="cpu")
     queue = engine.grad_queue
     blocks = engine.schedule.blocks
-    assert len({u.grad_geometry_key for u in blocks}) == 1  # one geometry for the stack
+    assert len({u.layout.grad_geometry_key for u in blocks}) == 1  # one geometry for the stack
     trainable = [k for k, e in enumerate(blocks[0].layout.entries) if e.trainable]
     made, seen_lanes = [], set()
     for round_ in range(2):
@@ -177,9 +177,9 @@ def test_a_lane_takes_a_blocks_gradients_in_one_fused_copy_through_views_made_on
             u.begin_fetch()
             u.wait_resident()
             with _CountOps() as ops:
-                lane = queue.acquire(u.index, u.layout.padded_grad_numel, u.layout.grad_dtype, u.grad_geometry_key)
-                views = lane.views(u.grad_geometry_key, u.grad_geometry)
-                u.attach_grad_buffer(lane.device_buffer, views)
+                lane = queue.acquire(u.index, u.layout.padded_grad_numel, u.layout.grad_dtype, u.layout.grad_geometry_key)
+                views = lane.views(u.layout.grad_geometry_key, u.layout.grad_geometry)
+                u.grads.attach_grad_buffer(lane.device_buffer, views)
             made.append(views)
             # A lane's first use makes its views and zeroes it; later blocks of the same geometry
             # cost no op at all.
@@ -192,7 +192,7 @@ def test_a_lane_takes_a_blocks_gradients_in_one_fused_copy_through_views_made_on
                 u.params[k].grad = torch.full_like(u.params[k], float(k + 1))
             u.params[trainable[-1]].grad = None  # one parameter without a gradient
             with _CountOps() as ops:
-                touched = u.collect_into_buffer()
+                touched = u.grads.collect_into_buffer()
             assert ops.calls <= 2, ops.calls  # one fused copy (and one zero of the missing view)
             assert touched == trainable[:-1]
             for k in trainable:
@@ -206,7 +206,7 @@ def test_a_lane_takes_a_blocks_gradients_in_one_fused_copy_through_views_made_on
                 e = u.layout.entries[k]
                 padding[e.grad_offset: e.grad_offset + e.numel] = False
             assert not lane.device_buffer[padding].any()  # the padding stays zero
-            u.detach_grad_buffer()
+            u.grads.detach_grad_buffer()
             queue.discard(lane)
             u.evict()
     # Views made once per lane, reused by every block and pass.

@@ -169,7 +169,7 @@ def test_pinning_budget_and_pageable_fallback():
     full = engine.memory_stats()
     assert full["pinned_host_bytes"] > 0
     # Only transfer buffers are pinned: the images (4 B/param here) and the K staging buffers.
-    images = sum(b.image_trainable.numel() + (b.image_frozen.numel() if b.image_frozen is not None else 0)
+    images = sum(b.host.image_trainable.numel() + (b.host.image_frozen.numel() if b.host.image_frozen is not None else 0)
                  for b in engine.units)
     assert full["pinned_host_bytes"] <= images + _staging(engine) + 16 * 4096 * 8
 

@@ -191,9 +191,9 @@ def test_lora_with_a_frozen_streamed_embedding():
     ref, model, engine = _pair(make, window_size=1)
     embed = engine.unit_of(model.get_input_embeddings().weight)
     assert embed.kind == "streamed" and not embed.trainable
-    assert embed.master_flat is None and embed.grad_flat is None  # its stored bytes only
+    assert embed.host.master_flat is None and embed.grads.grad_flat is None  # its stored bytes only
     stored = model.get_input_embeddings().weight.numel() * 4
-    assert stored <= embed.image_frozen.numel() <= stored + 64
+    assert stored <= embed.host.image_frozen.numel() <= stored + 64
     _train_both(ref, model, engine, _lm_loss("llama"))
     stats = engine.memory_stats()
     lora = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)

@@ -115,7 +115,7 @@ def test_writes_between_steps_reach_the_masters(param_dtype, how):
         got, want = model(**b).loss, plain(**b).loss
     tol = 2e-2 if param_dtype else 1e-5
     torch.testing.assert_close(got, want, rtol=tol, atol=0)
-    assert engine.blocks[1].params[0].data_ptr() == engine.blocks[1].host_views[0].data_ptr()
+    assert engine.blocks[1].params[0].data_ptr() == engine.blocks[1].host.param_views[0].data_ptr()
 
 
 def test_state_dict_and_named_parameters_between_steps():

@@ -98,7 +98,7 @@ def test_bf16_autocast_parity_is_close():
     _assert_state_close(model, ref, rtol=0, atol=2e-2)
     # The compute-dtype image is exactly the rounded master after CPU Adam's copy-out.
     for b in engine.blocks:
-        for e, img, master in zip(b.layout.entries, b.image_views, b.masters):
+        for e, img, master in zip(b.layout.entries, b.host.image_views, b.host.masters):
             assert torch.equal(img, master.detach().to(torch.bfloat16)), e.name
     engine.close()
 

@@ -143,7 +143,7 @@ def test_evicted_blocks_hold_no_device_storage_and_parameters_point_at_host_memo
     for b in engine.units:  # the blocks, and the units outside them
         assert b.state is Residency.ON_HOST
         assert b.slot.untyped_storage().nbytes() == 0
-        for p, view in zip(b.params, b.host_views):
+        for p, view in zip(b.params, b.host.param_views):
             assert p.data_ptr() == view.data_ptr()  # readable and writable, never freed memory
     assert engine.memory_stats()["device_bytes"] == 0
     # The tied embedding and LM head stay one tensor, offloaded once, in one unit outside the blocks.

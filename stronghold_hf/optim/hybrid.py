@@ -128,7 +128,7 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         self.last_step_skipped = bool(found_inf)
         if self.scaler is not None:
             self.scaler.update(bool(found_inf))
-        speculated = [b for b in engine.units if b.spec is not None]
+        speculated = [b for b in engine.units if b.grads.spec is not None]
         hyper_changed = self._hyperparameters_changed()
         if hyper_changed or not speculated:
             coordinator.synchronize()  # running updates read the groups we are about to write
@@ -138,7 +138,7 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         # scale and hyperparameters are those it used, and each block's gradient is exactly the
         # one it read; otherwise it is undone and the block is updated normally.
         guess_holds = (not found_inf and clip_coef == 1.0 and not hyper_changed
-                       and all(b.spec.grad_mul == inv_scale for b in speculated))
+                       and all(b.grads.spec.grad_mul == inv_scale for b in speculated))
         # Plan every block first, then queue the CPU work in one go: the worker starts on block 0
         # while this thread moves on, instead of contending for the GIL with the planning loop.
         plan: list[tuple[Any, str, Any, str]] = []  # (block, label, task, counter)
@@ -146,21 +146,21 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         hits = misses = 0
         for block in engine.update_order:  # the order the next forward needs them: the first is updated first
             groups = self.block_groups.get(block.index)
-            record, block.spec, block.spec_blocked = block.spec, None, False
+            record, block.grads.spec, block.grads.spec_blocked = block.grads.spec, None, False
             if not groups:
                 continue
-            grads = block.step_grads()
+            grads = block.grads.step_grads()
             if record is not None:
-                if block.grads_modified_in_place():
+                if block.grads.grads_modified_in_place():
                     coordinator.wait_update(block, forward=False)  # did the speculative update run?
-                if record.applied and block.grads_modified_in_place():
+                if record.applied and block.grads.grads_modified_in_place():
                     raise RuntimeError(
                         f"stronghold: the gradients of {block.fqn} were changed in place between backward and "
                         "optimizer.step() after the engine had updated the block speculatively with them, so the "
                         "update can no longer be undone exactly. Clip with engine.clip_grad_norm_ (or the Trainer's "
                         "max_grad_norm), or set StrongholdConfig(speculative_step='off')."
                     )
-                if guess_holds and block.grads_match(grads, record.grads):
+                if guess_holds and block.grads.grads_match(grads, record.grads):
                     hits += 1
                     # Updated during backward, unless the pass stopped speculating before this
                     # block's turn: then the worker applies the update now (same coefficient).
@@ -213,21 +213,21 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         # [Note: the step owns the offloaded gradients] The update reads them after step()
         # returns; the parameters' .grad let go of them now, so a zero_grad(set_to_none=False)
         # or a new backward cannot write into a buffer the update is still reading.
-        block.consume_grads()
+        block.grads.consume_grads()
 
     def _update_block(self, block, groups: list[int], grads, grad_mul: float) -> None:
         """Host worker: one block's update with ``grad * grad_mul`` (clip coefficient x 1/scale)."""
-        if not block.load_master_grads(grads):
+        if not block.grads.load_master_grads(grads):
             self._not_updating(block)
             return
         if isinstance(self.cpu_optimizer, CPUAdam):
             with self._state_of(block):
                 self.cpu_optimizer.step_groups(groups, inv_loss_scale=grad_mul)
             if not block.layout.masters_in_image:
-                block.image_rewritten(k for k, g in grads if g is not None)  # a redo after an undo: nothing to refresh
+                block.host.image_rewritten(k for k, g in grads if g is not None)  # a redo after an undo: nothing to refresh
             return
         if grad_mul != 1.0:
-            for m in block.masters:
+            for m in block.host.masters:
                 if m is not None and m.grad is not None:
                     m.grad.mul_(grad_mul)
         saved = [self.cpu_optimizer.param_groups[i] for i in groups]
@@ -237,7 +237,7 @@ class StrongholdOptimizer(torch.optim.Optimizer):
             self.cpu_optimizer.step()
         finally:
             self.cpu_optimizer.param_groups = all_groups
-        block.image_stale = not block.layout.masters_in_image  # no copy-out on this path
+        block.host.image_stale = not block.layout.masters_in_image  # no copy-out on this path
 
     # ------------------------------------------------------------------ speculation
     @property
@@ -258,7 +258,7 @@ class StrongholdOptimizer(torch.optim.Optimizer):
 
     def speculation_record(self, block) -> SpecRecord | None:
         groups = self.block_groups.get(block.index)
-        grads = block.host_grads()
+        grads = block.grads.host_grads()
         if not groups or not grads:
             return None
         hyper = [{k: self.cpu_optimizer.param_groups[gi][k] for k in _HYPER_KEYS} for gi in groups]
@@ -286,14 +286,14 @@ class StrongholdOptimizer(torch.optim.Optimizer):
             for gi, hyper in zip(record.groups, record.hyper):
                 params, used, states = [], [], []
                 for m in self.cpu_optimizer.param_groups[gi]["params"]:
-                    k = block.master_index[id(m)]
+                    k = block.host.master_index[id(m)]
                     if k in grads:
                         params.append(m.data)
                         used.append(grads[k])
                         states.append(self.cpu_optimizer.state.get(m, {}))
                 undo_adamw_(params, used, states, hyper, record.grad_mul)
         if not block.layout.masters_in_image:
-            block.image_lags_undo(grads)  # the copy-out holds the undone values until a redo rewrites them
+            block.host.image_lags_undo(grads)  # the copy-out holds the undone values until a redo rewrites them
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.device_optimizer is not None:
@@ -301,12 +301,12 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         self.engine.schedule.settle()
         coordinator = self.engine.coordinator
         for block in self.engine.units:
-            if block.spec is not None:  # the step it guessed did not come: undo it while its gradient is intact
+            if block.grads.spec is not None:  # the step it guessed did not come: undo it while its gradient is intact
                 coordinator.undo_speculation(block)
         if not set_to_none:
             self.engine.coordinator.synchronize()  # zeroing in place writes what an update (or undo) may still read
         for block in self.engine.units:
-            block.zero_grads(set_to_none)
+            block.grads.zero_grads(set_to_none)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -377,7 +377,7 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         if self.cpu_optimizer is None:
             return None
         names = self._parameter_names()
-        of_master = {id(m): names[id(p)] for u in self.engine.units for m, p in zip(u.masters, u.params)
+        of_master = {id(m): names[id(p)] for u in self.engine.units for m, p in zip(u.host.masters, u.params)
                      if m is not None}
         return [of_master[id(m)] for g in self.cpu_optimizer.param_groups for m in g["params"]]
 
@@ -462,9 +462,9 @@ class StrongholdOptimizer(torch.optim.Optimizer):
             return None
         where: dict[int, tuple[str, str, int, int]] = {}
         for b in self.engine.units:
-            for k, master in enumerate(b.masters):
+            for k, master in enumerate(b.host.masters):
                 if master is not None:
-                    offset, _, count = b.pieces[k]
+                    offset, _, count = b.host.pieces[k]
                     where[id(master)] = (b.fqn, b.layout.entries[k].name, offset, count)
         return [where[id(p)] for g in self.cpu_optimizer.param_groups for p in g["params"]]
 
@@ -507,8 +507,8 @@ def build_optimizer(engine, params: Iterable | None = None, *, fp16_loss_scaling
         for p in g["params"]:
             if engine.is_offloaded(p):
                 block = engine.block_of(p)
-                master = block.master_of(p)
-                if master is None and block.is_trainable_param(p):
+                master = block.host.master_of(p)
+                if master is None and block.host.is_trainable_param(p):
                     continue  # sharded data parallel: another rank keeps (and steps) this parameter
                 if master is None:
                     raise ValueError(
@@ -525,7 +525,7 @@ def build_optimizer(engine, params: Iterable | None = None, *, fp16_loss_scaling
         lean = engine.config.host_memory == "lean"
         cpu_opt = CPUAdam(cpu_groups, **defaults, state_bits=8 if lean else 32)
         if lean:  # the whole parameter's size decides, so that every rank's piece agrees
-            whole = {id(m): e.numel for u in engine.units for m, e in zip(u.masters, u.layout.entries) if m is not None}
+            whole = {id(m): e.numel for u in engine.units for m, e in zip(u.host.masters, u.layout.entries) if m is not None}
             masters = [m for g in cpu_groups for m in g["params"]]
             cpu_opt.set_state_bits([m for m in masters if whole[id(m)] < quant8.MIN_8BIT_NUMEL], 32)
             cpu_opt.set_state_bits([m for m in masters if whole[id(m)] >= quant8.MIN_8BIT_NUMEL], 8)
@@ -544,7 +544,7 @@ def build_optimizer(engine, params: Iterable | None = None, *, fp16_loss_scaling
         for block in engine.units:
             if block.layout.masters_in_image:
                 continue
-            for m, img in zip(block.masters, block.image_views):
+            for m, img in zip(block.host.masters, block.host.image_views):
                 if m is not None and img is not None and id(m) in stepped:  # no image: fetches convert
                     cpu_opt.register_copy_out(m, img)
     if opt.can_speculate and engine.coordinator.policy.mode != "off":
@@ -577,8 +577,8 @@ def _nvme_tier(engine, cpu_opt, block_groups: dict[int, list[int]]):
         if previous is not None:  # an optimizer built again: the old one's write-backs land first
             previous.flush()
         master_pieces = {u.index: [MasterPiece(m, piece[1], tuple(m.shape))
-                                   for m, piece in zip(u.masters, u.pieces) if m is not None]
-                         for u in engine.units if u.masters_on_disk}
+                                   for m, piece in zip(u.host.masters, u.host.pieces) if m is not None]
+                         for u in engine.units if u.host.masters_on_disk}
     return NvmeTier(cfg.nvme_path, cpu_opt, units, ring_buffers=cfg.nvme_ring_buffers, io_threads=cfg.nvme_io_threads,
                     ledger=engine.ledger, stats=engine.stats, masters=disk, master_pieces=master_pieces)
 

@@ -110,7 +110,7 @@ class NativeLibrary:
                         raise RuntimeError("stale library ABI")
                     # [Note: small calls keep the GIL] The same library through PyDLL: its calls
                     # keep the GIL. Letting go of it costs the thread that launches the kernels a
-                    # wait to get it back (unit.py, [Note: torch calls on the host worker]);
+                    # wait to get it back (unit_grads.py, [Note: torch calls on the host worker]);
                     # for a call of a few microseconds that costs more than it frees.
                     held = ctypes.PyDLL(lib._name)
                     for handle in (lib, held):
