@@ -112,7 +112,7 @@ def run_depth(depth: int, args) -> dict:
             step()
         engine.synchronize()
     stats = engine.memory_stats()
-    queues = [engine.grad_queue, engine.schedule.resident_queue]
+    queues = [engine.grad_queue, engine.schedule.gradients.resident_queue]
     staging = sum(q._num_lanes * q.staging_bytes for q in queues if q is not None and q.max_bytes)
     host = stats["pinned_host_bytes"] + stats["pageable_host_bytes"]
     row = {

@@ -3,11 +3,11 @@
 During a unit's backward it holds a *lane*: a device buffer in the unit's gradient layout.
 Autograd produces the unit's gradients as it does in plain training (``.grad`` is None, so
 each is stolen, not added into a zeroed buffer); when the unit's backward is done they are
-copied into the lane in one fused op (unit_grads.py, `collect_into_buffer`) and the schedule
-*flushes* the lane: `send` starts one device-to-host
-copy of the whole buffer into the lane's pinned staging buffer, then, on the host worker, a
-*fold* copies or adds the staged values into the unit's fp32 gradient and `release` frees
-the lane. The queue only keeps the lanes; the schedule composes the flush.
+copied into the lane in one fused op (unit_grads.py, `collect_into_buffer`) and the lane is
+*flushed* (flush.py): `send` starts one device-to-host copy of the whole buffer into the
+lane's pinned staging buffer, then, on the host worker, `land` runs the *fold*, which copies
+or adds the staged values into the unit's fp32 gradient, and frees the lane. The queue only
+keeps the lanes; flush.py composes the flush.
 
 There are ``K = StrongholdConfig.grad_buffers`` lanes. A unit that needs one while all are
 busy waits for the oldest flush to land: gradients drain *during* backward, so device
@@ -25,7 +25,7 @@ own with one lane of its size: it keeps its lane for the whole backward.)
 
 States of a lane::
 
-    FREE --acquire--> FILLING --send--> IN_FLIGHT --(worker: copy landed, folded; release)--> FREE
+    FREE --acquire--> FILLING --send--> IN_FLIGHT --(worker, land: copy landed, folded; release)--> FREE
 
 [Note: lane lifetime] The device buffer is read by the D2H stream after the compute stream
 wrote it; the lane becomes FREE (and its buffer reusable) only in the fold task, after
@@ -280,6 +280,19 @@ class GradientQueue:
             flush = StagedGradient(self.transfer, send, lane.staging)
         lane.state = LaneState.IN_FLIGHT
         return flush
+
+    def land(self, lane: GradLane, flush: StagedGradient | _InPlace, fold, partial_norm=None) -> None:
+        """Worker thread, one flush's task: each piece of ``flush`` goes to ``fold(offset,
+        piece)`` as it lands (the unit's gradients, unit_grads.py), ``partial_norm``
+        (speculation.py) adds the flush's squared norm, and the lane is free again ([Note: lane
+        lifetime])."""
+        try:
+            for lo, staged in flush.landed():
+                fold(lo, staged)
+            if partial_norm is not None:
+                partial_norm.add(lane.staged_norm() ** 2)
+        finally:
+            self.release(lane)
 
     def release(self, lane: GradLane) -> None:
         """The fold has read the staged copy: the lane (and its device buffer) is free again."""

@@ -15,6 +15,11 @@ differentiate), when its backward starts and when it is done:
   for several, one `_CallInBackward` Function over all of them, so it runs once, when the
   last of them has its gradient.
 
+Where a use begins and ends is told by module hooks (`install_module_hooks`): a forward
+pre-hook and a forward hook on each block, on each module that registers a unit outside the
+blocks, on the module before an LM head's region and on the model itself. Every hook here only
+calls the schedule (``schedule.py``), which decides what the moment means.
+
 A unit may be used several times in one step (two forwards and one backward; ALBERT's
 shared layer group applied at every layer; a tied embedding at both ends), so residency is
 counted per use, the way FSDP2 counts each unshard and reshard: a `UnitUse` is created at
@@ -251,3 +256,54 @@ class UnitUse:
 
 
 BlockUse = UnitUse
+
+
+# ---------------------------------------------------------------------------- module hooks
+def install_module_hooks(schedule, model: nn.Module, plan, units: list) -> list[Any]:
+    """Registers the module hooks that drive ``schedule`` for ``plan``'s units (discovery.py);
+    returns their handles. The forward hooks are ``always_call``, so a forward that raises
+    still closes its use."""
+    handles = [model.register_forward_pre_hook(schedule.on_model_forward_start, with_kwargs=True),
+               model.register_forward_hook(schedule.on_model_forward_end, with_kwargs=True, always_call=True)]
+    entry = plan.entry_positions
+    for u in units:
+        # A block's use is its forward; another unit's, the forward of a module that registers
+        # it (the model's own forward already holds the resident unit).
+        modules = [u.module] if u.kind == "block" else [m for m, _ in u.owners if m is not model]
+        for m in modules:
+            handles.append(m.register_forward_pre_hook(_pre_forward(schedule, u, entry.get(id(m))), with_kwargs=True))
+            handles.append(m.register_forward_hook(_post_forward(schedule, u), with_kwargs=True, always_call=True))
+    for region in plan.head_regions:
+        u = units[region.unit]
+        handles.append(region.start.register_forward_hook(_region_start(schedule, u, region.position)))
+        # Before the model's own end hook (which closes the resident unit, opened earlier).
+        handles.append(region.model.register_forward_hook(_region_end(schedule, u), prepend=True, always_call=True))
+    return handles
+
+
+def _pre_forward(schedule, u, positions):
+    def hook(module, args, kwargs):
+        return schedule.on_pre_forward(u, positions, args, kwargs)
+
+    return hook
+
+
+def _post_forward(schedule, u):
+    def hook(module, args, kwargs, output):
+        return schedule.on_post_forward(u, output)
+
+    return hook
+
+
+def _region_start(schedule, u, position: int):
+    def hook(module, args, output):
+        return schedule.on_region_start(u, position, output)
+
+    return hook
+
+
+def _region_end(schedule, u):
+    def hook(module, args, output):
+        return schedule.on_region_end(u, output)
+
+    return hook

@@ -19,7 +19,7 @@ the fetch reads) and ``update_pending(unit)`` so a prefetch never blocks on an u
 
 Exact global clipping without an extra pass over host gradients: when a unit's gradient
 leaves the device and is its whole gradient for the step, its squared norm is computed on
-the device right there (``schedule.flush``). Only units whose gradient was accumulated on
+the device right there (``GradientFlush.flush``). Only units whose gradient was accumulated on
 the host (gradient accumulation, several uses, a late gradient) are re-normed on the host.
 The coefficient is then folded into the CPU Adam kernel, so clipping itself costs no pass.
 """

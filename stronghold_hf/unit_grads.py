@@ -2,7 +2,7 @@
 step reads.
 
 A unit's trainable parameters get their gradients in three places over a step, and this is
-the state of all three, so that the schedule (``schedule.py``) and the optimizer
+the state of all three, so that the schedule (``schedule.py``, ``flush.py``) and the optimizer
 (``optim/hybrid.py``) ask one object what a unit's gradient is:
 
 * during its backward, a *lane* of the gradient queue (``grads.py``), handed down as a plain
@@ -232,8 +232,8 @@ class UnitGrads:
         ``views``, each trainable parameter's part of it. ``.grad`` stays None, so autograd
         *steals* each gradient as plain training does (no zeroed buffer to add into);
         `collect_into_buffer` moves them in when the use is done. ``accumulate``: the lane holds
-        a partial sum already (a parked lane, schedule.py) and gradients add onto it. The caller
-        says when the unit may take one (resident, or for its late gradients: schedule.py)."""
+        a partial sum already (a parked lane, flush.py) and gradients add onto it. The caller
+        says when the unit may take one (resident, or for its late gradients: flush.py)."""
         assert self.grad_buffer is None, f"{self.fqn}: attach with a gradient buffer attached"
         self.grad_buffer = buffer
         self._lane_views = views
@@ -286,7 +286,7 @@ class UnitGrads:
         self._lane_views = None
 
     def detach_grad_buffer(self) -> torch.Tensor:
-        """Gives the buffer back (after `collect_into_buffer`); the schedule flushes or drops it."""
+        """Gives the buffer back (after `collect_into_buffer`); the flush sends or drops it."""
         buffer, self.grad_buffer = self.grad_buffer, None
         return buffer
 
@@ -297,8 +297,8 @@ class UnitGrads:
     def fold(self, touched: list[int], accumulate: list[bool], lo: int, staged: torch.Tensor) -> None:
         """Worker thread: adds (or copies) one landed piece of a flush, ``staged`` at element
         ``lo`` of this rank's shard of the gradient layout (the whole layout, unsharded), into
-        the host gradient. The flush's task calls it for each piece as it lands (`flush.landed()`,
-        grads.py)."""
+        the host gradient. The gradient queue calls it for each piece as it lands (grads.py,
+        `GradientQueue.land`)."""
         grad_flat = self.grad_flat
         if grad_flat.dtype != torch.float32 and (any(accumulate) or staged.dtype != grad_flat.dtype):
             self._widen_grads("its gradient was accumulated")

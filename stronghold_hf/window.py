@@ -32,7 +32,7 @@ from .checkpointing import CheckpointWatch
 from .config import DEFAULT_WINDOW_SIZE, StrongholdConfig
 from .discovery import describe, find_block_stacks, plan_units, unit_device_dtype
 from .grads import GradientQueue
-from .hooks import in_backward
+from .hooks import in_backward, install_module_hooks
 from .ledger import MemoryLedger
 from .distributed import DataParallel
 from . import memory
@@ -175,7 +175,7 @@ class WindowEngine:
         # Pinned staging of the largest block's gradient shard: larger units cross in pieces (grads.py).
         blocks = [self._shard_bytes(u) for u in streamed if u.kind == "block"]
         # One lane more per trainable unit used at several positions: it keeps its lane between
-        # its backward uses (schedule.release), and the blocks still have K.
+        # its backward uses (WindowSlots.release), and the blocks still have K.
         uses = {i: plan.sequence.count(i) for i in set(plan.sequence)}
         parked_lanes = sum(1 for u in streamed if u.trainable and uses.get(u.index, 0) > 1)
         self.grad_queue = GradientQueue(config.grad_buffers + parked_lanes,
@@ -219,7 +219,7 @@ class WindowEngine:
         self._closed = False
         from . import lifecycle
         lifecycle.register(self)  # threads and process groups stopped before interpreter exit
-        self._handles: list[Any] = self.schedule.install()
+        self._handles: list[Any] = install_module_hooks(self.schedule, model, plan, self.units)
         if self.dp is not None:
             self.schedule.average_resident_grads = self.dp.resident_grad_averaging(self.resident_parameters)
         self._handles.append(self.schedule.checkpoint_watch)  # removing it gives back the checkpoint functions
@@ -419,8 +419,8 @@ class WindowEngine:
         out["slot_bytes"] = max((u.slot_bytes for u in streamed), default=0)
         out["window_bound_bytes"] = sum(sorted((u.slot_bytes for u in streamed), reverse=True)[: self.window_size + 1])
         out["resident_unit_bytes"] = sum(u.slot_bytes for u in self.schedule.resident_units)
-        queue = self.schedule.resident_queue
-        out["resident_grad_bytes"] = queue.max_bytes * queue._num_lanes if queue is not None else 0
+        queue = self.schedule.gradients.resident_queue
+        out["resident_grad_bytes"] = queue.max_bytes * queue.num_lanes if queue is not None else 0
         out["grad_buffer_bytes"] = self.grad_queue.max_bytes
         out["grad_lanes"] = self.grad_queue.num_lanes  # K, plus one per unit used at several positions
         # The pinned compute-dtype image of trainable parameters (0 with fp32 compute, where the
@@ -428,7 +428,7 @@ class WindowEngine:
         out["host_image_bytes"] = sum(u.host.image_trainable.numel() for u in self.units
                                       if u.host.image_trainable is not None and not u.layout.masters_in_image)
         out["fetch_staging_bytes"] = self.fetch_staging.allocated_bytes if self.fetch_staging is not None else 0
-        out["grad_staging_bytes"] = sum(q.staging_allocated_bytes for q in (self.grad_queue, self.schedule.resident_queue)
+        out["grad_staging_bytes"] = sum(q.staging_allocated_bytes for q in (self.grad_queue, queue)
                                         if q is not None)
         # The NVMe tier (nvme.py): its ring of host buffers (counted in pageable_host_bytes), the
         # file on disk (not host memory), and the bytes read and written so far.
@@ -641,7 +641,7 @@ class WindowEngine:
         nvme = getattr(self.coordinator.optimizer, "nvme", None)
         try:
             self.coordinator.synchronize()
-            self.schedule.drain_gradients()
+            self.schedule.gradients.drain()
             if nvme is not None:
                 nvme.flush()  # its read-ahead for the next step ends: no I/O starts after this
         finally:  # a failed task re-raises above; the threads stop all the same

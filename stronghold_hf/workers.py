@@ -27,7 +27,7 @@ anything). Two tasks *conflict* when they name the same unit or either names non
 conflicting tasks always run in submission order; only a task that conflicts with nothing
 queued before it may pass those tasks. That is every ordering the engine relies on, and it is
 per unit: a unit's speculative update reads the gradient its fold wrote (the fold is
-submitted first, ``schedule.flush``); a fold that adds more gradient into a speculated unit is
+submitted first, ``flush.py``); a fold that adds more gradient into a speculated unit is
 submitted after that unit's undo, which must read the gradient the update read; a second
 fold of a unit adds onto what the first copied. Ordinary tasks never pass each other (the
 step's updates stay in the order the next forward needs them), and urgent tasks of other

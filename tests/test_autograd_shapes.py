@@ -88,13 +88,13 @@ def test_repeated_flushes_of_one_block_accumulate():
     """W=1 over 3 blocks: each block leaves between its two uses and is flushed twice."""
     ref, model, engine = _pair(lambda: tiny_model("gpt2"), window_size=1)
     flushes = []
-    original = engine.schedule.flush
+    original = engine.schedule.gradients.flush
 
     def counting_flush(b):
         flushes.append(b.index)
         original(b)
 
-    engine.schedule.flush = counting_flush
+    engine.schedule.gradients.flush = counting_flush
     _step_both(ref, model, engine, _two_forwards, steps=1)
     assert all(flushes.count(i) == 2 for i in range(engine.num_blocks)), flushes
 

@@ -129,7 +129,7 @@ def test_frozen_blocks_move_no_gradients():
 
 
 def _staging(engine):
-    queues = [engine.grad_queue, engine.schedule.resident_queue]
+    queues = [engine.grad_queue, engine.schedule.gradients.resident_queue]
     return sum(q._num_lanes * (q.staging_bytes + 64) for q in queues if q is not None and q.max_bytes)
 
 

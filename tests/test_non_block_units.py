@@ -130,8 +130,8 @@ def test_a_tied_embedding_crosses_once_per_step():
     ref, model, engine = _pair(lambda: tiny_model("gpt2", n_layer=4, **BIG_VOCAB), window_size=1)
     tied = engine.unit_of(model.lm_head.weight)
     crossings = []
-    flush = engine.schedule.flush
-    engine.schedule.flush = lambda u: (crossings.append(u.index), flush(u))[1]
+    flush = engine.schedule.gradients.flush
+    engine.schedule.gradients.flush = lambda u: (crossings.append(u.index), flush(u))[1]
     _train_both(ref, model, engine, _lm_loss("gpt2"), steps=2)
     assert crossings.count(tied.index) == 2  # one per step
     for u in engine.units:
