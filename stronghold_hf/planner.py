@@ -39,13 +39,17 @@ bandwidth tests print it), times in ms.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import statistics
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 
 from .config import DEFAULT_WINDOW_SIZE
+
+logger = logging.getLogger("stronghold_hf")
 
 MiB = 2**20
 GiB = 2**30
@@ -357,6 +361,34 @@ def choose_window_for_cpu(num_blocks: int) -> WindowChoice:
         f"using DEFAULT_WINDOW_SIZE={DEFAULT_WINDOW_SIZE} capped by {num_blocks} block(s)"
     )
     return WindowChoice(w, False, reason, {"window_size": w, "num_blocks": num_blocks, "device": "cpu"})
+
+
+def initial_window_size(window_size, device: torch.device, num_blocks: int,
+                        sequence_length: int) -> tuple[int, bool, WindowChoice | None]:
+    """The window size an engine starts with (``StrongholdConfig.window_size``, capped by the
+    ``sequence_length`` streamed positions), whether its first training step is probed
+    (``"auto"`` on CUDA: auto_window.py decides after it), and the choice behind ``"auto"`` on
+    a CPU device (None otherwise)."""
+    ws = window_size
+    if sequence_length == 0:
+        return 0, False, None  # the split keeps everything on the device: no window
+    if num_blocks == 0:  # every block is resident; a few units outside them stream: nothing to probe
+        return max(1, min(DEFAULT_WINDOW_SIZE if ws == "auto" else int(ws), sequence_length)), False, None
+    choice = None
+    if ws == "auto":
+        if device.type == "cuda":
+            # The first training step runs with the default; auto_window.py then decides.
+            return max(1, min(DEFAULT_WINDOW_SIZE, sequence_length)), True, None
+        choice = choose_window_for_cpu(num_blocks)
+        logger.info("stronghold: %s", choice.reason)
+        ws = choice.window_size
+    elif ws > sequence_length:
+        warnings.warn(
+            f"stronghold: window_size={ws} is larger than the model's {sequence_length} streamed units "
+            f"({num_blocks} blocks); using window_size={sequence_length} (every unit resident, nothing to slide).",
+            stacklevel=4,
+        )
+    return max(1, min(int(ws), sequence_length)), False, choice
 
 
 # ---------------------------------------------------------------------------- measurement

@@ -132,7 +132,6 @@ class WindowSchedule:
         self._block_entries = 0  # block forwards entered (outside backward), for the check below
         self._entries_at_model_start = 0
         self._warned_no_block_ran = False
-        self.gathering = False  # inside full_state_dict(): every rank is gathering
 
     # ------------------------------------------------------------------ queries
     @property

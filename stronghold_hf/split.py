@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .config import DEFAULT_WINDOW_SIZE, StrongholdConfig
 from .discovery import UnitPlan, UnitSpec, unit_device_dtype
 from .memory import element_size
 
@@ -157,6 +158,28 @@ def preference(plan: UnitPlan, window_size: int) -> list[UnitSpec]:
     candidates = [u for u in plan.units if eligible(u)]
     return sorted(candidates, key=lambda u: (u.kind != "resident", -fetches_per_step(plan, u.index, window_size),
                                              first.get(u.index, -1), u.index))
+
+
+def split_for_model(model: torch.nn.Module, plan: UnitPlan, config: StrongholdConfig, device: torch.device,
+                    dp) -> DeviceSplit:
+    """An engine's split: ``config.resident`` within the device budget, ``gpu_memory``, or on
+    CUDA the free memory less the reserve; the smallest budget of all ranks under data
+    parallelism (``dp``), so that every rank keeps the same units. The parameters outside
+    every unit (``offload_non_block=False``) are on the device already (``base_bytes``)."""
+    budget = config.gpu_memory
+    if budget is None and device.type == "cuda" and config.resident == "auto":
+        budget = cuda_budget_bytes(device, model)
+    if budget is not None and dp is not None:
+        budget = dp.min_int(int(budget))
+    in_units = {id(p) for u in plan.units for _, p in u.params}
+    outside = [p for p in model.parameters() if id(p) not in in_units]
+    base = sum(p.numel() * (p.element_size() + (TRAINABLE_EXTRA_BYTES if p.requires_grad else 0)) for p in outside)
+    ws = config.window_size if isinstance(config.window_size, int) else DEFAULT_WINDOW_SIZE
+    split = choose_split(plan, resident=config.resident, budget=budget, window_size=min(ws, len(plan.sequence)),
+                         grad_buffers=config.grad_buffers, param_dtype=config.param_dtype, base_bytes=base,
+                         explicit=config.gpu_memory is not None)
+    logger.info("stronghold: device/host split: %s", split.reason)
+    return split
 
 
 def choose_split(plan: UnitPlan, *, resident, budget: int | None, window_size: int, grad_buffers: int,

@@ -25,23 +25,26 @@ import torch
 from .unit import Residency, Unit
 
 
-def install_state_dict_hooks(schedule, coordinator, u: Unit) -> list[Any]:
+def install_state_dict_hooks(u: Unit, *, schedule, coordinator, reads) -> list[Any]:
+    """The hooks on every module that registers ``u``'s parameters. ``schedule`` evicts a
+    resident unit before a load, ``coordinator`` has its update waited for, ``reads``
+    (host_reads.py) says whether every rank is gathering (``full_state_dict``)."""
     handles = []
     loaded: list[str] = []  # sharded load_state_dict: keys the pre-hooks took, until the post-hook reads them
     for module, names in u.owners:
         handles += [
-            module.register_state_dict_post_hook(_state_dict_hook(schedule, coordinator, u, names)),
+            module.register_state_dict_post_hook(_state_dict_hook(reads, coordinator, u, names)),
             module._register_load_state_dict_pre_hook(_load_pre_hook(schedule, coordinator, u, names, loaded)),
             module.register_load_state_dict_post_hook(_load_post_hook(u, names, loaded)),
         ]
     return handles
 
 
-def _state_dict_hook(schedule, coordinator, u: Unit, names):
+def _state_dict_hook(reads, coordinator, u: Unit, names):
     def hook(module, state_dict, prefix, local_metadata):
         coordinator.wait_update(u, forward=False)
         if u.sharded:
-            if not schedule.gathering:
+            if not reads.gathering:
                 raise RuntimeError(
                     "stronghold: with sharded CPU state (data parallel) each rank holds a shard of the offloaded "
                     "weights; model.state_dict() alone cannot assemble them. Call engine.full_state_dict() on "

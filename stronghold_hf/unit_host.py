@@ -18,7 +18,7 @@ the slot while the block is on the device, and a view into its host master (trai
 its stored bytes (frozen) while it is not. (With *sharded* CPU state no rank holds a whole
 trainable parameter between steps: it is then a placeholder of the right shape whose every
 element is one NaN (reads are visibly invalid, in-place writes raise, nothing touches freed
-memory); ``engine.full_state_dict()`` gathers the values, see window.py.) So between
+memory); ``engine.full_state_dict()`` gathers the values, see host_reads.py.) So between
 steps every parameter holds its current value: reading it never touches freed memory, and
 writing it (in place, or through ``.data`` as PEFT's merge does) writes the master. Before the
 next fetch the unit notices writes it did not make (a ``.data`` that is no longer our view, or

@@ -73,6 +73,7 @@ def estimate(
     nvme_memory_bytes: int | str | None = None, nvme: bool | str = "auto", nvme_masters: bool | str = "auto",
     resident: int | bool | str = False, resident_budget_bytes: int | str | None = None,
     attn_implementation: str | None = None, sequence_tiling: bool | str = "auto", tile_tokens: int | str = "auto",
+    attention_tiled: bool = False,
 ) -> Estimate:
     """Estimates STRONGHOLD and plain-training memory for a config (built on the meta device).
 
@@ -99,6 +100,7 @@ def estimate(
     the attention that runs (``None``: what transformers picks for the model class; eager
     attention stores ``s x s`` scores, SDPA and flash attention do not). ``sequence_tiling``,
     ``tile_tokens``: `StrongholdConfig`'s (the MLP in tiles of ``T`` tokens).
+    ``attention_tiled``: a projection, not an engine feature (counts.layer_memory).
     """
     model = build_meta_model(model_config, auto_class)
     label = _dtype_label(dtype)
@@ -110,7 +112,7 @@ def estimate(
         offload_non_block=offload_non_block, resident=resident,
         resident_budget_bytes=None if resident_budget_bytes is None else parse_memory(resident_budget_bytes),
         attn_implementation=attn_implementation, sequence_tiling=sequence_tiling, tile_tokens=tile_tokens,
-        seq_len=seq_len, batch_size=batch_size, gradient_checkpointing=gradient_checkpointing,
+        attention_tiled=attention_tiled, seq_len=seq_len, batch_size=batch_size, gradient_checkpointing=gradient_checkpointing,
         cpu_memory_bytes=parse_memory(cpu_memory_bytes), decoder_seq_len=decoder_seq_len, chunked_loss=chunked_loss,
         offload_activations=offload_activations, loss_chunk_tokens=loss_chunk_tokens, host_memory=host_memory,
         host_image=host_image, host_grads=host_grads, gradient_accumulation_steps=gradient_accumulation_steps,

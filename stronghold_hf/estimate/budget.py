@@ -98,6 +98,7 @@ def _assemble(
     host_grads: str = "auto", gradient_accumulation_steps: int = 1, nvme_memory_bytes: int | None = None,
     nvme: bool | str = "auto", nvme_ring_buffers: int = 3, nvme_masters: bool | str = "auto", split: Any = None,
     attention: str = "eager", sequence_tiling: bool | str = "auto", tile_tokens: int | str = "auto",
+    attention_tiled: bool = False,
 ) -> Estimate:
     if nvme not in (True, False, "auto"):
         raise ValueError(f"nvme={nvme!r}; use \"auto\", True or False.")
@@ -168,6 +169,7 @@ def _assemble(
                 kv_heads=_cfg(config, "num_key_value_heads"), gated_mlp=layer.gated_mlp,
                 cross_attention=layer.cross_attention, s_kv=seq_len, attention=attention,
                 dropout=_has_dropout(config), tile_tokens=tile, rotary=uses_rotary(config), activation_saves=saves,
+                attention_tiled=attention_tiled,
             ))
             inputs.append(s * batch_size * h * c)
         worst = max(layers, key=lambda m: m.peak)
@@ -185,7 +187,9 @@ def _assemble(
         inputs_host = sum(inputs) - sum(inputs[-w:]) if n > w else 0
         s_out = s_dec if any(layer.cross_attention for layer in counts.layers) else seq_len
         tokens = s_out * batch_size
-        head = 2 * tokens * (counts.hidden or h) * c  # the final norm's input and output
+        # The final norm's input and output (a projection with the attention tiled: one of them,
+        # the norm folded into the chunked loss).
+        head = (1 if attention_tiled else 2) * tokens * (counts.hidden or h) * c
         whole_resident = not counts.units and split is not None  # the split keeps the model on the GPU
         use_chunks = (chunked_loss is True or (chunked_loss == "auto" and not whole_resident)) and (
             counts.chunked and counts.logits_width)

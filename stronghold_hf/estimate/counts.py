@@ -232,7 +232,7 @@ def layer_memory(
     s: int, b: int, h: int, a: int, *, nbytes: int, ffn: int | None = None, head_dim: int | None = None,
     kv_heads: int | None = None, gated_mlp: bool = False, cross_attention: bool = False, s_kv: int | None = None,
     attention: str = "eager", dropout: bool = True, tile_tokens: int | None = None, rotary: bool = False,
-    activation_saves: int = 0,
+    activation_saves: int = 0, attention_tiled: bool = False,
 ) -> LayerMemory:
     """One transformer layer's activations (Korthikanti et al. 2022, generalised; see the
     module docstring). ``attention``: one of `ATTENTION_KINDS`; ``tile_tokens``: the MLP runs
@@ -240,6 +240,11 @@ def layer_memory(
     embeddings (RoPE keeps Q and K before rotation and their rotated halves: ``2q + 2kv``);
     ``activation_saves``: the ``ffn``-wide tensors an activation function written as several
     ops saves beyond its input (`activation_saves`: 3 for ``gelu_new``, 0 for native ones).
+    ``attention_tiled`` is a projection of what no engine builds yet (scripts/long_context.py
+    uses it to say what would reach longer contexts): the attention block's per-token parts (its
+    norm, the Q/K/V/O projections, the rotary embedding) in tiles of ``tile_tokens`` and the
+    SDPA/flash core over query tiles against whole K and V, so that per token only K, V, their
+    gradients, the log-sum-exp and the residual stream stay whole.
 
     With ``nbytes=2``, ``ffn=4h``, plain MHA, eager attention and dropout, ``saved`` is exactly
     ``s*b*h*(34 + 5*a*s/h)``."""
@@ -281,6 +286,16 @@ def layer_memory(
         else:
             x["cross-attention kernel output"] = sb * (q * c + 4 * a)
         groups.update(x)
+    if attention_tiled and tile_tokens is not None and tile_tokens < s and not eager and not cross_attention:
+        t = tile_tokens * b
+        groups = {
+            "K, V and the log-sum-exp (whole), the residual after attention": sb * (2 * kv * c + 4 * a + h * c),
+            "one tile of the attention block and of the MLP": t * (4 * h + 3 * q + 2 * kv + wide) * c,
+        }
+        saved = sum(groups.values())
+        transient = 2 * sb * h * c + sb * 2 * kv * c + t * max(2 * q, (2 if gated_mlp else 1) * ffn) * c
+        name, largest = max(groups.items(), key=lambda kv_: kv_[1])
+        return LayerMemory(saved=saved, transient=transient, largest=(name, largest))
     saved = sum(groups.values())
     # The backward's working set beyond the saved tensors: the layer's output gradient and its
     # input gradient throughout, and at its height either the MLP's gradients or the attention
