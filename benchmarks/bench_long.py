@@ -18,6 +18,8 @@ untiled, interleaved (the paired ratio: tiling's cost where it is not needed), a
     python benchmarks/bench_long.py                   # CPU: 2k..16k
     python benchmarks/bench_long.py --device cuda     # 2k..64k
     python benchmarks/bench_long.py --smoke           # seconds (CI)
+    python benchmarks/bench_long.py --device cuda --longest --hidden 2048 --ffn 8192 --layers 16 \
+        --heads 32 --vocab 128256                     # the longest a Llama-3.2-1B shape trains here
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ torch.manual_seed(0)
 torch.set_num_threads(1)
 device = torch.device(args["device"])
 cfg = T.LlamaConfig(vocab_size=args["vocab"], hidden_size=args["hidden"], intermediate_size=args["ffn"],
-                    num_hidden_layers=args["layers"], num_attention_heads=args["heads"], num_key_value_heads=1,
+                    num_hidden_layers=args["layers"], num_attention_heads=args["heads"],
+                    num_key_value_heads=max(1, args["heads"] // 4),
                     max_position_embeddings=max(args["length"], 256), tie_word_embeddings=False)
 model = T.LlamaForCausalLM(cfg)
 model.train()
@@ -54,13 +57,17 @@ else:
 
     tiling = args["variant"] == "tiled"
     engine = offload_model(model, StrongholdConfig(window_size=1, resident=False, sequence_tiling=tiling,
-                                                   tile_tokens=args["tile_tokens"]), device=device)
+                                                   tile_tokens=args["tile_tokens"],
+                                                   param_dtype=torch.bfloat16 if args["bf16"] else None),
+                           device=device)
     opt = engine.build_optimizer(lr=1e-4)
 
 
 def step(n):
     ids = torch.randint(0, args["vocab"], (1, n), device=device)
-    model(input_ids=ids, labels=ids).loss.backward()
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args["bf16"]):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
     if engine is not None:
@@ -96,7 +103,8 @@ print(json.dumps(out))
 
 def child(variant: str, length: int, args) -> dict:
     spec = dict(variant=variant, length=length, device=args.device, hidden=args.hidden, ffn=args.ffn,
-                layers=args.layers, heads=args.heads, vocab=args.vocab, tile_tokens=args.tile_tokens)
+                layers=args.layers, heads=args.heads, vocab=args.vocab, tile_tokens=args.tile_tokens,
+                bf16=args.device == "cuda")
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
     proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(spec)], capture_output=True, text=True,
                           timeout=args.child_timeout, env=env)
@@ -169,6 +177,37 @@ def timing(args) -> dict:
             "tiled_calls": tiled_calls, "auto_tiled_calls": auto_calls}
 
 
+def longest_run(args) -> dict:
+    """``--longest``: the longest sequence the estimator says fits this device for the shape
+    given (tiled, checkpointing, the model in bf16 on CUDA), then one training step at it in a
+    child process: its allocator peak against the estimate."""
+    import torch
+    import transformers as T
+
+    from stronghold_hf.estimate import estimate
+
+    cfg = T.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
+                        num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                        num_key_value_heads=max(1, args.heads // 4), tie_word_embeddings=args.vocab < 200000,
+                        max_position_embeddings=1 << 22)
+    device_bytes = torch.cuda.mem_get_info()[1] if args.device == "cuda" else 4 << 30  # CPU: a plumbing run
+
+    def fits(n: int):
+        e = estimate(cfg, seq_len=n, batch_size=1, dtype="bf16" if args.device == "cuda" else "fp32",
+                     gpu_memory_bytes=device_bytes, cpu_memory_bytes=1 << 50, gradient_checkpointing=True,
+                     sequence_tiling=True, tile_tokens=args.tile_tokens, auto_class="causal_lm")
+        return e.gpu_fits, e
+
+    lo, hi = 1024, (1 << 22) if args.device == "cuda" else 16384
+    while hi - lo > 1024:
+        mid = (lo + hi) // 2 // 1024 * 1024
+        lo, hi = (mid, hi) if fits(mid)[0] else (lo, mid)
+    _, e = fits(lo)
+    run = child("tiled", lo, args)
+    return {"longest_tokens": lo, "estimated_gpu_bytes": e.gpu_bytes_needed, "device_bytes": device_bytes,
+            "bounded_by": e.gpu_bounded_by, **run}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu")
@@ -186,7 +225,13 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--child_timeout", type=int, default=900)
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--longest", action="store_true",
+                   help="instead of the sweep: one tiled step at the longest length the estimator says fits")
     args = p.parse_args(argv)
+    if args.longest:
+        print(json.dumps({"bench": "long", "mode": "longest", "device": args.device, "hidden": args.hidden,
+                          "layers": args.layers, **longest_run(args)}), flush=True)
+        return 0
     if args.smoke:
         args.lengths, args.time_tokens, args.rounds, args.steps, args.tile_tokens = "512,1024", 512, 1, 1, 128
     default = "2048,4096,8192,16384,32768,65536" if args.device == "cuda" else "2048,4096,8192,16384"

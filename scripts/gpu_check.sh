@@ -23,6 +23,8 @@
 #                                allocated it: ledger_vs_allocator.json), deep == shallow peak, ...
 #   host               35/20     #41: bench_host, width 32 at 8 and 40 blocks: the engine's host work per
 #                                block over plain's (<= 0.30), and whether the GPU waited on the host
+#   long               60/30     #42: bench_long --longest, a Llama-3.2-1B shape: one tiled bf16 step at the
+#                                longest sequence the estimator says fits this GPU; its peak vs the estimate
 #   step_gpt2_fp32     50/35     bench_step, GPT-2-medium shape (354 M), fp32: plain, auto, W=1 (all
 #                                streamed); the bound
 #   step_gpt2_bf16     55/40     the same in bf16, with DeepSpeed ZeRO-Offload next to it
@@ -201,6 +203,7 @@ if [ "$MODE" = cuda ]; then
             --seq_sweep 512,8192 --depth_sweep 2,32)
     ESTIMATE=(--layers 2 --seq 4096)
     HOST=(--rounds 4 --steps 4)
+    LONG=(--hidden 2048 --ffn 8192 --layers 16 --heads 32 --vocab 128256 --tile_tokens auto)  # Llama-3.2-1B
 else
     DEV=(--device cpu)
     GPT2=(--model smoke --warmup 1 --rounds 2 --block_steps 3 --threads 1)
@@ -213,6 +216,7 @@ else
             --vocab_sweep 512,4096 --seq_sweep 64,256 --depth_sweep 2,8)
     ESTIMATE=(--hidden 256 --ffn 512 --heads 4 --kv_heads 2 --vocab 8192 --seq 256)
     HOST=(--smoke)
+    LONG=(--hidden 64 --ffn 224 --layers 2 --heads 2 --vocab 512)
 fi
 STEP=(python benchmarks/bench_step.py "${DEV[@]}" --windows auto,1 --time_budget_s @SOFT@)
 
@@ -223,6 +227,7 @@ BUDGETS=(--budgets all,half,quarter,streamed)
 # the H200). #35's pieces come after #34's GPT-2 runs and before its Llama ones.
 run_piece pytest_gpu 80 40 0 python -m pytest -m gpu tests -q -p no:cacheprovider
 run_piece host 35 20 0 python benchmarks/bench_host.py "${DEV[@]}" "${HOST[@]}"
+run_piece long 60 30 0 python benchmarks/bench_long.py "${DEV[@]}" --longest "${LONG[@]}"
 run_piece step_gpt2_fp32 50 35 18 "${STEP[@]}" "${GPT2[@]}" --peers none
 if [ "$MODE" = cuda ]; then
     run_piece step_gpt2_bf16 55 40 20 "${STEP[@]}" "${GPT2[@]}" --precision bf16 --peers zero_offload

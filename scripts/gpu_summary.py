@@ -47,6 +47,7 @@ HOST_TARGET = 0.30
 PIECES = {
     "pytest_gpu": "pytest -m gpu",
     "host": "bench_host (host work per block, width 32)",
+    "long": "bench_long --longest (Llama-3.2-1B shape)",
     "step_gpt2_fp32": "bench_step GPT-2-medium fp32",
     "step_gpt2_bf16": "bench_step GPT-2-medium bf16",
     "step_llama_bf16": "bench_step Llama-3.2-1B bf16",
@@ -232,7 +233,7 @@ class Report:
             "split_train": ("split_all_ratio_vs_plain",), "memory": ("unexplained_vs_ledger_max_abs",),
             "estimate": ("measured_vs_estimate",), "max_model": ("max_params_stronghold",),
             "nvme": ("ratio_of_disk_bound",), "fetch": ("convert_vs_h2d",),
-            "host": ("gpu_config_ratio_paired",),
+            "host": ("gpu_config_ratio_paired",), "long": ("longest_tokens",),
         }
         rows = []
         for pid, label in PIECES.items():

@@ -234,3 +234,16 @@ def test_bench_host_smoke():
             assert isinstance(summary[f"{variant}_{key}"], (int, float)), (variant, key)
     # The engine's own ops per block on the training thread: a handful, not one per parameter.
     assert summary["gpu_config_extra_ops_per_block"] < 12, summary
+
+
+def test_bench_long_smoke():
+    """The long-context benchmark: bytes per token of each variant over the sweep, the tiled
+    step's cost, and that "auto" tiles nothing at a short length."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_long.py"), "--smoke"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["bench"] == "long" and set(summary["bytes_per_token"]) == {"plain", "untiled", "tiled"}
+    assert all(isinstance(v, float) and v > 0 for v in summary["bytes_per_token"].values()), summary
+    assert summary["tiled_calls"] > 0 and summary["auto_tiled_calls"] == 0
+    assert summary["tiled_over_untiled_paired"] > 0
