@@ -34,7 +34,7 @@ MODELS = {
 
 #: (model, GPU GiB, RAM GiB, NVMe GiB or None): a laptop GPU, desktops, a workstation, a server.
 MACHINES = [
-    ("Llama-3.2-1B", 12, 32, None),
+    ("Llama-3.2-1B", 8, 32, None),
     ("Llama-3-8B", 24, 64, 1024),
     ("Llama-3-8B", 24, 192, None),
     ("Qwen2.5-14B", 24, 256, None),
