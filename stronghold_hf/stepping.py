@@ -12,7 +12,9 @@ The protocol with the optimizer (`optim/hybrid.py`) is narrow:
 * ``take_step_scalars()``: the verdict (skip on overflow), the clip coefficient and the
   inverse loss scale the CPU kernel folds into its update;
 * ``submit(unit, label, fn)``: runs ``fn`` (one unit's CPU Adam) on the host worker;
-* ``synchronize()`` before touching optimizer state or hyperparameters.
+* ``synchronize()`` before touching optimizer state or hyperparameters;
+* for speculation, ``speculation_record(unit)`` and the optimizer's per-unit work
+  (``optimizer.updates``, optim/unit_update.py: ``apply_speculation``, ``undo``).
 
 The schedule calls ``wait_update(unit)`` before it fetches a unit (the update writes what
 the fetch reads) and ``update_pending(unit)`` so a prefetch never blocks on an update.
@@ -277,7 +279,8 @@ class StepCoordinator:
         block.read_guard.guard()  # a read before the step validates it sees the value the last step produced
         partial = self.partial_norm
         self.submit(block, "the speculative CPU optimizer update",
-                    lambda: self.optimizer.apply_speculation(block, record, partial), counter="speculative_update_s")
+                    lambda: self.optimizer.updates.apply_speculation(block, record, partial),
+                    counter="speculative_update_s")
         self.stats.add("speculated_blocks", 1)
 
     def undo_speculation(self, block) -> None:
@@ -294,7 +297,7 @@ class StepCoordinator:
                 )
         record, block.grads.spec = block.grads.spec, None
         block.grads.spec_blocked = True  # more gradient arrived or the step did not come: no second guess
-        self.submit(block, "the rollback of a speculative update", lambda: self.optimizer.undo_speculation(block, record),
+        self.submit(block, "the rollback of a speculative update", lambda: self.optimizer.updates.undo(block, record),
                     counter="rollback_s")
 
     # ------------------------------------------------------------------ norms and clipping

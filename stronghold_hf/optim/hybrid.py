@@ -24,6 +24,9 @@ next forward), so update, host-to-device copy and forward pipeline across units.
 verdict are known before any update starts, because `WindowEngine.clip_grad_norm_` (or the
 overflow check inside ``step``) ran after the whole backward.
 
+Each unit's CPU work itself (its update, a speculative one, the undo) is ``unit_update.py``'s;
+the step decides which unit gets which and queues it.
+
 With ``StrongholdConfig(nvme_path=...)`` the CPU Adam moments live on disk (``nvme.py``):
 ``step()`` tells the tier the order of the updates it queued, and every update (and undo)
 runs inside ``nvme.bound(unit)``, which brings the unit's moments into a ring buffer.
@@ -40,9 +43,10 @@ import torch
 from torch import nn
 
 from ..scaler import DynamicLossScaler
-from ..speculation import SpecRecord, undo_adamw_
+from ..speculation import SpecRecord
 from . import quant8
 from .cpu_adam import CPUAdam
+from .unit_update import UnitUpdates
 
 logger = logging.getLogger("stronghold_hf")
 
@@ -76,7 +80,7 @@ class StrongholdOptimizer(torch.optim.Optimizer):
 
     def __init__(self, engine, cpu_optimizer: torch.optim.Optimizer, device_optimizer: torch.optim.Optimizer | None,
                  block_groups: dict[int, list[int]], scaler: DynamicLossScaler | None, defaults: dict[str, Any],
-                 user_groups: list[dict[str, Any]], inner_user: list[int]) -> None:
+                 user_groups: list[dict[str, Any]], inner_user: list[int], nvme=None) -> None:
         self.engine = engine
         self.cpu_optimizer = cpu_optimizer
         self.device_optimizer = device_optimizer
@@ -92,15 +96,9 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         super().__init__([dict(g) for g in user_groups], defaults)
         self.last_step_skipped = False
         #: The NVMe tier holding the CPU Adam moments (``nvme.NvmeTier``), or None: in RAM.
-        self.nvme = None
-
-    def _state_of(self, block):
-        """Inside: the CPU optimizer's state of ``block`` is in memory (always, without a tier)."""
-        return self.nvme.bound(block.index) if self.nvme is not None else contextlib.nullcontext()
-
-    def _not_updating(self, block) -> None:
-        if self.nvme is not None:
-            self.nvme.drop(block.index)
+        self.nvme = nvme
+        #: Each unit's CPU work (unit_update.py), which the coordinator runs on the host worker.
+        self.updates = UnitUpdates(cpu_optimizer, nvme)
 
     def _collect_inner_groups(self) -> list[dict[str, Any]]:
         return [*(self.cpu_optimizer.param_groups if self.cpu_optimizer is not None else []),
@@ -165,17 +163,17 @@ class StrongholdOptimizer(torch.optim.Optimizer):
                     # Updated during backward, unless the pass stopped speculating before this
                     # block's turn: then the worker applies the update now (same coefficient).
                     plan.append((block, "the CPU optimizer update",
-                                 partial(self._complete_speculation, block, record), "cpu_adam_s"))
+                                 partial(self.updates.complete_speculation, block, record), "cpu_adam_s"))
                     self._release_grads(block)
                     continue
                 misses += 1
-                plan.append((block, "the rollback of a speculative update", partial(self.undo_speculation, block, record),
+                plan.append((block, "the rollback of a speculative update", partial(self.updates.undo, block, record),
                              "rollback_s"))
                 state_order.append(block.index)
             if found_inf or all(g is None for _, g in grads):
                 continue
             plan.append((block, "the CPU optimizer update",
-                         partial(self._update_block, block, groups, grads, clip_coef * inv_scale), "cpu_adam_s"))
+                         partial(self.updates.update, block, groups, grads, clip_coef * inv_scale), "cpu_adam_s"))
             state_order.append(block.index)
             self._release_grads(block)
         if self.device_optimizer is not None and not found_inf:
@@ -215,30 +213,6 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         # or a new backward cannot write into a buffer the update is still reading.
         block.grads.consume_grads()
 
-    def _update_block(self, block, groups: list[int], grads, grad_mul: float) -> None:
-        """Host worker: one block's update with ``grad * grad_mul`` (clip coefficient x 1/scale)."""
-        if not block.grads.load_master_grads(grads):
-            self._not_updating(block)
-            return
-        if isinstance(self.cpu_optimizer, CPUAdam):
-            with self._state_of(block):
-                self.cpu_optimizer.step_groups(groups, inv_loss_scale=grad_mul)
-            if not block.layout.masters_in_image:
-                block.host.image_rewritten(k for k, g in grads if g is not None)  # a redo after an undo: nothing to refresh
-            return
-        if grad_mul != 1.0:
-            for m in block.host.masters:
-                if m is not None and m.grad is not None:
-                    m.grad.mul_(grad_mul)
-        saved = [self.cpu_optimizer.param_groups[i] for i in groups]
-        all_groups = self.cpu_optimizer.param_groups
-        self.cpu_optimizer.param_groups = saved
-        try:
-            self.cpu_optimizer.step()
-        finally:
-            self.cpu_optimizer.param_groups = all_groups
-        block.host.image_stale = not block.layout.masters_in_image  # no copy-out on this path
-
     # ------------------------------------------------------------------ speculation
     @property
     def can_speculate(self) -> bool:
@@ -263,37 +237,6 @@ class StrongholdOptimizer(torch.optim.Optimizer):
             return None
         hyper = [{k: self.cpu_optimizer.param_groups[gi][k] for k in _HYPER_KEYS} for gi in groups]
         return SpecRecord(list(groups), grads, self._speculation_scale, hyper)
-
-    def apply_speculation(self, block, record: SpecRecord, partial_norm) -> None:
-        """Host worker: the speculative update, unless the pass already knows it will clip."""
-        if partial_norm.exceeded:
-            return
-        self._update_block(block, record.groups, record.grads, record.grad_mul)
-        record.applied = True
-
-    def _complete_speculation(self, block, record: SpecRecord) -> None:
-        """Host worker, after a validated speculation: nothing if it ran, else the update it skipped."""
-        if not record.applied:
-            self._update_block(block, record.groups, record.grads, record.grad_mul)
-
-    def undo_speculation(self, block, record: SpecRecord) -> None:
-        """Host worker: inverts a speculative update exactly from what it applied."""
-        if not record.applied:
-            self._not_updating(block)
-            return
-        grads = dict(record.grads)
-        with self._state_of(block):
-            for gi, hyper in zip(record.groups, record.hyper):
-                params, used, states = [], [], []
-                for m in self.cpu_optimizer.param_groups[gi]["params"]:
-                    k = block.host.master_index[id(m)]
-                    if k in grads:
-                        params.append(m.data)
-                        used.append(grads[k])
-                        states.append(self.cpu_optimizer.state.get(m, {}))
-                undo_adamw_(params, used, states, hyper, record.grad_mul)
-        if not block.layout.masters_in_image:
-            block.host.image_lags_undo(grads)  # the copy-out holds the undone values until a redo rewrites them
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.device_optimizer is not None:
@@ -536,8 +479,14 @@ def build_optimizer(engine, params: Iterable | None = None, *, fp16_loss_scaling
         device_opt = torch.optim.AdamW(device_groups, **defaults, fused=True)
     scaler = fp16_loss_scaling if isinstance(fp16_loss_scaling, DynamicLossScaler) else (
         DynamicLossScaler() if fp16_loss_scaling else None)
+    nvme = None
+    if engine.config.nvme_path is not None and cpu_opt is None and engine.config.offload_optimizer:
+        logger.info("stronghold: nvme_path is not used: the device/host split keeps every trained parameter on the "
+                    "device, so there is no CPU Adam state to put on disk.")
+    elif engine.config.nvme_path is not None:
+        nvme = _nvme_tier(engine, cpu_opt, block_groups)
     opt = StrongholdOptimizer(engine, cpu_opt, device_opt, block_groups, scaler, defaults, groups,
-                              cpu_users + device_users)
+                              cpu_users + device_users, nvme)
     if isinstance(cpu_opt, CPUAdam):
         # The kernel writes the compute-dtype image of each master in the same pass.
         stepped = {id(p) for g in cpu_groups for p in g["params"]}
@@ -553,11 +502,6 @@ def build_optimizer(engine, params: Iterable | None = None, *, fp16_loss_scaling
         from .undo_native import native_undo_error
 
         native_undo_error()
-    if engine.config.nvme_path is not None and cpu_opt is None and engine.config.offload_optimizer:
-        logger.info("stronghold: nvme_path is not used: the device/host split keeps every trained parameter on the "
-                    "device, so there is no CPU Adam state to put on disk.")
-    elif engine.config.nvme_path is not None:
-        opt.nvme = _nvme_tier(engine, cpu_opt, block_groups)
     engine.coordinator.attach_optimizer(opt)
     return opt
 
