@@ -74,6 +74,39 @@ def parse_memory(text: str | int) -> int:
     return int(value * {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}[unit])
 
 
+#: ``cpu_reserve="auto"``: host RAM a verdict of "fits" leaves to the rest of the machine, the
+#: larger of this floor (an OS, its page cache and a desktop session) and
+HOST_RESERVE_FLOOR = 4 * 2**30
+#: this share of the RAM (data-loader workers, the CUDA driver's own pinned pools, file
+#: caches of the dataset), at most
+HOST_RESERVE_FRACTION = 0.10
+#: this much on very large machines (a 1.5 TB server keeps 32 GiB, not 150).
+HOST_RESERVE_CAP = 32 * 2**30
+#: ``gpu_reserve="auto"``: device memory left to what the engine does not count, the larger of
+#: this floor (the CUDA context, cuBLAS and NCCL workspaces) and
+DEVICE_RESERVE_FLOOR = 2 * 2**30
+#: this share of the device (the caching allocator's fragmentation grows with the card).
+DEVICE_RESERVE_FRACTION = 0.05
+
+
+def host_reserve_bytes(setting: int | str, ram_bytes: int | None) -> int:
+    """``StrongholdConfig.cpu_reserve`` in bytes for a machine of ``ram_bytes`` of RAM."""
+    if setting != "auto":
+        return parse_memory(setting)
+    if ram_bytes is None:
+        return HOST_RESERVE_FLOOR
+    return max(HOST_RESERVE_FLOOR, min(int(ram_bytes * HOST_RESERVE_FRACTION), HOST_RESERVE_CAP))
+
+
+def device_reserve_bytes(setting: int | str, device_bytes: int | None) -> int:
+    """``StrongholdConfig.gpu_reserve`` in bytes for a device of ``device_bytes``."""
+    if setting != "auto":
+        return parse_memory(setting)
+    if device_bytes is None:
+        return DEVICE_RESERVE_FLOOR
+    return max(DEVICE_RESERVE_FLOOR, int(device_bytes * DEVICE_RESERVE_FRACTION))
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StrongholdConfig:
     """Policy for `offload_model`. Build it directly, or from a dict/JSON with `from_dict`."""
@@ -120,6 +153,19 @@ class StrongholdConfig:
     fraction, if one is set) less the reserve
     (``split.device_reserve_bytes``: a tenth of the device, at least 2 GiB, for activations and
     workspaces); on a CPU device, no budget (nothing resident under ``resident="auto"``)."""
+
+    cpu_reserve: int | str | Literal["auto"] = "auto"
+    """Host RAM left free for the rest of the machine: a verdict of "fits" (the estimator, the
+    Trainer's fit check) and every ``"auto"`` choice (``host_image``, the NVMe tiers) keep it
+    free, so the OOM killer does not end the run. ``"auto"``: the larger of 4 GiB (an OS, its
+    page cache, a desktop session) and a tenth of the RAM (data-loader workers, the driver's
+    pinned pools), at most 32 GiB (``config.host_reserve_bytes``). Or a size: ``"8GB"``, bytes."""
+
+    gpu_reserve: int | str | Literal["auto"] = "auto"
+    """Device memory left free for what the engine does not count: the CUDA context, library
+    workspaces, the caching allocator's fragmentation. "Fits" keeps it free, and with
+    ``gpu_memory=None`` the device/host split leaves it (plus room for activations).
+    ``"auto"``: the larger of 2 GiB and 5% of the device (``config.device_reserve_bytes``)."""
 
     cpu_threads: int | None = None
     """CPU threads inside each host-side kernel (CPU Adam, gradient folds), which run one block
@@ -374,6 +420,17 @@ class StrongholdConfig:
             if budget <= 0:
                 raise ValueError(f"StrongholdConfig.gpu_memory={self.gpu_memory!r}; use a positive size such as \"20GB\".")
             object.__setattr__(self, "gpu_memory", budget)
+        for name in ("cpu_reserve", "gpu_reserve"):
+            value = getattr(self, name)
+            if value != "auto":
+                try:
+                    nbytes = parse_memory(value)
+                except (ValueError, TypeError) as err:
+                    raise ValueError(f"StrongholdConfig.{name}={value!r}: {err}; use \"auto\" or a size such as "
+                                     "\"8GB\".") from None
+                if nbytes < 0:
+                    raise ValueError(f"StrongholdConfig.{name}={value!r}; use \"auto\" or a size >= 0.")
+                object.__setattr__(self, name, nbytes)
         if self.max_pinned_bytes is not None:
             try:
                 limit = parse_memory(self.max_pinned_bytes)

@@ -34,7 +34,6 @@ from .cli import main
 from .counts import (
     ADAM_STATE_BYTES,
     CPU_PROCESS_BYTES,
-    GPU_WORKSPACE_FIXED_BYTES,
     GPU_WORKSPACE_PERCENT,
     LOGIT_BYTES,
     GiB,

@@ -30,8 +30,13 @@ untied head, in the stored dtype for embeddings and norms):
   and, in backward, the head's gradient summed in fp32 (``V x H x 4``, and its cast back when
   the head computes in 16 bits); otherwise the whole logits at 12 B per logit (compute-dtype
   logits, the fp32 log-softmax saved for backward, the fp32 gradient, its cast back). Plus
-  the final norm's input and output. A workspace allowance: `GPU_WORKSPACE_FIXED_BYTES` (CUDA
-  context, cuBLAS workspaces) plus `GPU_WORKSPACE_PERCENT` of everything else.
+  the final norm's input and output. A workspace allowance for kernels: `GPU_WORKSPACE_PERCENT`
+  of everything else.
+* Headroom (StrongholdConfig's ``cpu_reserve`` and ``gpu_reserve``, config.py): "fits" means
+  the run's bytes plus the reserve fit, on each side; every "auto" choice (the image, the NVMe
+  tiers, activation offload, the window) keeps the reserve free. The device reserve is where
+  the CUDA context, library workspaces and fragmentation go; the host's is the rest of the
+  machine (the OS, a desktop session, the page cache, data-loader workers).
 * Plain training (everything on the GPU), for contrast: 16 B/param fp32, 18 B/param mixed
   precision, the same activations, the whole logits, and the workspace.
 
@@ -48,11 +53,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import DEFAULT_WINDOW_SIZE, parse_window_size
+from ..config import DEFAULT_WINDOW_SIZE, device_reserve_bytes, host_reserve_bytes, parse_window_size
 from ..discovery import find_block_stacks
 from ..transfer import FETCH_STAGING_BUFFERS  # host_image=False: the ring that replaces the image
 from .counts import (
-    ADAM_STATE_BYTES, CPU_PROCESS_BYTES, GPU_WORKSPACE_FIXED_BYTES, GPU_WORKSPACE_PERCENT, LOGIT_BYTES, _NBYTES,
+    ADAM_STATE_BYTES, CPU_PROCESS_BYTES, GPU_WORKSPACE_PERCENT, LOGIT_BYTES, _NBYTES,
     _Counts, _gib, activation_saves, layer_memory, mlp_tile_tokens, uses_rotary,
 )
 from .report import Estimate
@@ -76,7 +81,7 @@ def _has_dropout(config: Any) -> bool:
 
 
 def _workspace(other: int) -> int:
-    return GPU_WORKSPACE_FIXED_BYTES + -(-other * GPU_WORKSPACE_PERCENT // 100)
+    return -(-other * GPU_WORKSPACE_PERCENT // 100)
 
 
 def _window_bytes(counts: _Counts, window: int) -> int:
@@ -98,7 +103,7 @@ def _assemble(
     host_grads: str = "auto", gradient_accumulation_steps: int = 1, nvme_memory_bytes: int | None = None,
     nvme: bool | str = "auto", nvme_ring_buffers: int = 3, nvme_masters: bool | str = "auto", split: Any = None,
     attention: str = "eager", sequence_tiling: bool | str = "auto", tile_tokens: int | str = "auto",
-    attention_tiled: bool = False,
+    attention_tiled: bool = False, cpu_reserve: int | str = "auto", gpu_reserve: int | str = "auto",
 ) -> Estimate:
     if nvme not in (True, False, "auto"):
         raise ValueError(f"nvme={nvme!r}; use \"auto\", True or False.")
@@ -116,6 +121,11 @@ def _assemble(
         raise ValueError(f"seq_len and batch_size must be >= 1, got seq_len={seq_len}, batch_size={batch_size}.")
     c = _NBYTES[dtype]
     n = len(counts.layers)
+    cpu_res = host_reserve_bytes(cpu_reserve, cpu_memory_bytes)
+    gpu_res = device_reserve_bytes(gpu_reserve, gpu_memory_bytes)
+    # What the run may use on each side: the memory less the reserve (headroom).
+    gpu_room = None if gpu_memory_bytes is None else gpu_memory_bytes - gpu_res
+    cpu_room = None if cpu_memory_bytes is None else cpu_memory_bytes - cpu_res
     positions = len(counts.sequence)
     largest = max(layer.params for layer in counts.layers)
     requested: int | str = "auto" if window_size in (None, "auto") else parse_window_size(window_size)
@@ -241,7 +251,7 @@ def _assemble(
 
     offload = bool(gradient_checkpointing and offload_activations is True)
     if offload_activations == "auto" and gradient_checkpointing and gpu_memory_bytes is not None:
-        offload = need(w, False) > gpu_memory_bytes and need(w, True) < need(w, False)
+        offload = need(w, False) > gpu_room and need(w, True) < need(w, False)
     block_act = (ckpt_offloaded if offload else ckpt) if gradient_checkpointing else full
     window_bytes = _window_bytes(counts, w)
     gpu_need = need(w, offload)
@@ -249,7 +259,7 @@ def _assemble(
     if gpu_memory_bytes is not None:
         max_w = 0
         for cand in range(1, positions + 1):  # a few thousand at most: a scan is exact and cheap
-            if need(cand, offload) > gpu_memory_bytes:
+            if need(cand, offload) > gpu_room:
                 break
             max_w = cand
     activation_host = inputs_host if offload else 0
@@ -286,7 +296,7 @@ def _assemble(
     elif nvme_masters == "auto" and True in disks and host_image is not True:
         choices.append((False, True, True))
     keep_image, on_disk, masters_on_disk = next(
-        (c for c in choices if cpu_memory_bytes is None or host_need(*c) <= cpu_memory_bytes), choices[-1])
+        (c for c in choices if cpu_room is None or host_need(*c) <= cpu_room), choices[-1])
     cpu_needed = host_need(keep_image, on_disk, masters_on_disk)
     if masters_on_disk:
         pinned += disk_fetch - image
@@ -301,7 +311,7 @@ def _assemble(
     if masters_on_disk and nvme_masters == "auto":
         notes.append(f"the fp32 masters ({_gib(master)}) go to disk too (StrongholdConfig(nvme_masters=True)): "
                      "every fetch reads them from the NVMe tier")
-    if on_disk and not masters_on_disk and cpu_memory_bytes is not None and cpu_needed > cpu_memory_bytes:
+    if on_disk and not masters_on_disk and cpu_room is not None and cpu_needed > cpu_room:
         notes.append(f"with the moments on disk the host still needs the fp32 masters ({_gib(master)}) and the "
                      f"gradients ({_gib(grad)}); StrongholdConfig(nvme_masters=True) moves the masters too")
 
@@ -311,8 +321,8 @@ def _assemble(
     plain_ws = _workspace(plain_other)
     plain_need = plain_other + plain_ws
 
-    cpu_fits = None if cpu_memory_bytes is None else cpu_needed <= cpu_memory_bytes
-    gpu_fits = None if gpu_memory_bytes is None else gpu_need <= gpu_memory_bytes
+    cpu_fits = None if cpu_room is None else cpu_needed <= cpu_room
+    gpu_fits = None if gpu_room is None else gpu_need <= gpu_room
     if cpu_fits is None:
         notes.append("CPU RAM unknown: CPU check skipped")
     if gpu_fits is None:
@@ -352,7 +362,7 @@ def _assemble(
         plain_state_bytes=plain_state, plain_workspace_bytes=plain_ws, plain_gpu_bytes_needed=plain_need,
         cpu_fits=cpu_fits, gpu_fits=gpu_fits, nvme_fits=nvme_fits,
         fits=cpu_fits is not False and gpu_fits is not False and nvme_fits is not False,
-        plain_fits=None if gpu_memory_bytes is None else plain_need <= gpu_memory_bytes,
+        plain_fits=None if gpu_room is None else plain_need <= gpu_room,
         block_activation_bytes_checkpointed=ckpt, block_activation_bytes_full=full, notes=tuple(notes),
         resident_units=0 if split is None else len(split.resident),
         resident_params_on_gpu=0 if split is None else split.resident_params, gpu_split_bytes=split_bytes,
@@ -360,6 +370,7 @@ def _assemble(
         attn_implementation=attention, tile_tokens=max((t for t in tiles if t), default=None) if h and a else None,
         gpu_bounded_by=bounded_by,
         gpu_layer_peak_bytes=layer_peak, layer_largest_tensor=layer_largest[0],
+        cpu_reserve_bytes=cpu_res, gpu_reserve_bytes=gpu_res,
     )
 
 
@@ -380,7 +391,7 @@ def _with_split(model: nn.Module, block_classes: tuple[str, ...] | None, c: int,
     if measured:
         if gpu_memory_bytes is None:
             return streamed
-        room = (gpu_memory_bytes - GPU_WORKSPACE_FIXED_BYTES) * 100 // (100 + GPU_WORKSPACE_PERCENT)
+        room = (gpu_memory_bytes - streamed.gpu_reserve_bytes) * 100 // (100 + GPU_WORKSPACE_PERCENT)
         buffers = streamed.gpu_resident_bytes - streamed.gpu_split_bytes - (
             streamed.gpu_engine_bytes - streamed.gpu_window_bytes - streamed.gpu_grad_buffer_bytes)
         model_state = room - streamed.gpu_activation_peak_bytes - buffers

@@ -121,6 +121,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"(default: above {AUTO_MIN_SEQUENCE} tokens), true or false")
     parser.add_argument("--tile_tokens", type=_arg_type(_parse_tile, "auto or an int >= 1"), default="auto",
                         help=f"tokens per tile (default auto: tiles that save about {AUTO_TILE_BYTES >> 20} MiB)")
+    reserve = _arg_type(lambda v: v if v == "auto" else parse_memory(v), "auto or a memory size")
+    parser.add_argument("--cpu_reserve", type=reserve, default="auto",
+                        help="host RAM left free for the rest of the machine (default auto: the larger of 4 GiB and "
+                        "a tenth of --cpu_memory, at most 32 GiB)")
+    parser.add_argument("--gpu_reserve", type=reserve, default="auto",
+                        help="GPU memory left free for the CUDA context, library workspaces and fragmentation "
+                        "(default auto: the larger of 2 GiB and 5%% of --gpu_memory)")
     parser.add_argument("--check", action="store_true", help="exit with status 3 when STRONGHOLD does not fit")
     args = parser.parse_args(argv)
 
@@ -140,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             gradient_accumulation_steps=args.gradient_accumulation_steps, nvme_memory_bytes=args.nvme_memory,
             nvme_masters=args.nvme_masters, resident=args.resident, resident_budget_bytes=args.resident_budget,
             attn_implementation=args.attn_implementation, sequence_tiling=args.sequence_tiling,
-            tile_tokens=args.tile_tokens,
+            tile_tokens=args.tile_tokens, cpu_reserve=args.cpu_reserve, gpu_reserve=args.gpu_reserve,
         )
     except (ValueError, OSError, KeyError) as err:
         parser.error(str(err))

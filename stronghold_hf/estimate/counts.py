@@ -39,7 +39,8 @@ MiB = 2**20
 
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32
 CPU_PROCESS_BYTES = 2 * GiB
-GPU_WORKSPACE_FIXED_BYTES = 3 * GiB // 2
+#: Kernel workspaces (cuBLAS, attention kernels) as a share of what the run holds; the CUDA
+#: context and fragmentation are the device reserve's (``config.device_reserve_bytes``).
 GPU_WORKSPACE_PERCENT = 5
 LOGIT_BYTES = 12  # per logit, see budget.py's docstring
 _NBYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

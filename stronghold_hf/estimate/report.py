@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .counts import (
-    ADAM_STATE_BYTES, GPU_WORKSPACE_FIXED_BYTES, GPU_WORKSPACE_PERCENT, GiB, MiB, _NBYTES, _gib,
+    ADAM_STATE_BYTES, GPU_WORKSPACE_PERCENT, GiB, MiB, _NBYTES, _gib,
 )
 
 
@@ -92,6 +92,10 @@ class Estimate:
     # The activations' model: the attention that runs, the MLP's tile (None: untiled), one
     # layer's recompute and backward at their height, and what bounds the GPU verdict.
     gpu_activation_peak_bytes: int = 0  # what the layers keep, plus the larger of the loss and one layer's backward
+    # Headroom (StrongholdConfig.cpu_reserve / gpu_reserve): left free on each side; "fits"
+    # means the bytes needed plus the reserve fit.
+    cpu_reserve_bytes: int = 0
+    gpu_reserve_bytes: int = 0
     attn_implementation: str = "eager"
     tile_tokens: int | None = None
     gpu_layer_peak_bytes: int = 0
@@ -116,7 +120,8 @@ class Estimate:
                 f"{_gib(self.cpu_pinned_copy_bytes + self.cpu_grad_staging_bytes + self.cpu_activation_bytes)} + "
                 + (f"NVMe ring {_gib(self.cpu_nvme_ring_bytes)} + " if self.nvme_adam else "")
                 + f"process {_gib(self.cpu_process_bytes)}) for {self.total_params / 1e9:.2f} B offloaded parameters, "
-                f"has {_gib(self.cpu_memory_bytes)}. Add CPU RAM, or train fewer or narrower layers "
+                f"and the machine keeps {_gib(self.cpu_reserve_bytes)} free (cpu_reserve); it has "
+                f"{_gib(self.cpu_memory_bytes)}. Add CPU RAM, or train fewer or narrower layers "
                 f"(each trainable parameter costs {self.cpu_bytes_per_param:.1f} B of RAM"
                 + ("; host_memory=\"lean\" (--optim adamw_8bit) keeps 8-bit Adam moments, 6 B/param less"
                    if self.host_memory == "exact" else "")
@@ -154,8 +159,10 @@ class Estimate:
                 f"GPU memory: needs {_gib(self.gpu_bytes_needed)} at window_size={self.window_size} (window "
                 f"{_gib(self.gpu_window_bytes)} + gradient buffers {_gib(self.gpu_grad_buffer_bytes)} + outside the "
                 f"window {_gib(self.gpu_resident_bytes)} + activations "
-                f"{_gib(self.gpu_block_activation_bytes + self.gpu_head_activation_bytes)} + workspace "
-                f"{_gib(self.gpu_workspace_bytes)}), has {_gib(self.gpu_memory_bytes)}. Fix: " + "; ".join(fixes) + "."
+                f"{_gib(self.gpu_activation_peak_bytes)} + workspace "
+                f"{_gib(self.gpu_workspace_bytes)}), and {_gib(self.gpu_reserve_bytes)} stay free (gpu_reserve: the CUDA "
+                f"context, library workspaces, fragmentation); it has {_gib(self.gpu_memory_bytes)}. Fix: "
+                + "; ".join(fixes) + "."
             )
         if problems:
             raise ValueError(f"{self.model_name} does not fit for STRONGHOLD training. " + " ".join(problems))
@@ -217,7 +224,8 @@ def _table(e: Estimate) -> str:
         row("pinned gradient staging (K buffers)", e.cpu_grad_staging_bytes),
         row("offloaded checkpointed activations", e.cpu_activation_bytes),
         row("process allowance (Python, torch, CUDA runtime)", e.cpu_process_bytes),
-        total("total", e.cpu_bytes_needed, e.cpu_memory_bytes, e.cpu_fits),
+        row("reserve left free (OS, page cache, data loader)", e.cpu_reserve_bytes),
+        total("total, with the reserve", e.cpu_bytes_needed + e.cpu_reserve_bytes, e.cpu_memory_bytes, e.cpu_fits),
         *([f"NVMe (STRONGHOLD, nvme_path)",
            total(f"Adam moments ({'8-bit' if e.host_memory == 'lean' else 'fp32'})"
                  + (" + fp32 masters" if e.nvme_masters else ""), e.nvme_bytes_needed,
@@ -235,16 +243,18 @@ def _table(e: Estimate) -> str:
         row(loss, e.gpu_head_activation_bytes),
         row("  activations at their peak (the loss and a layer's backward do not overlap)",
             e.gpu_activation_peak_bytes),
-        row(f"workspace ({GPU_WORKSPACE_FIXED_BYTES / GiB:.1f} GiB + {GPU_WORKSPACE_PERCENT}%)", e.gpu_workspace_bytes),
-        total("total", e.gpu_bytes_needed, e.gpu_memory_bytes, e.gpu_fits),
+        row(f"kernel workspace ({GPU_WORKSPACE_PERCENT}%)", e.gpu_workspace_bytes),
+        row("reserve left free (CUDA context, library workspaces, fragmentation)", e.gpu_reserve_bytes),
+        total("total, with the reserve", e.gpu_bytes_needed + e.gpu_reserve_bytes, e.gpu_memory_bytes, e.gpu_fits),
         f"  largest window_size that fits: {'unknown' if e.max_window_size is None else e.max_window_size}",
         f"  bounded by: {e.gpu_bounded_by}; a layer's largest tensors: {e.layer_largest_tensor}",
         "Plain training (everything on the GPU)",
         row(f"params+grads+Adam ({e.total_params / 1e9:.3f} B x {16 if c == 4 else 18} B)", e.plain_state_bytes),
         row("activations (blocks, whole logits)", e.plain_gpu_bytes_needed - e.plain_state_bytes
             - e.plain_workspace_bytes),
-        row(f"workspace ({GPU_WORKSPACE_FIXED_BYTES / GiB:.1f} GiB + {GPU_WORKSPACE_PERCENT}%)", e.plain_workspace_bytes),
-        total("total", e.plain_gpu_bytes_needed, e.gpu_memory_bytes, e.plain_fits),
+        row(f"kernel workspace ({GPU_WORKSPACE_PERCENT}%)", e.plain_workspace_bytes),
+        total("total, with the reserve", e.plain_gpu_bytes_needed + e.gpu_reserve_bytes, e.gpu_memory_bytes,
+              e.plain_fits),
         f"STRONGHOLD: {'fits' if e.fits else 'does NOT fit'}; plain training: {_verdict(e.plain_fits)}",
     ]
     lines += [f"note: {note}" for note in e.notes]
