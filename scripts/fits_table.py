@@ -1,9 +1,10 @@
 """The README's "what fits where" table, from the estimator (stronghold_hf.estimate).
 
 For each model and machine it tries the host tiers from the fastest to the largest (exact
-fp32 Adam state in RAM, 8-bit moments, moments on NVMe, masters and moments on NVMe) and
-prints the first that fits, with the option that selects it and the memory it needs. All
-runs: bf16, batch 1, 4,096 tokens, gradient checkpointing, a full fine-tune.
+fp32 Adam state in RAM, 8-bit moments, 8-bit moments on NVMe, masters and moments on NVMe) and
+prints the first that fits with the machine's reserve left free (StrongholdConfig's
+``cpu_reserve``/``gpu_reserve``, "auto"), with the option that selects it and the memory it
+needs. All runs: bf16, batch 1, 4,096 tokens, gradient checkpointing, a full fine-tune.
 
     python scripts/fits_table.py            # the markdown table
     python scripts/fits_table.py --json     # one JSON object per row
@@ -41,12 +42,14 @@ MACHINES = [
     ("Llama-3-70B", 80, 256, 2048),
 ]
 
-#: The tiers in the order tried, each with the options that select it.
+#: The tiers in the order tried, fastest first, each with the options that select it.
 TIERS = [
     ("exact", "`--stronghold`", dict(host_memory="exact", nvme=False, nvme_masters=False)),
     ("lean", "`host_memory=\"lean\"`", dict(host_memory="lean", nvme=False, nvme_masters=False)),
-    ("NVMe moments", "`nvme_path=DIR`", dict(host_memory="exact", nvme=True, nvme_masters=False)),
-    ("NVMe masters", "`nvme_path=DIR, nvme_masters=True`", dict(host_memory="exact", nvme=True, nvme_masters=True)),
+    ("lean, moments on NVMe", "`host_memory=\"lean\", nvme_path=DIR`",
+     dict(host_memory="lean", nvme=True, nvme_masters=False)),
+    ("lean, masters and moments on NVMe", "`host_memory=\"lean\", nvme_path=DIR, nvme_masters=True`",
+     dict(host_memory="lean", nvme=True, nvme_masters=True)),
 ]
 
 
