@@ -167,6 +167,13 @@ class StrongholdConfig:
     ``gpu_memory=None`` the device/host split leaves it (plus room for activations).
     ``"auto"``: the larger of 2 GiB and 5% of the device (``config.device_reserve_bytes``)."""
 
+    log_metrics: Literal["brief", "all"] = "brief"
+    """What the Trainer's log carries at each logging step besides the loss. ``"brief"``: four
+    ``stronghold_*`` keys (the window, the device peak, host bytes per parameter, waits per
+    step); ``"all"``: every counter (transfer rates, CPU Adam time, speculation, fetches, the
+    pinned and pageable host memory, promises). Sizes are binary throughout (GiB, GiB/s).
+    ``engine.memory_stats()`` has everything whatever this says."""
+
     cpu_threads: int | None = None
     """CPU threads inside each host-side kernel (CPU Adam, gradient folds), which run one block
     at a time in block order, so block 0 is ready first. ``None``: the intra-op thread count
@@ -420,6 +427,9 @@ class StrongholdConfig:
             if budget <= 0:
                 raise ValueError(f"StrongholdConfig.gpu_memory={self.gpu_memory!r}; use a positive size such as \"20GB\".")
             object.__setattr__(self, "gpu_memory", budget)
+        if self.log_metrics not in ("brief", "all"):
+            raise ValueError(f"StrongholdConfig.log_metrics={self.log_metrics!r}; use \"brief\" (four keys per "
+                             "logging step) or \"all\" (every counter).")
         for name in ("cpu_reserve", "gpu_reserve"):
             value = getattr(self, name)
             if value != "auto":

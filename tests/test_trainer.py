@@ -80,12 +80,9 @@ def test_trainer_parity(family, tmp_path):
     for k, v in sd_ref.items():
         torch.testing.assert_close(sd[k], v, rtol=1e-4, atol=ADAM_SLACK, msg=lambda m: f"{k}: {m}")
     logged = [h for h in t.state.log_history if "loss" in h][-1]
-    for key in ("stronghold_window_size", "stronghold_h2d_GBps", "stronghold_d2h_GBps", "stronghold_blocked_ms",
-                "stronghold_cpu_adam_ms", "stronghold_device_peak_MiB", "stronghold_pinned_host_GiB",
-                "stronghold_pageable_host_GiB", "stronghold_host_bytes_per_param", "stronghold_fetches",
-                "stronghold_host_blocks", "stronghold_promises_broken"):
-        assert key in logged
-    assert logged["stronghold_promises_broken"] == 0
+    # Four keys by default, beside the loss (log_metrics="all": test_the_full_set_of_keys_on_request).
+    assert {k for k in logged if k.startswith("stronghold_")} == {
+        "stronghold_window_size", "stronghold_device_peak_GiB", "stronghold_host_bytes_per_param", "stronghold_waits_ms"}
     # The ledger in the logs: 16 B per offloaded parameter with fp32 compute, plus bounded staging.
     assert 16.0 <= logged["stronghold_host_bytes_per_param"] < 24.0
     assert logged["stronghold_window_size"] == 1
@@ -505,3 +502,45 @@ def test_an_inference_only_model_of_another_architecture_ignores_the_trained_mod
     t.accelerator.prepare_model(teacher, evaluation_mode=True)
     engine = get_engine(teacher)
     assert engine is not None and engine.num_blocks == 3 and engine.blocks[0].fqn == "model.layers.0"
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_the_full_set_of_keys_on_request_and_one_summary_at_the_end(tmp_path):
+    """A run says what it did (#43): one start line, the full set of keys with
+    ``--stronghold_config '{"log_metrics": "all"}'``, in binary units, and one summary line when
+    training ends, naming the device."""
+    (args,) = HfArgumentParser(StrongholdTrainingArguments).parse_args_into_dataclasses(args=[
+        "--output_dir", str(tmp_path), "--stronghold", "--stronghold_config", '{"log_metrics": "all"}',
+        "--max_steps", "2", "--logging_steps", "1", "--per_device_train_batch_size", "2", "--use_cpu",
+        "--report_to", "none", "--save_strategy", "no"])
+    trainer_logger = logging.getLogger("transformers.trainer")  # transformers' loggers do not propagate
+    handler, level = _Lines(), trainer_logger.level
+    trainer_logger.addHandler(handler)
+    trainer_logger.setLevel(logging.INFO)
+    try:
+        t = StrongholdTrainer(model=tiny_model("gpt2"), args=args, train_dataset=TinyDataset("gpt2"))
+        t.train()
+    finally:
+        trainer_logger.removeHandler(handler)
+        trainer_logger.setLevel(level)
+    logged = [h for h in t.state.log_history if "loss" in h][-1]
+    for key in ("stronghold_h2d_GiBps", "stronghold_d2h_GiBps", "stronghold_cpu_adam_ms", "stronghold_pinned_host_GiB",
+                "stronghold_pageable_host_GiB", "stronghold_fetches", "stronghold_host_blocks",
+                "stronghold_promises_broken", "stronghold_device_peak_GiB", "stronghold_waits_ms"):
+        assert key in logged, key
+    assert logged["stronghold_promises_broken"] == 0
+    assert not any(k.endswith(("_MiB", "_GBps")) for k in logged)  # one unit system
+    lines = handler.lines
+    starts = [ln for ln in lines if ln.startswith("STRONGHOLD is on")]
+    ends = [ln for ln in lines if ln.startswith("STRONGHOLD done")]
+    assert len(starts) == 1 and len(ends) == 1, lines
+    assert "cpu (no GPU" in starts[0] and "GiB" in starts[0] and " GB " not in starts[0]
+    assert "device peak" in ends[0] and "B per offloaded parameter" in ends[0] and "fetches per step" in ends[0]

@@ -1,27 +1,49 @@
-"""What an offloaded run reports through the Trainer's log: its start line and its ``stronghold_*`` keys.
+"""What an offloaded run reports through the Trainer's log: one start line, a few keys per
+logging step, one end-of-run summary.
 
 `RunLog` owns every line and key the engine adds to the Trainer's output, so that changing what
-a run reports changes this module only:
+a run reports changes this module only. Read as a newcomer would (README command (a), HF's own
+``run_clm.py`` under the launcher):
 
 * one line when the Trainer is built ("STRONGHOLD is on: ..."), through transformers' logger so
-  that it shows at the Trainer's verbosity: the window, what is offloaded, the host memory and
-  the device/host split;
-* the ``stronghold_*`` keys added to each logging step that carries a ``loss``: transfer rates,
-  waits and CPU Adam time per step, the memory ledger, speculation and promises. Rates and
-  per-step figures cover the period since the previous logging step; the engine's counters are
-  reset after each read.
+  that it shows at the Trainer's verbosity: the model's blocks and the window, where the state
+  lives (the device named, host GiB and bytes per parameter), the device/host split;
+* the ``stronghold_*`` keys of each logging step that carries a ``loss``: by default four (the
+  window, the engine's device peak, host bytes per offloaded parameter, waits per step),
+  every counter with ``StrongholdConfig(log_metrics="all")``; rates and per-step figures cover
+  the period since the previous logging step, and the engine's counters are reset after each
+  read;
+* one summary when training ends: device peak, host (the engine's state and the process's peak
+  RSS), bytes per parameter, fetches per step, speculation.
 
-The engine's counters (``stats.py``) and ledger (``memory_stats``) are read, never changed
-beyond that reset.
+Sizes are binary throughout (GiB, GiB/s), as ``engine.memory_stats()`` and the estimator print
+them. The engine's counters (``stats.py``) and ledger (``memory_stats``) are read, never
+changed beyond that reset.
 """
 
 from __future__ import annotations
 
 import logging
+import resource
+import sys
 import time
 from typing import Any
 
 _hf_logger = logging.getLogger("transformers.trainer")
+GiB = 2**30
+
+
+def _device_name(engine: Any) -> str:
+    device = engine.device
+    if device.type == "cpu":
+        return "cpu (no GPU: the 'device' is host memory)"
+    import torch
+
+    return f"{device} ({torch.cuda.get_device_name(device)})"
+
+
+def _host_bytes(mem: dict) -> int:
+    return mem["pinned_host_bytes"] + mem["pageable_host_bytes"]
 
 
 class RunLog:
@@ -31,18 +53,20 @@ class RunLog:
         self._engine = engine
         self._t0 = time.perf_counter()
         self._steps = 0  # the global step at the start of the period
+        self._fetches = 0  # cumulative fetches at the start of the run
+        self._speculated = {"hits": 0, "misses": 0}
 
     def announce(self) -> None:
         """The start line."""
         engine = self._engine
         mem = engine.memory_stats()
+        self._fetches = mem["fetches"]
         _hf_logger.info(
-            f"STRONGHOLD is on: window_size={engine.window_size} of {engine.num_blocks} blocks, "
-            f"{mem['offloaded_params'] / 1e6:.1f} M offloaded parameters ({mem['offloaded_trainable_params'] / 1e6:.1f} M "
-            f"trainable), host_memory={engine.config.host_memory} ("
-            f"{'8-bit' if engine.config.host_memory == 'lean' else 'fp32'} Adam moments), host {(mem['pinned_host_bytes'] + mem['pageable_host_bytes']) / 2**30:.2f} GiB before optimizer "
-            f"state ({mem['pinned_host_bytes'] / 2**30:.2f} GiB pinned), CPU Adam threads={engine.worker.num_threads}, "
-            f"device {engine.device}; device/host split: {engine.split.reason}"
+            f"STRONGHOLD is on: {engine.num_blocks} blocks, window of {engine.window_size}, on "
+            f"{_device_name(engine)}; {mem['offloaded_params'] / 1e6:.1f} M parameters offloaded "
+            f"({mem['offloaded_trainable_params'] / 1e6:.1f} M trainable), {_host_bytes(mem) / GiB:.2f} GiB of host "
+            f"memory before the optimizer's state ({mem['host_bytes_per_param']:.1f} B per parameter; "
+            f"host_memory={engine.config.host_memory}); {engine.split.reason}"
         )
 
     def add_to(self, logs: dict[str, float], global_step: int) -> None:
@@ -60,30 +84,57 @@ class RunLog:
         steps = max(1, global_step - self._steps)
         mem = engine.memory_stats()  # the ledger (and, on CUDA, the copy times measured by events)
         counters = stats.as_dict()
+        self._speculated["hits"] += counters["speculation_hits"]
+        self._speculated["misses"] += counters["speculation_misses"]
         out = {
             "stronghold_window_size": engine.window_size,
-            "stronghold_h2d_GBps": round(counters["h2d_bytes"] / wall / 1e9, 3),
-            "stronghold_d2h_GBps": round(counters["d2h_bytes"] / wall / 1e9, 3),
-            "stronghold_blocked_ms": round(1e3 * counters["blocked_s"] / steps, 3),
-            "stronghold_cpu_adam_ms": round(1e3 * counters["cpu_adam_s"] / steps, 3),
-            "stronghold_forward_stall_ms": round(1e3 * counters["forward_stall_s"] / steps, 3),
-            "stronghold_device_peak_MiB": round(mem["device_peak_bytes"] / 2**20, 3),
-            "stronghold_pinned_host_GiB": round(mem["pinned_host_bytes"] / 2**30, 4),
-            "stronghold_pageable_host_GiB": round(mem["pageable_host_bytes"] / 2**30, 4),
-            "stronghold_host_bytes_per_param": round(mem["host_bytes_per_param"], 3),
-            "stronghold_fetches": mem["fetches"],
-            # Speculative updates during backward (speculation.py): how many blocks, how often the
-            # guess missed since training began, the update time moved into backward and the
-            # rollback time paid for misses, per step.
-            "stronghold_speculated_blocks": round(counters["speculated_blocks"] / steps, 2),
-            "stronghold_speculation_miss_rate": round(engine.coordinator.policy.miss_rate, 3),
-            "stronghold_speculative_update_ms": round(1e3 * counters["speculative_update_s"] / steps, 3),
-            "stronghold_rollback_ms": round(1e3 * counters["rollback_s"] / steps, 3),
-            # Waits that blocked the training or autograd thread, per step (stats.py), and the
-            # promises the first step found broken (promises.py; the warning names each).
-            "stronghold_host_blocks": round(counters["host_blocks"] / steps, 2),
-            "stronghold_promises_broken": mem["promises_broken"],
+            "stronghold_device_peak_GiB": round(mem["device_peak_bytes"] / GiB, 4),
+            "stronghold_host_bytes_per_param": round(mem["host_bytes_per_param"], 2),
+            # Waits that blocked the training or autograd thread, per step: 0 when the host keeps pace.
+            "stronghold_waits_ms": round(1e3 * counters["blocked_s"] / steps, 3),
         }
+        if engine.config.log_metrics == "all":
+            out.update({
+                "stronghold_h2d_GiBps": round(counters["h2d_bytes"] / wall / GiB, 3),
+                "stronghold_d2h_GiBps": round(counters["d2h_bytes"] / wall / GiB, 3),
+                "stronghold_cpu_adam_ms": round(1e3 * counters["cpu_adam_s"] / steps, 3),
+                "stronghold_forward_stall_ms": round(1e3 * counters["forward_stall_s"] / steps, 3),
+                "stronghold_pinned_host_GiB": round(mem["pinned_host_bytes"] / GiB, 4),
+                "stronghold_pageable_host_GiB": round(mem["pageable_host_bytes"] / GiB, 4),
+                "stronghold_fetches": mem["fetches"],
+                # Speculative updates during backward (speculation.py): how many blocks, how often
+                # the guess missed since training began, the update time moved into backward and
+                # the rollback time paid for misses, per step.
+                "stronghold_speculated_blocks": round(counters["speculated_blocks"] / steps, 2),
+                "stronghold_speculation_miss_rate": round(engine.coordinator.policy.miss_rate, 3),
+                "stronghold_speculative_update_ms": round(1e3 * counters["speculative_update_s"] / steps, 3),
+                "stronghold_rollback_ms": round(1e3 * counters["rollback_s"] / steps, 3),
+                # Waits per step by count (stats.py), and the promises the first step found broken
+                # (promises.py; the warning names each).
+                "stronghold_host_blocks": round(counters["host_blocks"] / steps, 2),
+                "stronghold_promises_broken": mem["promises_broken"],
+            })
         stats.reset()
         self._t0, self._steps = now, global_step
         return out
+
+    def summary(self, global_step: int) -> str:
+        """The end-of-run line: the device peak, the host, bytes per parameter, fetches, speculation."""
+        engine = self._engine
+        mem = engine.memory_stats()
+        counters = engine.stats.as_dict()
+        hits = self._speculated["hits"] + counters["speculation_hits"]
+        misses = self._speculated["misses"] + counters["speculation_misses"]
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+        steps = max(1, global_step)
+        return (
+            f"STRONGHOLD done after {global_step} steps: device peak {mem['device_peak_bytes'] / GiB:.2f} GiB on "
+            f"{_device_name(engine)} (the engine's window, gradient lanes and resident units); host "
+            f"{_host_bytes(mem) / GiB:.2f} GiB of engine state, {mem['host_bytes_per_param']:.1f} B per offloaded "
+            f"parameter (docs/user_guide.md, 'Where the bytes go'), process peak RSS {rss / GiB:.2f} GiB; "
+            f"{(mem['fetches'] - self._fetches) / steps:.1f} fetches per step; speculation: {hits} steps hit, "
+            f"{misses} missed"
+        )
+
+    def finish(self, global_step: int) -> None:
+        _hf_logger.info(self.summary(global_step))

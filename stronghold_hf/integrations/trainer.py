@@ -294,6 +294,8 @@ class _StrongholdTrainerMixin:
                 # engine's tensors (lifecycle.py); later steps restart the threads on demand.
                 # The engine stays open: the model is still offloaded and usable.
                 self.stronghold_engine.shutdown_workers()
+                if self.args.should_log:
+                    self._stronghold_log.finish(self.state.global_step)
             if self._stronghold_on and self.args.should_save:
                 checkpoints.remove_staging(self._get_output_dir(trial=None))
 
