@@ -203,11 +203,11 @@ class WindowEngine:
                                           promises=self.promises)
         stats = self.memory_stats()
         logger.info(
-            "stronghold: %d blocks (%s) and %d units outside them, window_size=%d, %.1f MB per slot on %s, "
-            "%d offloaded parameters (%d trainable), host_memory=%s, host_image=%s: host %.2f GB before optimizer state (%.1f "
+            "stronghold: %d blocks (%s) and %d units outside them, window_size=%d, %.1f MiB per slot on %s, "
+            "%d offloaded parameters (%d trainable), host_memory=%s, host_image=%s: host %.2f GiB before optimizer state (%.1f "
             "B/offloaded param), %d parameters left on the device", len(self.blocks), describe(block_specs), len(self.units) - len(self.blocks), self.window_size,
-            stats["slot_bytes"] / 1e6, device, stats["offloaded_params"], stats["offloaded_trainable_params"],
-            config.host_memory, self.host_image, (stats["pinned_host_bytes"] + stats["pageable_host_bytes"]) / 1e9, stats["host_bytes_per_param"],
+            stats["slot_bytes"] / 2**20, device, stats["offloaded_params"], stats["offloaded_trainable_params"],
+            config.host_memory, self.host_image, (stats["pinned_host_bytes"] + stats["pageable_host_bytes"]) / 2**30, stats["host_bytes_per_param"],
             sum(p.numel() for p in self.resident_parameters()),
         )
         if not self.split.streams_everything:

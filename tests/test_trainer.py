@@ -441,7 +441,7 @@ def test_start_line_says_stronghold_is_on(tmp_path):
             output_dir=str(tmp_path), stronghold=True, stronghold_window_size="2", **COMMON), train_dataset=TinyDataset("gpt2"))
     lines = [m for m in messages if "STRONGHOLD is on" in m]
     assert len(lines) == 1
-    assert "window_size=2 of 3 blocks" in lines[0] and "offloaded parameters" in lines[0] and "CPU Adam threads=" in lines[0]
+    assert "3 blocks, window of 2" in lines[0] and "parameters offloaded" in lines[0] and "GiB of host memory" in lines[0]
 
 
 def test_inference_only_models_prepared_next_to_the_trained_one_get_their_own_window(tmp_path, monkeypatch):
