@@ -120,12 +120,12 @@ def run_depth(depth: int, args) -> dict:
         "offloaded_params": stats["offloaded_params"],
         "device_peak_bytes": stats["device_peak_bytes"],
         "device_bound_bytes": (stats["window_bound_bytes"] + args.grad_buffers * stats["grad_buffer_bytes"]
-                               + stats["resident_unit_bytes"] + stats["resident_grad_bytes"]),
+                               + stats["rest_unit_bytes"] + stats["rest_grad_bytes"]),
         "host_bytes": host, "host_bytes_per_param": host / stats["offloaded_params"],
         "host_bytes_per_param_without_staging": (host - staging) / stats["offloaded_params"],
         "pinned_host_bytes": stats["pinned_host_bytes"], "staging_bytes": staging,
         "fetches_per_step": fetches,
-        "expected_fetches_per_step": 2 * stats["sequence_length"] - engine.window_size + stats["resident_units"],
+        "expected_fetches_per_step": 2 * stats["sequence_length"] - engine.window_size + stats["rest_units"],
         "losses_finite": all(math.isfinite(x) for x in losses),
         "saved_activation_peak_bytes": saved.peak,
     }

@@ -437,7 +437,7 @@ def split_rows(budgets: list[str], names: dict[str, str], refused: dict[str, str
             "ratio_vs_plain_paired": r["ratio_vs_plain_paired"]["median"] if r else None,
             "resident_share": (round(st["split_resident_params"] / st["model_trainable_params"], 4)
                                if st and st["model_trainable_params"] else None),
-            "resident_units": st["split_resident_units"] if st else None,
+            "rest_units": st["split_resident_units"] if st else None,
             "resident_bytes": st["split_resident_bytes"] if st else None,
             "offloaded_params": st["offloaded_trainable_params"] if st else None,
         }

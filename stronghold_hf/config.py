@@ -147,8 +147,8 @@ class StrongholdConfig:
 
     gpu_memory: int | str | None = None
     """The device bytes the engine may hold for the model (``"20GB"``, ``"512MiB"`` or bytes):
-    the resident units' parameters, gradients and Adam state, plus the streamed part's window,
-    gradient lanes and resident unit. Activations, the CUDA context and the allocator's cache
+    the rest units' parameters, gradients and Adam state, plus the streamed part's window,
+    gradient lanes and rest unit. Activations, the CUDA context and the allocator's cache
     come on top. ``None``: on CUDA, the free device memory at ``offload_model`` (within a per-process memory
     fraction, if one is set) less the reserve
     (``split.device_reserve_bytes``: a tenth of the device, at least 2 GiB, for activations and

@@ -70,7 +70,7 @@ def _is_plain_container(module: nn.Module) -> bool:
     return isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward
 
 
-UnitKind = Literal["block", "streamed", "resident"]
+UnitKind = Literal["block", "streamed", "rest"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +80,7 @@ class UnitSpec:
     ``kind`` says how it is used. A ``"block"`` is a repeated layer, used by its module's
     forward. A ``"streamed"`` unit is a large group of parameters outside the blocks (an
     embedding, an LM head; a tied embedding is one unit used at both ends), used by the
-    forwards of the modules that register it. The ``"resident"`` unit gathers every other
+    forwards of the modules that register it. The ``"rest"`` unit gathers every other
     parameter outside the blocks (norms, position embeddings, poolers, classifier heads):
     small, so it stays on the device from the model's forward to the end of its backward.
     """
@@ -242,7 +242,7 @@ class UnitPlan:
     """Every unit of a model, and the order in which a forward uses them.
 
     ``units``: the blocks (indices ``0..N-1``, execution order), then the streamed non-block
-    units, then the resident unit. ``sequence``: the unit at each forward position (blocks and
+    units, then the rest unit. ``sequence``: the unit at each forward position (blocks and
     streamed units; a tied embedding appears at both ends), which is what the window slides
     over. ``entry_positions``: for each module whose forward opens a use of a block or a
     streamed unit, the positions those uses have."""
@@ -279,7 +279,7 @@ def plan_units(model: nn.Module, stacks: list[BlockStack], *, offload_non_block:
     registered by two modules, as a tied embedding and LM head, joins their groups). A group
     registered only by modules outside the blocks, and holding at least ``stream_min_params``
     elements (default: half the largest block), streams through the window as its own unit;
-    every other non-block parameter joins the one resident unit. Parameters in ``keep``
+    every other non-block parameter joins the one rest unit. Parameters in ``keep``
     (``id()``s, split.py) stay on the device, in no unit; the rest is grouped as if they were
     in theirs, so a split changes which units exist, never what a unit holds."""
     every_block = build_block_specs(model, stacks)
@@ -346,7 +346,7 @@ def plan_units(model: nn.Module, stacks: list[BlockStack], *, offload_non_block:
     if by_dtype and frozen:
         parts[0] = sorted(parts[0] + frozen, key=lambda item: order[id(item[1])])
     for members in parts:
-        units.append(_non_block_spec(len(units), members, regs, "resident"))
+        units.append(_non_block_spec(len(units), members, regs, "rest"))
 
     # Forward positions, in module-registration order: the order HF models run their parts.
     unit_of_module: dict[int, int] = {id(s.module): s.index for s in blocks}
@@ -377,7 +377,7 @@ def _non_block_spec(index: int, members: list[tuple[str, nn.Parameter]],
         for m, local in regs[id(p)]:
             owners.setdefault(id(m), (m, []))[1].append((local, position[id(p)]))
     fqn = members[0][0].rsplit(".", 1)[0] if kind == "streamed" else "<non-block parameters>"
-    if kind == "resident" and len({p.dtype for _, p in members if p.requires_grad}) == 1:
+    if kind == "rest" and len({p.dtype for _, p in members if p.requires_grad}) == 1:
         dtypes = {p.dtype for _, p in members if p.requires_grad}
         fqn = f"<non-block parameters, {str(next(iter(dtypes))).replace('torch.', '')}>"
     return UnitSpec(index, fqn, tuple(members), None, kind, tuple((m, tuple(names)) for m, names in owners.values()))

@@ -38,7 +38,7 @@ class GradientFlush:
                  coordinator: StepCoordinator, worker: HostWorker, stats: EngineStats, dp,
                  device: torch.device) -> None:
         self.grad_queue = grad_queue  # the streamed units' K lanes (and one per unit used at several positions)
-        self.resident_queue = resident_queue  # one lane per resident unit, for the whole backward
+        self.resident_queue = resident_queue  # one lane per rest unit, for the whole backward
         self.coordinator = coordinator
         self.worker = worker
         self.stats = stats

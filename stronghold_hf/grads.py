@@ -20,7 +20,7 @@ staging buffers live as long as the engine. The ledger
 books both. A staging buffer holds the largest *block's* gradient: a larger unit (a
 vocabulary-sized embedding or head) crosses in pieces of half of it, two in flight, each next
 piece started by the fold once it has read the one before (`StagedGradient`), so Llama-3-8B's
-1 GiB head does not size every lane's pinned buffer. (The resident unit has a queue of its
+1 GiB head does not size every lane's pinned buffer. (The rest unit has a queue of its
 own with one lane of its size: it keeps its lane for the whole backward.)
 
 States of a lane::

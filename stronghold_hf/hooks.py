@@ -216,7 +216,7 @@ class UnitUse:
     The pre- and post-backward nodes hold the only strong references to it (through their
     callbacks), so when autograd frees a graph whose backward never ran, the use is
     collected and `__del__` tells the schedule that this use will never need the unit.
-    ``position`` is where in the forward sequence the use happened (-1 for the resident unit).
+    ``position`` is where in the forward sequence the use happened (-1 for the rest unit).
     """
 
     __slots__ = ("_schedule", "unit_index", "position", "backward_started", "done", "_pre_task", "__weakref__")
@@ -268,7 +268,7 @@ def install_module_hooks(schedule, model: nn.Module, plan, units: list) -> list[
     entry = plan.entry_positions
     for u in units:
         # A block's use is its forward; another unit's, the forward of a module that registers
-        # it (the model's own forward already holds the resident unit).
+        # it (the model's own forward already holds the rest unit).
         modules = [u.module] if u.kind == "block" else [m for m, _ in u.owners if m is not model]
         for m in modules:
             handles.append(m.register_forward_pre_hook(_pre_forward(schedule, u, entry.get(id(m))), with_kwargs=True))
@@ -276,7 +276,7 @@ def install_module_hooks(schedule, model: nn.Module, plan, units: list) -> list[
     for region in plan.head_regions:
         u = units[region.unit]
         handles.append(region.start.register_forward_hook(_region_start(schedule, u, region.position)))
-        # Before the model's own end hook (which closes the resident unit, opened earlier).
+        # Before the model's own end hook (which closes the rest unit, opened earlier).
         handles.append(region.model.register_forward_hook(_region_end(schedule, u), prepend=True, always_call=True))
     return handles
 

@@ -11,6 +11,7 @@ split, and the promises checked at the first step. Its keys are public API (docs
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from .param_watch import ParametersOutside
@@ -42,13 +43,20 @@ class MemoryReport:
     def stats(self) -> dict[str, float]:
         """The memory ledger: every byte this engine allocated, and its traffic so far.
 
-        ``device_bytes``/``device_peak_bytes``: unit slots and gradient lanes on the compute
-        device (activations are autograd's, counted apart in ``activation_*`` when checkpointed
-        inputs are offloaded). ``pinned_host_bytes``/``pageable_host_bytes``: arenas, staging,
+        ``device_total_peak_bytes``: the one figure for the device, everything the engine
+        holds there at its peak: the window's peak (``device_peak_bytes``), the parameters it
+        leaves on the device with their gradients (``device_parameter_bytes``, a full gradient
+        per trainable one) and Adam state (``device_optimizer_bytes``), and the checkpointed
+        inputs it keeps there (``activation_device_peak_bytes``). Autograd's other activations
+        and the loss are the model's; on CUDA ``device_allocator_peak_bytes`` is the
+        allocator's peak for the process, which includes them (0 on a CPU device).
+        ``device_bytes``/``device_peak_bytes``: the window's part, unit slots, gradient lanes
+        and the rest units on the compute device. ``pinned_host_bytes``/``pageable_host_bytes``: arenas, staging,
         and the CPU optimizer's state. ``device_optimizer_bytes``: optimizer state on the
-        device (0 unless ``offload_non_block=False``). ``offloaded_trainable_params``: trainable
+        device (the split's resident units', and everything outside the blocks with
+        ``offload_non_block=False``). ``offloaded_trainable_params``: trainable
         parameters whose master and optimizer state live on the host (by default every
-        trainable parameter of the model). ``blocks_resident``, ``grads_in_flight``: right now.
+        trainable parameter of the model). ``slots_in_use``, ``grads_in_flight``: right now.
         ``h2d_bytes``, ``d2h_bytes``, ``fetches``: cumulative. ``host_bytes_per_param``: host
         bytes over offloaded parameters. ``host_image_bytes``: the pinned compute-dtype image
         (``host_image``); ``fetch_staging_bytes``: the ring that replaces it when dropped;
@@ -63,7 +71,8 @@ class MemoryReport:
         ``split_resident_params``, ``split_resident_bytes`` (their parameters, gradients and
         Adam state as planned), ``split_budget_bytes`` (0: none). Every parameter left on the
         device (the split's, or outside the units): ``device_parameter_bytes`` and
-        ``device_grad_bytes`` now, and its Adam state in ``device_optimizer_bytes``."""
+        ``device_grad_bytes`` now, and its Adam state in ``device_optimizer_bytes`` (0 when
+        everything streams)."""
         schedule = self.schedule
         units = schedule.units
         grad_queue, resident_queue = schedule.gradients.grad_queue, schedule.gradients.resident_queue
@@ -74,7 +83,7 @@ class MemoryReport:
         out["optimizer_state_bytes"] = opt_bytes
         out["pageable_host_bytes"] += opt_bytes
         out["device_optimizer_bytes"] = self.coordinator.device_optimizer_state_bytes()
-        out["blocks_resident"] = len(schedule.slots.pool.in_use)
+        out["slots_in_use"] = len(schedule.slots.pool.in_use)
         out["grads_in_flight"] = grad_queue.busy
         offloaded = sum(e.numel for u in units for e in u.layout.entries)
         trainable = sum(e.numel for u in units for e in u.layout.entries if e.trainable)
@@ -84,15 +93,15 @@ class MemoryReport:
         out["host_bytes_per_param"] = (out["pinned_host_bytes"] + out["pageable_host_bytes"]) / max(offloaded, 1)
         out["window_size"] = window_size
         # Forward positions the window slides over (blocks and streamed units; a tied embedding
-        # counts at both ends), and whether a resident unit visits once per step besides: a
-        # training step fetches 2 x positions - W + resident units (the turn is free).
+        # counts at both ends), and whether a rest unit visits once per step besides: a
+        # training step fetches 2 x positions - W + rest units (the turn is free).
         out["sequence_length"] = len(schedule.sequence)
-        out["resident_units"] = len(schedule.resident_units)
-        streamed = [u for u in units if u.kind != "resident"]
+        out["rest_units"] = len(schedule.rest_units)
+        streamed = [u for u in units if u.kind != "rest"]
         out["slot_bytes"] = max((u.slot_bytes for u in streamed), default=0)
         out["window_bound_bytes"] = sum(sorted((u.slot_bytes for u in streamed), reverse=True)[: window_size + 1])
-        out["resident_unit_bytes"] = sum(u.slot_bytes for u in schedule.resident_units)
-        out["resident_grad_bytes"] = (resident_queue.max_bytes * resident_queue.num_lanes
+        out["rest_unit_bytes"] = sum(u.slot_bytes for u in schedule.rest_units)
+        out["rest_grad_bytes"] = (resident_queue.max_bytes * resident_queue.num_lanes
                                       if resident_queue is not None else 0)
         out["grad_buffer_bytes"] = grad_queue.max_bytes
         out["grad_lanes"] = grad_queue.num_lanes  # K, plus one per unit used at several positions
@@ -128,6 +137,15 @@ class MemoryReport:
         kept = self.device_parameters.get()
         out["device_parameter_bytes"] = sum(p.numel() * p.element_size() for p in kept)
         out["device_grad_bytes"] = sum(p.grad.numel() * p.grad.element_size() for p in kept if p.grad is not None)
+        # One figure for everything the engine holds on the device at its peak: the window's
+        # peak, the parameters it leaves there with a full gradient each (trainable ones) and
+        # their Adam state, and the checkpointed inputs it keeps on the device. On CUDA the
+        # allocator's peak for the process (activations and the loss included) stands next to it.
+        full_grads = sum(p.numel() * p.element_size() for p in kept if p.requires_grad)
+        out["device_total_peak_bytes"] = (out["device_peak_bytes"] + out["device_parameter_bytes"] + full_grads
+                                          + out["device_optimizer_bytes"] + out["activation_device_peak_bytes"])
+        device = self.transfer.device
+        out["device_allocator_peak_bytes"] = (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0)
         # What the first step checked (promises.py): promise_<name> 1.0 held, 0.0 not; absent until checked.
         out.update(self.promises.stats())
         out.update(schedule.checkpoint_watch.stats())

@@ -103,7 +103,7 @@ class WindowSchedule:
         self.plan = plan
         self.units = units
         self.blocks = [u for u in units if u.kind == "block"]
-        self.resident_units = [u for u in units if u.kind == "resident"]
+        self.rest_units = [u for u in units if u.kind == "rest"]
         self.sequence = list(plan.sequence)  # unit index at each forward position
         self.positions_of: dict[int, list[int]] = {}
         for pos, u in enumerate(self.sequence):
@@ -143,7 +143,7 @@ class WindowSchedule:
         return self.slots.window_size
 
     def release(self, u: Unit) -> None:
-        """Ships ``u``'s gradients and evicts it now (load_state_dict on a resident unit)."""
+        """Ships ``u``'s gradients and evicts it now (load_state_dict on a rest unit)."""
         self.slots.release(u, backward=self.phase is Phase.BACKWARD)
 
     # ------------------------------------------------------------------ positions
@@ -158,8 +158,8 @@ class WindowSchedule:
 
     @property
     def resident_unit(self) -> Unit | None:
-        """The first resident unit (there is one per dtype of the small parameters' gradients)."""
-        return self.resident_units[0] if self.resident_units else None
+        """The first rest unit (there is one per dtype of the small parameters' gradients)."""
+        return self.rest_units[0] if self.rest_units else None
 
     # ------------------------------------------------------------------ hooks: forward
     # The module hooks that call these are installed by hooks.install_module_hooks.
@@ -174,7 +174,7 @@ class WindowSchedule:
             # gradient_checkpointing_enable() may have set new checkpoint functions since the last forward.
             self.checkpoint_watch.install(self)
         changed = None
-        for u in self.resident_units:
+        for u in self.rest_units:
             self._open(u, None, None)
             wrapped = self._wrap_open_inputs(*(changed or (args, kwargs)))
             changed = wrapped or changed
@@ -194,7 +194,7 @@ class WindowSchedule:
                 "forward, so their weights were not streamed (on a GPU they are host memory). If the model calls "
                 "its layers some other way, pass StrongholdConfig(block_classes=[...]) naming the layer class the "
                 "forward calls.", type(module).__name__, self.num_blocks, self.blocks[0].fqn, self.blocks[-1].fqn)
-        for u in reversed(self.resident_units):
+        for u in reversed(self.rest_units):
             output = self._close(u, output)
         if self.average_resident_grads is not None and torch.is_grad_enabled() and not _raised():
             register_pre_backward(self.average_resident_grads, output)

@@ -13,7 +13,7 @@ engine lays out any unit; `discovery.plan_units` then leaves the chosen paramete
 every unit. ``"auto"`` fills the budget in order of what residency saves per byte
 (`preference`):
 
-1. the small parameters outside the blocks (the resident unit): they visit the device on every
+1. the small parameters outside the blocks (the rest unit): they visit the device on every
    step, and their CPU update is the first the next forward waits for;
 2. units fetched twice per step (in forward, and again in backward because the turn does not
    keep them): a tied embedding (used at both ends: three fetches), then blocks from the first,
@@ -23,7 +23,7 @@ every unit. ``"auto"`` fills the budget in order of what residency saves per byt
 
 Every candidate's cost is its device bytes (`resident_bytes`: the parameters, and for
 trainable ones an fp32 gradient and two fp32 Adam moments, 16 B/param); the streamed rest
-keeps its window, gradient lanes and resident unit (`streamed_bytes`), and the two together
+keeps its window, gradient lanes and rest unit (`streamed_bytes`), and the two together
 stay within the budget. Activations are not in the budget: on CUDA the reserve
 (`device_reserve_bytes`) leaves room for them; an explicit ``gpu_memory`` is the model's share.
 
@@ -63,7 +63,7 @@ class DeviceSplit:
     resident_blocks: int
     resident_params: int  # parameters kept on the device by the split
     resident_bytes: int  # their device bytes with gradients and Adam state (`resident_bytes`)
-    streamed_bytes: int  # the streamed rest's window, lanes and resident unit, and parameters outside every unit
+    streamed_bytes: int  # the streamed rest's window, lanes and rest unit, and parameters outside every unit
     budget: int | None  # the device bytes the split had (None: no budget)
     reason: str
     kept_param_ids: frozenset[int] = frozenset()  # id() of every parameter the split keeps
@@ -125,9 +125,9 @@ def streamed_bytes(plan: UnitPlan, kept: set[int], *, window_size: int, grad_buf
                    param_dtype: torch.dtype | None) -> int:
     """The device bytes of what still streams when the units ``kept`` (indices) are resident:
     ``W + 1`` slots of the largest streamed units, ``K`` gradient lanes (one more per unit used
-    at several positions) of the largest trainable one, and the resident unit with its lane."""
-    streamed = [u for u in plan.units if u.index not in kept and u.kind != "resident"]
-    small = [u for u in plan.units if u.index not in kept and u.kind == "resident"]
+    at several positions) of the largest trainable one, and the rest unit with its lane."""
+    streamed = [u for u in plan.units if u.index not in kept and u.kind != "rest"]
+    small = [u for u in plan.units if u.index not in kept and u.kind == "rest"]
     out = sum(_slot_bytes(u, param_dtype) + _grad_bytes(u, param_dtype) for u in small)
     if streamed:
         slots = sorted((_slot_bytes(u, param_dtype) for u in streamed), reverse=True)
@@ -156,7 +156,7 @@ def preference(plan: UnitPlan, window_size: int) -> list[UnitSpec]:
     for pos, u in enumerate(plan.sequence):
         first.setdefault(u, pos)
     candidates = [u for u in plan.units if eligible(u)]
-    return sorted(candidates, key=lambda u: (u.kind != "resident", -fetches_per_step(plan, u.index, window_size),
+    return sorted(candidates, key=lambda u: (u.kind != "rest", -fetches_per_step(plan, u.index, window_size),
                                              first.get(u.index, -1), u.index))
 
 

@@ -27,7 +27,7 @@ from .unit import Residency, Unit
 
 def install_state_dict_hooks(u: Unit, *, schedule, coordinator, reads) -> list[Any]:
     """The hooks on every module that registers ``u``'s parameters. ``schedule`` evicts a
-    resident unit before a load, ``coordinator`` has its update waited for, ``reads``
+    rest unit before a load, ``coordinator`` has its update waited for, ``reads``
     (host_reads.py) says whether every rank is gathering (``full_state_dict``)."""
     handles = []
     loaded: list[str] = []  # sharded load_state_dict: keys the pre-hooks took, until the post-hook reads them

@@ -1,7 +1,7 @@
 """One unit: what it is, and its residency state machine with its device slot.
 
 A *unit* is what moves between host and device together: a block (a transformer layer), a
-large parameter group outside the blocks (an embedding, an LM head), or the resident unit
+large parameter group outside the blocks (an embedding, an LM head), or the rest unit
 that gathers the small rest (``discovery.py``). All three have the same mechanics, below;
 only the schedule (``schedule.py``) treats them differently, and a unit never calls it.
 
@@ -77,7 +77,7 @@ class Unit:
         self.layout: BlockLayout = layout_block(spec.fqn, list(spec.params), param_dtype, shards, grad_align)
         lay = self.layout
         self.trainable = lay.grad_numel > 0  # the layout is fixed
-        self.streamed = self.kind != "resident"  # moves through the window (the resident unit visits)
+        self.streamed = self.kind != "rest"  # moves through the window (the rest unit visits)
         self.read_guard = ReadGuard(self.params)  # reads between steps (read_guard.py)
         self.host = UnitHost(self.index, self.fqn, self.names, self.params, lay, host=host, transfer=transfer, dp=dp,
                              fetch_staging=fetch_staging, disk_masters=disk_masters)
@@ -100,14 +100,14 @@ class Unit:
         # [Note: aliasing the host on a CPU device] When the compute device is the CPU itself
         # (synchronous copies) and this rank holds the whole unit, a fetch would copy host
         # memory into more host memory: the parameters then point at the image itself while
-        # "resident" (the bytes a fetch would have copied, in the compute dtype). The state
+        # on the device (the bytes a fetch would have copied, in the compute dtype). The state
         # machine, the pool and the ledger run as on a GPU (the ledger books the slot as device
         # memory and the fetch as traffic); only the memcpy and the allocation are skipped.
         # The simulated GPU-like mode and CUDA copy for real.
         # Without a host image there is no compute-dtype copy to alias: the slot is real memory.
         self.alias_host = transfer.mode == "sync" and not self.sharded and self.host.fetch_staging is None
         self._alias_views = self.host.image_views if self.alias_host else None
-        # fp32 compute on a CPU device: the image the parameters alias while "resident" is the
+        # fp32 compute on a CPU device: the image the parameters alias while on the device is the
         # masters' own memory, so fetch and evict leave the parameters' .data as it is.
         self._alias_is_host = self.alias_host and all(
             a is not None and a.data_ptr() == h.data_ptr() and a.dtype == h.dtype and a.shape == h.shape
@@ -140,7 +140,7 @@ class Unit:
             host = self.host
             host.adopt_host_writes()
             host.refresh_image()
-            if self.pool is not None:  # the resident unit is outside the window's pool
+            if self.pool is not None:  # the rest unit is outside the window's pool
                 self.pool.acquire(self.index)
             self.ledger.device_alloc(self.slot_bytes)
             if self.alias_host:  # [Note: aliasing the host on a CPU device]

@@ -108,7 +108,7 @@ class WindowEngine:
         staging = None if self.host_image else FetchStaging(self.transfer, self.host.allocate, 0)
         self.units: list[Unit] = [
             Unit(s, device=device, param_dtype=d, host=self.host, transfer=self.transfer,
-                 pool=self.pool if s.kind != "resident" else None, ledger=self.ledger, dp=self.dp,
+                 pool=self.pool if s.kind != "rest" else None, ledger=self.ledger, dp=self.dp,
                  grad_align=choices.grad_align, fetch_staging=staging, compute_grads=choices.compute_grads,
                  disk_masters=self.disk_masters)
             for s, d in zip(specs, dtypes)
@@ -125,8 +125,8 @@ class WindowEngine:
         inline = config.host_worker == "inline" or (config.host_worker == "auto" and not self.transfer.is_async
                                                     and device.type == "cpu")
         self.worker = HostWorker(config.resolved_cpu_threads(), inline=inline)
-        streamed = [u for u in self.units if u.kind != "resident"]
-        resident = [u for u in self.units if u.kind == "resident" and u.trainable]
+        streamed = [u for u in self.units if u.kind != "rest"]
+        resident = [u for u in self.units if u.kind == "rest" and u.trainable]
         # Pinned staging of the largest block's gradient shard: larger units cross in pieces (grads.py).
         blocks = [self._shard_bytes(u) for u in streamed if u.kind == "block"]
         # One lane more per trainable unit used at several positions: it keeps its lane between
@@ -159,7 +159,7 @@ class WindowEngine:
             cap = None
             if config.gpu_memory is not None:  # the budget's rest, and the slots the plan counted already
                 split = self.split
-                slot = max(u.slot_bytes for u in self.units if u.kind != "resident")
+                slot = max(u.slot_bytes for u in self.units if u.kind != "rest")
                 cap = split.budget - split.resident_bytes - split.streamed_bytes + (window_size + 1) * slot
             self.schedule.probe = AutoWindowProbe(self.blocks, device, window_bytes_cap=cap)
         self.schedule.activations = ActivationStore(transfer=self.transfer, ledger=self.ledger, host=self.host,
@@ -167,9 +167,9 @@ class WindowEngine:
         self.promises = Promises()
         self.schedule.checkpoint_watch = CheckpointWatch(model, {id(u.module): u for u in self.blocks}, self.promises)
         first_position = {u: min(ps) for u, ps in self.schedule.positions_of.items()}
-        # The order the next forward needs the units in: the resident unit (the model's forward
+        # The order the next forward needs the units in: the rest unit (the model's forward
         # starts with it), then by first position. CPU updates run in this order.
-        self.update_order = sorted(self.units, key=lambda u: (u.kind != "resident",
+        self.update_order = sorted(self.units, key=lambda u: (u.kind != "rest",
                                                               first_position.get(u.index, len(self.units) + u.index)))
         self._closed = False
         from . import lifecycle

@@ -75,7 +75,7 @@ def test_two_forwards_one_backward(window_size):
     assert engine.resident_blocks() == []
     stats = engine.memory_stats()
     assert stats["device_peak_bytes"] <= (stats["window_bound_bytes"] + 2 * stats["grad_buffer_bytes"]
-                                          + stats["resident_unit_bytes"] + stats["resident_grad_bytes"])
+                                          + stats["rest_unit_bytes"] + stats["rest_grad_bytes"])
 
 
 def test_two_forwards_with_delayed_copies():
@@ -243,7 +243,7 @@ def test_list_of_lists_streams_the_layers_it_holds():
     assert engine.memory_stats()["h2d_bytes"] > 0
     stats = engine.memory_stats()
     assert stats["sequence_length"] == engine.num_blocks  # a small embedding: everything else is the resident unit
-    assert stats["fetches"] == 3 * (2 * engine.num_blocks - 1 + stats["resident_units"])
+    assert stats["fetches"] == 3 * (2 * engine.num_blocks - 1 + stats["rest_units"])
 
 
 class _DictBlock(torch.nn.ModuleDict):

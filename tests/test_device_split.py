@@ -31,13 +31,6 @@ FAMILIES = {
 }
 
 
-def _device_total(stats) -> float:
-    """Everything the engine keeps on the device at its peak: the ledger's window, lanes and
-    resident unit, and the parameters left on the device with their gradients and Adam state."""
-    return (stats["device_peak_bytes"] + stats["device_parameter_bytes"] + stats["device_grad_bytes"]
-            + stats["device_optimizer_bytes"])
-
-
 @pytest.mark.parametrize("split", [dict(resident=1), dict(resident=2), dict(gpu_memory=WHOLE)],
                          ids=["one-block", "two-blocks", "whole"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -52,6 +45,24 @@ def test_parity_in_every_split(family, split):
     stats = engine.memory_stats()
     kept = stats["split_resident_params"]
     assert kept > 0 and stats["offloaded_trainable_params"] == stats["model_trainable_params"] - kept
+
+
+def test_one_device_figure_counts_the_resident_units_and_their_state():
+    """``device_total_peak_bytes`` is everything the engine holds on the device: with nothing
+    resident it is the window's peak; with one block resident it adds that block's fp32
+    parameters, their gradients and both Adam moments (16 B per parameter) after a step."""
+    for ref, model, engine in (streamed_pair := _pair(lambda: tiny_model("llama"), window_size=1, resident=False),
+                               _pair(lambda: tiny_model("llama"), window_size=1, resident=1)):
+        _train_both(ref, model, engine, _lm_loss("llama"), steps=1)
+    streamed = streamed_pair[2]
+    s, r = streamed.memory_stats(), engine.memory_stats()
+    assert s["device_total_peak_bytes"] == s["device_peak_bytes"] > 0
+    kept = r["split_resident_params"]
+    assert kept > 0 and r["device_optimizer_bytes"] >= 8 * kept  # two fp32 moments, and the step counts
+    assert r["device_total_peak_bytes"] == (r["device_peak_bytes"] + r["device_parameter_bytes"]
+                                            + 4 * kept + r["device_optimizer_bytes"])
+    assert r["device_total_peak_bytes"] - r["device_peak_bytes"] >= 16 * kept
+    assert r["device_allocator_peak_bytes"] == 0  # a CPU device has no allocator to ask
 
 
 def test_everything_streams_on_a_cpu_device_unless_given_a_budget():
@@ -86,7 +97,7 @@ def test_auto_keeps_what_fits_and_the_device_stays_within_gpu_memory():
             opt.zero_grad(set_to_none=False)  # keeps the resident gradients: the peak holds them
         engine.synchronize()
         stats = engine.memory_stats()
-        assert _device_total(stats) <= budget, (budget, stats)
+        assert stats["device_total_peak_bytes"] <= budget, (budget, stats)
         kept.append(stats["split_resident_params"])
         h2d.append(stats["h2d_bytes"])
     assert kept[0] == 0 and kept == sorted(kept) and kept[-1] == sum(p.numel() for p in make().parameters())

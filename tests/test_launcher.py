@@ -295,8 +295,8 @@ def test_trl_preference_and_rl_scripts_unchanged_train_with_stronghold(tmp_path,
         assert ledger["split_resident_blocks"] == (2 if run.endswith("_split") else 0)
         # One forward per step over every position (blocks, and units outside them that stream),
         # and the resident unit once.
-        assert ledger["fetches"] == 3 * (ledger["sequence_length"] + ledger["resident_units"])
-        assert ledger["device_peak_bytes"] <= ledger["window_bound_bytes"] + ledger["resident_unit_bytes"]
+        assert ledger["fetches"] == 3 * (ledger["sequence_length"] + ledger["rest_units"])
+        assert ledger["device_peak_bytes"] <= ledger["window_bound_bytes"] + ledger["rest_unit_bytes"]
 
 
 def _sft_build():

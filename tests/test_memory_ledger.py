@@ -37,8 +37,8 @@ def _gpt2(layers, width=64, **kw):
 def device_bound(stats, lanes):
     """Everything the engine may hold on the device at once: W+1 slots of the largest streamed
     units, K lanes, the resident unit and its own gradient buffer."""
-    return (stats["window_bound_bytes"] + lanes * stats["grad_buffer_bytes"] + stats["resident_unit_bytes"]
-            + stats["resident_grad_bytes"])
+    return (stats["window_bound_bytes"] + lanes * stats["grad_buffer_bytes"] + stats["rest_unit_bytes"]
+            + stats["rest_grad_bytes"])
 
 
 @pytest.mark.parametrize("window_size", [1, 2])
@@ -67,7 +67,7 @@ def test_resident_and_in_flight_bounds_hold_at_every_hook():
 
     def observe(*_args, **_kwargs):
         s = engine.memory_stats()
-        seen.append((s["blocks_resident"], s["grads_in_flight"]))
+        seen.append((s["slots_in_use"], s["grads_in_flight"]))
 
     for b in engine.blocks:
         b.module.register_forward_pre_hook(lambda m, a: observe())
@@ -123,8 +123,8 @@ def test_frozen_blocks_move_no_gradients():
     trainable = resident.layout.grad_numel
     assert stats["d2h_bytes"] == 4 * trainable and stats["offloaded_trainable_params"] == trainable
     assert stats["optimizer_state_bytes"] == 8 * trainable + 4 * len(resident.layout.trainable)
-    assert stats["device_peak_bytes"] <= 2 * stats["slot_bytes"] + stats["resident_unit_bytes"] + \
-        stats["resident_grad_bytes"]
+    assert stats["device_peak_bytes"] <= 2 * stats["slot_bytes"] + stats["rest_unit_bytes"] + \
+        stats["rest_grad_bytes"]
     assert engine.grad_queue.max_bytes == 0
 
 
@@ -157,7 +157,7 @@ def test_host_bytes_per_parameter(family, param_dtype, host_grads, budget):
     staging = _staging(engine)  # K pinned staging buffers (and the resident unit's one), bounded
     per_param = _host_bytes_per_param(stats, staging)
     assert budget - 0.2 <= per_param <= budget + 0.2, stats  # + 64-byte alignment of each buffer
-    assert staging <= 2 * stats["slot_bytes"] + stats["resident_grad_bytes"] + 3 * 4096
+    assert staging <= 2 * stats["slot_bytes"] + stats["rest_grad_bytes"] + 3 * 4096
 
 
 def test_pinning_budget_and_pageable_fallback():

@@ -25,8 +25,8 @@ BIG_VOCAB = dict(vocab_size=1024)  # 1024 x 32 embedding: larger than half a blo
 
 
 def _device_bound(stats):
-    return (stats["window_bound_bytes"] + stats["grad_lanes"] * stats["grad_buffer_bytes"] + stats["resident_unit_bytes"]
-            + stats["resident_grad_bytes"])
+    return (stats["window_bound_bytes"] + stats["grad_lanes"] * stats["grad_buffer_bytes"] + stats["rest_unit_bytes"]
+            + stats["rest_grad_bytes"])
 
 
 def _pair(make, **config):
@@ -120,7 +120,7 @@ def test_tied_embedding_is_one_unit_used_at_both_ends():
         stats = engine.memory_stats()
         # Each position crosses once per forward and once per backward, minus the W the turn
         # finds resident; the resident unit once.
-        assert stats["fetches"] - before == 2 * len(seq) - 1 + stats["resident_units"]
+        assert stats["fetches"] - before == 2 * len(seq) - 1 + stats["rest_units"]
     assert engine.stats.as_dict()["late_gradients"] == 0
 
 
@@ -173,7 +173,7 @@ def test_classification_head_and_pooler_train_like_plain():
         return m(**b).loss
 
     ref, model, engine = _pair(make, window_size=1)
-    resident = {p for u in engine.schedule.resident_units for p in u.params}
+    resident = {p for u in engine.schedule.rest_units for p in u.params}
     assert model.classifier.weight in resident and model.bert.pooler.dense.weight in resident
     _train_both(ref, model, engine, loss_fn)
 

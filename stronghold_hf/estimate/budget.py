@@ -16,12 +16,12 @@ untied head, in the stored dtype for embeddings and norms):
   compute-dtype copy replace the image. With bf16 compute and ``host_grads`` ``"compute"``
   (``"auto"`` without gradient accumulation) the gradients of bf16 units cost 2 B, not 4.
   Frozen parameters: their stored bytes only. ``K`` (``grad_buffers``) pinned gradient staging buffers of the largest streamed
-  unit, one of each resident unit. With activation offload, host buffers for the checkpointed
+  unit, one of each rest unit. With activation offload, host buffers for the checkpointed
   inputs. Plus a fixed process allowance (`CPU_PROCESS_BYTES`). This is what the engine's
   memory ledger books (a test holds the two within 5%).
 * GPU, what the engine owns (the ledger's ``device_peak_bytes``, within 5%): the window, the
   most any ``W + 1`` consecutive positions of the sequence hold (a tied embedding counts at
-  both ends); ``K`` gradient lanes of the largest trainable streamed unit; the resident units
+  both ends); ``K`` gradient lanes of the largest trainable streamed unit; the rest units
   and their gradient buffers. With ``offload_non_block=False`` the parameters outside the
   blocks stay on the GPU instead, with a device AdamW at 16 B/param (18 under mixed precision:
   HF keeps them fp32 and autocast adds a compute copy).
@@ -133,12 +133,12 @@ def _assemble(
     if requested != "auto" and requested > positions:
         notes.append(f"window_size={requested} exceeds the {positions} streamed units; evaluated at {positions}")
     units = counts.units
-    streamed = [u for u in units if u.kind != "resident"]
-    resident = [u for u in units if u.kind == "resident"]
+    streamed = [u for u in units if u.kind != "rest"]
+    resident = [u for u in units if u.kind == "rest"]
 
     # CPU: every unit's host bytes (masters, gradients, Adam state, pinned images; frozen:
     # stored bytes), K pinned staging buffers of the largest streamed gradient, one for each
-    # resident unit, the activation buffers, the process itself.
+    # rest unit, the activation buffers, the process itself.
     trainable = sum(u.trainable for u in units)
     master = sum(4 * u.trainable for u in units)
     unit_adam = [u.lean_adam_bytes if host_memory == "lean" else ADAM_STATE_BYTES * u.trainable for u in units]
@@ -224,7 +224,7 @@ def _assemble(
     state_per_param = 16 if c == 4 else 18
     # A unit used at several positions (a tied embedding) keeps a lane of its own between its
     # backward uses: one more lane each (schedule.release).
-    parked = sum(1 for i, u in enumerate(units) if u.kind != "resident" and u.trainable
+    parked = sum(1 for i, u in enumerate(units) if u.kind != "rest" and u.trainable
                  and counts.sequence.count(i) > 1)
     lanes = (grad_buffers + parked) * lane
     if offload_non_block:

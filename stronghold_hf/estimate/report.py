@@ -58,11 +58,11 @@ class Estimate:
     cpu_nvme_ring_bytes: int
     nvme_masters: bool  # the fp32 masters are on disk too (then cpu_master_bytes is 0)
     # GPU side (STRONGHOLD)
-    gpu_resident_bytes: int  # outside the window: resident units and their gradients, or (offload_non_block=False) params + grads + AdamW
+    gpu_resident_bytes: int  # outside the window: rest units and their gradients, or (offload_non_block=False) params + grads + AdamW
     gpu_window_bytes: int
     gpu_slot_bytes: int  # the largest streamed unit's device copy
     gpu_grad_buffer_bytes: int
-    gpu_engine_bytes: int  # what the ledger's device_peak_bytes counts: window + lanes + resident units
+    gpu_engine_bytes: int  # what the ledger's device_peak_bytes counts: window + lanes + rest units
     gpu_block_activation_bytes: int
     gpu_head_activation_bytes: int  # the final norm, the logits (whole or one chunk) and the head's gradient sum
     gpu_workspace_bytes: int
@@ -197,7 +197,7 @@ def _table(e: Estimate) -> str:
 
     c = _NBYTES[e.dtype]
     ckpt = "on" if e.gradient_checkpointing else "off"
-    outside = ("resident units and their gradients" if e.offload_non_block else
+    outside = ("rest units and their gradients" if e.offload_non_block else
                f"outside the blocks: params+grads+Adam ({16 if c == 4 else 18} B)")
     loss = "loss (final norm, a chunk of logits, head grad)" if e.chunked_loss else "loss (final norm, whole logits)"
     lines = [

@@ -42,6 +42,11 @@ def _device_name(engine: Any) -> str:
     return f"{device} ({torch.cuda.get_device_name(device)})"
 
 
+def _allocator_peak(mem: dict[str, float]) -> str:
+    peak = mem["device_allocator_peak_bytes"]
+    return f", allocator peak {peak / GiB:.2f} GiB with activations" if peak else ""
+
+
 def _host_bytes(mem: dict) -> int:
     return mem["pinned_host_bytes"] + mem["pageable_host_bytes"]
 
@@ -88,7 +93,7 @@ class RunLog:
         self._speculated["misses"] += counters["speculation_misses"]
         out = {
             "stronghold_window_size": engine.window_size,
-            "stronghold_device_peak_GiB": round(mem["device_peak_bytes"] / GiB, 4),
+            "stronghold_device_peak_GiB": round(mem["device_total_peak_bytes"] / GiB, 4),
             "stronghold_host_bytes_per_param": round(mem["host_bytes_per_param"], 2),
             # Waits that blocked the training or autograd thread, per step: 0 when the host keeps pace.
             "stronghold_waits_ms": round(1e3 * counters["blocked_s"] / steps, 3),
@@ -128,8 +133,9 @@ class RunLog:
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
         steps = max(1, global_step)
         return (
-            f"STRONGHOLD done after {global_step} steps: device peak {mem['device_peak_bytes'] / GiB:.2f} GiB on "
-            f"{_device_name(engine)} (the engine's window, gradient lanes and resident units); host "
+            f"STRONGHOLD done after {global_step} steps: device peak {mem['device_total_peak_bytes'] / GiB:.2f} GiB on "
+            f"{_device_name(engine)} (what the engine holds there: window, lanes, rest and resident units, "
+            f"their state){_allocator_peak(mem)}; host "
             f"{_host_bytes(mem) / GiB:.2f} GiB of engine state, {mem['host_bytes_per_param']:.1f} B per offloaded "
             f"parameter (docs/user_guide.md, 'Where the bytes go'), process peak RSS {rss / GiB:.2f} GiB; "
             f"{(mem['fetches'] - self._fetches) / steps:.1f} fetches per step; speculation: {hits} steps hit, "
