@@ -314,7 +314,7 @@ def estimator_bounds(opts) -> dict:
             gpt2_config(opts, n_layer), seq_len=opts.seq, batch_size=opts.batch, dtype=opts.precision,
             gpu_memory_bytes=gpu_cap,
             cpu_memory_bytes=opts.cpu_memory_bytes, gradient_checkpointing=opts.gradient_checkpointing,
-            window_size=opts.window_size,
+            window_size=opts.window_size, cpu_reserve=opts.cpu_reserve, gpu_reserve=opts.gpu_reserve,
         )
 
     e1, e2 = est(1), est(2)
@@ -398,6 +398,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", help="cuda (default); cpu only for --smoke probes")
     p.add_argument("--gpu_memory", default=None, help="GPU memory cap, e.g. 32GB (binary units); default: the whole card")
     p.add_argument("--cpu_memory", default=None, help="host RAM the search may use (default 90%% of available; 48GB with --quick)")
+    p.add_argument("--cpu_reserve", default="0", help="host memory the estimator's bound keeps free (default 0: "
+                   "--cpu_memory is already what the search may use); a size or auto, as StrongholdConfig's")
+    p.add_argument("--gpu_reserve", default=None, help="device memory the estimator's bound keeps free (default auto, "
+                   "as StrongholdConfig's: the CUDA context and fragmentation; 0 with --smoke, whose caps are nominal)")
     p.add_argument("--hidden", type=int, default=None, help="n_embd (default 2048)")
     p.add_argument("--heads", type=int, default=None, help="n_head (default 16)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default 1024; 512 with --quick)")
@@ -429,12 +433,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         opts.vocab_size = min(opts.vocab_size, 256)
         opts.gpu_memory = opts.gpu_memory or "1600MB"
         opts.cpu_memory = opts.cpu_memory or "2100MB"
+        opts.gpu_reserve = opts.gpu_reserve or "0"
+    opts.gpu_reserve = opts.gpu_reserve or "auto"
     if opts.hidden % opts.heads:
         p.error(f"--hidden {opts.hidden} is not divisible by --heads {opts.heads}")
     for name in ("seq", "batch", "steps", "window_size", "vocab_size"):
         if getattr(opts, name) < 1:
             p.error(f"--{name} must be >= 1")
     try:
+        for name in ("cpu_reserve", "gpu_reserve"):
+            value = getattr(opts, name)
+            setattr(opts, name, value if value == "auto" else parse_memory(value))
         opts.gpu_memory_bytes = parse_memory(opts.gpu_memory) if opts.gpu_memory else None
         if opts.cpu_memory:
             opts.cpu_memory_bytes = parse_memory(opts.cpu_memory)

@@ -47,6 +47,9 @@ def _allocator_peak(mem: dict[str, float]) -> str:
     return f", allocator peak {peak / GiB:.2f} GiB with activations" if peak else ""
 
 
+_MOMENTS = {"exact": "fp32 Adam moments", "lean": "8-bit Adam moments"}
+
+
 def _host_bytes(mem: dict) -> int:
     return mem["pinned_host_bytes"] + mem["pageable_host_bytes"]
 
@@ -71,7 +74,7 @@ class RunLog:
             f"{_device_name(engine)}; {mem['offloaded_params'] / 1e6:.1f} M parameters offloaded "
             f"({mem['offloaded_trainable_params'] / 1e6:.1f} M trainable), {_host_bytes(mem) / GiB:.2f} GiB of host "
             f"memory before the optimizer's state ({mem['host_bytes_per_param']:.1f} B per parameter; "
-            f"host_memory={engine.config.host_memory}); {engine.split.reason}"
+            f"host_memory={engine.config.host_memory} ({_MOMENTS[engine.config.host_memory]})); {engine.split.reason}"
         )
 
     def add_to(self, logs: dict[str, float], global_step: int) -> None:
