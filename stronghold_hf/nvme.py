@@ -52,6 +52,7 @@ import enum
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -579,9 +580,10 @@ class NvmeTier:
                     self.optimizer.state[p] = state
             self.optimizer.state_moved()
 
-    def absorb(self) -> None:
-        """After ``optimizer.load_state_dict``: writes the loaded moments (RAM tensors) to their
-        regions, one unit at a time through the ring, and gives their memory back."""
+    def absorb(self, release_source: Callable[[Tensor], None] | None = None) -> None:
+        """After ``optimizer.load_state_dict``: writes the loaded moments (RAM tensors, or maps
+        of a checkpoint file) to their regions, one unit at a time through the ring, and gives
+        their memory back (a map's pages through ``release_source``, after its unit)."""
         self.flush()
         for region in self.regions.values():
             loaded = [p for p in region.pieces if self._loaded(p)]
@@ -603,6 +605,9 @@ class NvmeTier:
                 else:
                     raw.view(piece.dtype).view(piece.shape).copy_(value)
             self._release(region.unit, buf)
+            if release_source is not None:
+                for value in values.values():
+                    release_source(value)
         self.flush()
 
     def _loaded(self, piece: StatePiece) -> bool:

@@ -190,3 +190,57 @@ def activation_peak_kib(family: str, lengths, checkpointing: bool) -> dict[int, 
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line.split() for line in proc.stdout.strip().splitlines() if line.strip()]
     return {int(n): int(kib) for n, kib in rows[-len(lengths):]}
+
+
+#: Trainer-level resume (argv: the StrongholdConfig keys as JSON, "train" or "resume", the output
+#: directory): an fp32 Llama of 6 blocks of hidden 512 (4.2 M parameters each) trains two steps
+#: and saves checkpoint-2, or a fresh one resumes from it for one more step. The peak RSS is
+#: reset just before ``train()``; a callback reads its growth (KiB) when the last step ends,
+#: before any save. Prints the largest block's parameter count and that growth.
+RESUME_CHILD = r"""
+import ctypes, json, os, sys
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
+from stronghold_hf import StrongholdTrainer, StrongholdTrainingArguments
+
+config, phase, out = sys.argv[1], sys.argv[2], sys.argv[3]
+torch.manual_seed(0)
+cfg = LlamaConfig(vocab_size=2000, hidden_size=512, intermediate_size=2048, num_hidden_layers=6,
+                  num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=False)
+model = LlamaForCausalLM(cfg)
+block = max(sum(p.numel() for p in layer.parameters()) for layer in model.model.layers)
+
+
+class Data(torch.utils.data.Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        ids = torch.randint(0, 2000, (32,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+
+def status_kib(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+class PeakAtLastStep(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        self.growth = status_kib("VmHWM") - before
+
+
+resume = phase == "resume"
+args = StrongholdTrainingArguments(
+    output_dir=out, stronghold=True, stronghold_window_size="1", stronghold_config=config, use_cpu=True,
+    max_steps=3 if resume else 2, per_device_train_batch_size=1, learning_rate=1e-3, report_to=[],
+    save_strategy="no" if resume else "steps", save_steps=2, disable_tqdm=True, logging_steps=1)
+peak = PeakAtLastStep()
+trainer = StrongholdTrainer(model=model, args=args, train_dataset=Data(), callbacks=[peak])
+ctypes.CDLL("libc.so.6").malloc_trim(0)
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # VmHWM := VmRSS
+before = status_kib("VmRSS")
+trainer.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2") if resume else None)
+print(block, peak.growth)
+"""

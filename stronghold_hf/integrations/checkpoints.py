@@ -32,7 +32,9 @@ from typing import Any
 
 import torch
 
-from ..optim.hybrid import remap_cpu_state
+from ..mapped_checkpoint import MappedCheckpoint
+
+from ..optim.hybrid import StrongholdOptimizer, remap_cpu_state
 
 _hf_logger = logging.getLogger("transformers.trainer")  # where Trainer logs its own "Saving ..." lines
 
@@ -163,18 +165,29 @@ def load_optimizer_and_scheduler(checkpoint: str, optimizer: Any, lr_scheduler: 
     if not os.path.isfile(sched_file):
         return
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps it
-    if os.path.isfile(own) and (sharded or not shard_files):
-        # CPU Adam state belongs in CPU RAM whatever the world size: map it there directly.
-        state = torch.load(own, map_location="cpu", weights_only=True)
+    release = None
+    if os.path.isfile(own) and (sharded or not shard_files) and not isinstance(inner, StrongholdOptimizer):
+        state = torch.load(own, map_location="cpu", weights_only=True)  # someone else's optimizer
+    elif os.path.isfile(own) and (sharded or not shard_files):
+        # CPU Adam state belongs in CPU RAM whatever the world size. The file is mapped, not
+        # read: the load copies it into the optimizer's state a tensor (NVMe: a unit) at a time
+        # and gives the file's pages back as it goes, so the state is never held twice.
+        mapped = MappedCheckpoint(own)
+        state, release = mapped.state, mapped.release
         if sharded and not inner.layout_matches(state):
             # Another device/host split: a parameter this rank now keeps whole on the device
             # may have been sharded across every rank's file.
-            state = _state_for_this_layout(checkpoint, shard_files or [OPTIMIZER_NAME], optimizer, dp)
+            state, release = _state_for_this_layout(checkpoint, shard_files or [OPTIMIZER_NAME], optimizer, dp), None
+        del mapped
     elif shard_files or os.path.isfile(os.path.join(checkpoint, OPTIMIZER_NAME)):
         state = _state_for_this_layout(checkpoint, shard_files or [OPTIMIZER_NAME], optimizer, dp)
     else:
         return
-    optimizer.load_state_dict(state)
+    if release is not None:
+        inner.load_state_dict(state, release_source=release)
+    else:
+        optimizer.load_state_dict(state)
+    del state
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         lr_scheduler.load_state_dict(torch.load(sched_file, map_location="cpu", weights_only=True))

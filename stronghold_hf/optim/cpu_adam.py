@@ -242,9 +242,15 @@ class CPUAdam(torch.optim.Optimizer):
             if p.layout != torch.strided or not (p.is_contiguous() or is_placeholder(p)):
                 raise ValueError(f"{desc} is not a contiguous dense tensor. Make it one first: p.data = p.data.contiguous().")
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any], *,
+                        release_source: Callable[[Tensor], None] | None = None) -> None:
         """As ``torch.optim.AdamW``'s; a state saved with the other ``state_bits`` is converted
-        (fp32 moments quantized, or 8-bit ones read back as fp32) to what each parameter uses."""
+        (fp32 moments quantized, or 8-bit ones read back as fp32) to what each parameter uses.
+
+        ``release_source``: the saved tensors are maps of a checkpoint file
+        (`mapped_checkpoint.MappedCheckpoint.release`). Each parameter's state is then copied
+        into memory of its own and its sources released before the next one, so the load
+        holds the state once. Without it the loaded tensors become the state, as in torch."""
         self._tables.clear()
         # torch casts every floating parameter's non-step state to the parameter's dtype: the
         # uint8 codes go around it and come back after.
@@ -261,10 +267,16 @@ class CPUAdam(torch.optim.Optimizer):
             if not st:
                 continue
             st.update(codes.get(i, {}))
+            sources = list(st.values())
             if quant8.is_8bit(st) and not self.wants_8bit(p):
                 self.state[p] = quant8.state_to_fp32(st, p.shape)
             elif not quant8.is_8bit(st) and "exp_avg" in st and self.wants_8bit(p):
                 self.state[p] = quant8.state_to_8bit(st)
+            elif release_source is not None:
+                self.state[p] = {k: v.clone() for k, v in st.items()}
+            if release_source is not None:
+                for v in sources:
+                    release_source(v)
         for gi, group in enumerate(self.param_groups):
             self._validate_group(group, gi)
         for state in self.state.values():

@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from functools import partial
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -274,7 +274,11 @@ class StrongholdOptimizer(torch.optim.Optimizer):
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any], *,
+                        release_source: Callable[[torch.Tensor], None] | None = None) -> None:
+        """``release_source``: the state's tensors are maps of a checkpoint file; each is read
+        into the host state (or the NVMe tier's file, a unit at a time) and then released, so
+        resuming never holds the CPU state twice (`mapped_checkpoint.py`)."""
         if not isinstance(state_dict, dict) or state_dict.get("stronghold_format") != 1:
             raise ValueError(
                 "StrongholdOptimizer.load_state_dict: this state was not saved by a stronghold optimizer "
@@ -284,9 +288,12 @@ class StrongholdOptimizer(torch.optim.Optimizer):
             state_dict = self.recut([state_dict])  # another split, or pieces of another layout
         self.engine.coordinator.synchronize()
         if self.cpu_optimizer is not None and state_dict["cpu"] is not None:
-            self.cpu_optimizer.load_state_dict(state_dict["cpu"])
             if self.nvme is not None:
-                self.nvme.absorb()  # the loaded moments go to disk, their RAM back
+                # The loaded moments (maps of the checkpoint when resuming) go to disk a unit at a time.
+                self.cpu_optimizer.load_state_dict(state_dict["cpu"])
+                self.nvme.absorb(release_source)
+            else:
+                self.cpu_optimizer.load_state_dict(state_dict["cpu"], release_source=release_source)
         if self.device_optimizer is not None and state_dict["device"] is not None:
             self.device_optimizer.load_state_dict(state_dict["device"])
         if self.scaler is not None and state_dict.get("scaler"):

@@ -1,0 +1,47 @@
+"""Resuming holds the optimizer's state once (#43, item 4; transformers #17258).
+
+A full ``torch.load`` of the checkpoint would hold the saved state while the optimizer holds
+its own. The engine maps the file (`mapped_checkpoint.py`) and copies it into the host state
+a tensor at a time, or into the NVMe tier a unit at a time, giving the file's pages back as
+it goes. Measured from outside, in child processes through the Trainer: the peak-RSS growth
+of resuming and taking one step stays within the training run's own growth plus one largest
+unit's state, in the exact, lean and NVMe tiers (moments, and masters too).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from child_rss import RESUME_CHILD
+
+#: One block's fp32 master and two fp32 moments: the most the load may hold beyond training.
+STATE_BYTES_PER_PARAM = 12
+
+
+def _peak_growth(config: dict, phase: str, out) -> tuple[int, int]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", RESUME_CHILD, json.dumps(config), phase, str(out)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    block, kib = map(int, proc.stdout.split()[-2:])
+    return block, kib * 1024
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+@pytest.mark.parametrize("tier", ["exact", "lean", "nvme", "nvme_masters"])
+def test_resume_holds_the_optimizer_state_once(tmp_path, tier):
+    config = {"host_memory": "lean"} if tier == "lean" else {}
+    if tier.startswith("nvme"):
+        config.update(nvme_path=str(tmp_path / "nvme"), nvme_masters=tier == "nvme_masters")
+    _, trained = _peak_growth(config, "train", tmp_path)
+    assert (tmp_path / "checkpoint-2" / "optimizer.pt").is_file()
+    block, resumed = _peak_growth(config, "resume", tmp_path)
+    one_unit = block * STATE_BYTES_PER_PARAM
+    print(f"{tier}: training grew the peak RSS by {trained / 2**20:.0f} MiB, resuming and one step by "
+          f"{resumed / 2**20:.0f} MiB (one block's state: {one_unit / 2**20:.0f} MiB)")
+    assert resumed <= trained + one_unit
