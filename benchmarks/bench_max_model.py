@@ -429,10 +429,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     opts.seq = opts.seq or (32 if opts.smoke else 512 if q else 1024)
     opts.batch = opts.batch or (2 if opts.smoke or q else 4)
     if opts.smoke:
-        # Small enough that the estimator's bounds stay at a few hundred tiny layers.
+        # Small enough that the estimator's bounds stay at a few dozen tiny layers (each bound
+        # is a search over models built on the meta device: thousands of layers take minutes).
         opts.vocab_size = min(opts.vocab_size, 256)
-        opts.gpu_memory = opts.gpu_memory or "1600MB"
-        opts.cpu_memory = opts.cpu_memory or "2100MB"
+        # (The host side counts the process's own 2 GiB before any layer.)
+        opts.gpu_memory = opts.gpu_memory or "100MB"
+        opts.cpu_memory = opts.cpu_memory or "2080MB"
         opts.gpu_reserve = opts.gpu_reserve or "0"
     opts.gpu_reserve = opts.gpu_reserve or "auto"
     if opts.hidden % opts.heads:

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -236,6 +238,7 @@ def test_bench_host_smoke():
     assert summary["gpu_config_extra_ops_per_block"] < 12, summary
 
 
+@pytest.mark.slow  # six children: about 35 s
 def test_bench_long_smoke():
     """The long-context benchmark: bytes per token of each variant over the sweep, the tiled
     step's cost, and that "auto" tiles nothing at a short length."""

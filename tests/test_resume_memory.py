@@ -35,7 +35,8 @@ def _peak_growth(config: dict, phase: str, out) -> tuple[int, int]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
-@pytest.mark.parametrize("tier", ["exact", "lean", "nvme", "nvme_masters"])
+@pytest.mark.parametrize("tier", ["exact", "nvme", pytest.param("lean", marks=pytest.mark.slow),
+                                  pytest.param("nvme_masters", marks=pytest.mark.slow)])
 def test_resume_holds_the_optimizer_state_once(tmp_path, tier):
     config = {"host_memory": "lean"} if tier == "lean" else {}
     if tier.startswith("nvme"):
