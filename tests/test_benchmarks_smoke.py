@@ -75,6 +75,7 @@ def test_bench_lora_smoke():
     assert 0 < summary["adapter_params"] < summary["base_params_offloaded"]
 
 
+@pytest.mark.slow  # two ranks under torchrun
 def test_bench_dp_host_bytes_fall_with_world():
     import pytest
 

@@ -30,7 +30,7 @@ def _estimated_peak(family: str, seq: int, checkpointing: bool) -> int:
 
 
 @pytest.mark.parametrize("family", ["llama", pytest.param("qwen2", marks=pytest.mark.slow)])  # a second family: -m slow
-@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("checkpointing", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_activation_peak_grows_as_measured_within_ten_percent(family, checkpointing):
     measured = {s: kib * 1024 for s, kib in activation_peak_kib(family, LENGTHS, checkpointing).items()}
     estimated = {s: _estimated_peak(family, s, checkpointing) for s in LENGTHS}
