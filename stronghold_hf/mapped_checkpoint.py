@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import mmap
 import os
 import sys
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 _MADV_DONTNEED = 4
+_log = logging.getLogger(__name__)
 
 
 class MappedCheckpoint:
@@ -32,7 +34,15 @@ class MappedCheckpoint:
 
     def __init__(self, path: str) -> None:
         self.path = os.path.realpath(path)
-        self.state: Any = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
+        try:
+            self.state: Any = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
+        except (RuntimeError, OSError) as err:
+            # A file torch cannot map (the legacy format, a file system without mmap): read it
+            # whole, as torch.load does; nothing is then released.
+            _log.info(f"{self.path} is read whole, not mapped ({err})")
+            self.state = torch.load(self.path, map_location="cpu", weights_only=True)
+            self._ranges, self._madvise, self.released_bytes = [], None, 0
+            return
         self._ranges = _mapped_ranges(self.path)
         self._madvise = _libc_madvise() if self._ranges else None
         self.released_bytes = 0

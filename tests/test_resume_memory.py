@@ -47,3 +47,26 @@ def test_resume_holds_the_optimizer_state_once(tmp_path, tier):
     print(f"{tier}: training grew the peak RSS by {trained / 2**20:.0f} MiB, resuming and one step by "
           f"{resumed / 2**20:.0f} MiB (one block's state: {one_unit / 2**20:.0f} MiB)")
     assert resumed <= trained + one_unit
+
+
+def test_a_mapped_checkpoint_gives_pages_back_and_keeps_its_values(tmp_path):
+    import torch
+
+    from stronghold_hf.mapped_checkpoint import MappedCheckpoint
+
+    saved = {"big": torch.arange(300_000, dtype=torch.float32), "small": torch.ones(3)}
+    torch.save(saved, tmp_path / "new.pt")
+    torch.save(saved, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    mapped = MappedCheckpoint(str(tmp_path / "new.pt"))
+    copy = mapped.state["big"].clone()
+    mapped.release(mapped.state["big"])
+    if sys.platform.startswith("linux"):
+        assert mapped.released_bytes >= 300_000 * 4 - 2 * 4096  # every whole page inside the tensor
+    assert torch.equal(mapped.state["big"], saved["big"]) and torch.equal(copy, saved["big"])  # read again from the file
+    before = mapped.released_bytes
+    own = torch.zeros(300_000)
+    mapped.release(own)  # not the file's: left alone
+    assert mapped.released_bytes == before and own.abs().sum() == 0
+    legacy = MappedCheckpoint(str(tmp_path / "legacy.pt"))  # torch cannot map it: read whole
+    legacy.release(legacy.state["big"])
+    assert legacy.released_bytes == 0 and torch.equal(legacy.state["big"], saved["big"])
