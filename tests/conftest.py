@@ -24,7 +24,25 @@ def _fresh_accelerate_state():
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two workers on two cores (pyproject's -n 2): one torch thread each, not two apiece.
+    torch.set_num_threads(1)
+
+#: Tests whose children measure peak RSS from outside (child_rss.py and the like): they run one
+#: after another on one worker, never beside one another.
+RSS_TESTS = (
+    "peak_rss", "test_activation_peak_grows_as_measured", "test_resume_holds_the_optimizer_state_once",
+    "test_bench_long_smoke",
+)
+
+
 def pytest_collection_modifyitems(config, items):
+    # Parallel workers (pytest-xdist, --dist loadgroup): a module's tests stay on one worker, so
+    # its module-scoped fixtures (a launch several tests read) run once; the RSS tests form one
+    # group of their own.
+    for item in items:
+        group = "rss" if any(name in item.name for name in RSS_TESTS) else item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(group))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

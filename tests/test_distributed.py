@@ -45,6 +45,23 @@ def _run(out, world, per_device, mode, *extra, expect_ok=True):
     return proc
 
 
+@pytest.fixture(scope="module")
+def shared_run(tmp_path_factory):
+    """`_run` for launches several tests make with the same arguments (the DDP reference, the
+    sharded runs, the checkpointing run): each launches once per module; returns the output
+    directory and the ranks' results."""
+    done: dict[tuple, tuple[Path, list]] = {}
+
+    def run(world, per_device, mode, *extra):
+        key = (world, per_device, mode, *extra)
+        if key not in done:
+            out = tmp_path_factory.mktemp(f"{mode}{world}")
+            done[key] = (out, _run(out, world, per_device, mode, *extra))
+        return done[key]
+
+    return run
+
+
 def _assert_same_training(runs, ref, steps_slice=slice(None)):
     for r in runs:
         assert r["losses"][steps_slice] == pytest.approx(ref["losses"][steps_slice], rel=1e-4)
@@ -56,23 +73,23 @@ def _assert_same_training(runs, ref, steps_slice=slice(None)):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_sharded_state_matches_ddp(tmp_path, world):
+def test_sharded_state_matches_ddp(shared_run, world):
     per_device = 6 // world  # the same global batch of 6 (x2 accumulation) for every world size
-    ddp = _run(tmp_path / "ddp", world, per_device, "plain")
-    sharded = _run(tmp_path / "sharded", world, per_device, "sharded")
+    _, ddp = shared_run(world, per_device, "plain")
+    _, sharded = shared_run(world, per_device, "sharded")
     _assert_same_training(sharded, ddp[0])
 
 
-def test_replicated_state_matches_ddp(tmp_path):
-    ddp = _run(tmp_path / "ddp", 2, 3, "plain")
+def test_replicated_state_matches_ddp(tmp_path, shared_run):
+    _, ddp = shared_run(2, 3, "plain")
     _assert_same_training(_run(tmp_path / "replicated", 2, 3, "replicated"), ddp[0])
 
 
-def test_a_device_host_split_matches_ddp(tmp_path):
+def test_a_device_host_split_matches_ddp(tmp_path, shared_run):
     """Two blocks resident (stepped by the device AdamW on every rank, their gradients averaged at
     the end of each backward), the rest streamed with sharded CPU state: the same training as DDP,
     and only the streamed part's state is sharded on the host."""
-    ddp = _run(tmp_path / "ddp", 2, 3, "plain")
+    _, ddp = shared_run(2, 3, "plain")
     split = _run(tmp_path / "split", 2, 3, "sharded", "--resident", "2")
     _assert_same_training(split, ddp[0])
     for r in split:
@@ -83,11 +100,11 @@ def test_a_device_host_split_matches_ddp(tmp_path):
     assert not any(n.startswith(("transformer.h.0", "transformer.h.1")) for n in names)  # not in CPU Adam
 
 
-def test_resume_under_another_split_with_sharded_state(tmp_path):
+def test_resume_under_another_split_with_sharded_state(tmp_path, shared_run):
     """Written with everything streamed by two sharded ranks; resumed with two blocks resident:
     their Adam state, sharded across both ranks' files, is put together on each rank's device."""
-    full = _run(tmp_path / "full", 2, 3, "sharded", "--max_steps", "6", "--save_steps", "3")
-    checkpoint = tmp_path / "full" / "checkpoint-3"
+    out, full = shared_run(2, 3, "sharded", "--max_steps", "6", "--save_steps", "3")
+    checkpoint = out / "checkpoint-3"
     resumed = _run(tmp_path / "resumed", 2, 3, "sharded", "--max_steps", "6", "--resume", str(checkpoint),
                    "--resident", "2")
     # The same losses; weights within Adam's slack: the global norm now sums the resident
@@ -95,10 +112,10 @@ def test_resume_under_another_split_with_sharded_state(tmp_path):
     _assert_same_training(resumed, full[0])
 
 
-def test_host_bytes_per_rank_fall_as_one_over_world(tmp_path):
+def test_host_bytes_per_rank_fall_as_one_over_world(shared_run):
     host = {}
     for world in (1, 2, 3):
-        runs = _run(tmp_path / f"w{world}", world, 6 // world, "sharded")
+        _, runs = shared_run(world, 6 // world, "sharded")
         per_rank = [r["memory"]["pinned_host_bytes"] + r["memory"]["pageable_host_bytes"] - r["staging_bytes"]
                     for r in runs]
         host[world] = max(per_rank)
@@ -107,9 +124,9 @@ def test_host_bytes_per_rank_fall_as_one_over_world(tmp_path):
         assert host[world] <= host[1] / world * 1.10, host
 
 
-def test_exact_resume_with_the_same_world_size(tmp_path):
-    full = _run(tmp_path / "full", 2, 3, "sharded", "--max_steps", "6", "--save_steps", "3")
-    checkpoint = tmp_path / "full" / "checkpoint-3"
+def test_exact_resume_with_the_same_world_size(tmp_path, shared_run):
+    out, full = shared_run(2, 3, "sharded", "--max_steps", "6", "--save_steps", "3")
+    checkpoint = out / "checkpoint-3"
     files = sorted(os.listdir(checkpoint))
     assert "optimizer-rank0-of-2.pt" in files and "optimizer-rank1-of-2.pt" in files
     assert "rng_state_0.pth" in files and "rng_state_1.pth" in files  # every rank's RNG, not only rank 0's
@@ -148,9 +165,12 @@ def test_resume_with_another_world_size_recuts_the_optimizer_state(tmp_path):
     checkpoint = tmp_path / "two" / "checkpoint-3"
     reference = _full_adam_state(written)
     assert len(reference) > 0 and all(float(e["step"]) == 3 for e in reference.values())
+    resumed = {}
     for world in (2, 3, 1):
-        loaded = _run(tmp_path / f"as{world}", world, 2, "sharded", "--max_steps", "4", "--resume", str(checkpoint),
-                      *llama)
+        # Three ranks also go on for two steps: training continues from the re-cut state.
+        steps = "5" if world == 3 else "4"
+        resumed[world] = loaded = _run(tmp_path / f"as{world}", world, 2, "sharded", "--max_steps", steps, "--resume",
+                                       str(checkpoint), *llama)
         full = _full_adam_state(loaded, when="adam_at_start")  # as the resumed loop starts
         assert full.keys() == reference.keys()
         for key, entry in reference.items():
@@ -182,7 +202,7 @@ def test_resume_with_another_world_size_recuts_the_optimizer_state(tmp_path):
     proc = _run(tmp_path / "older1", 1, 2, "sharded", "--max_steps", "4", "--resume", str(older), *llama,
                 expect_ok=False)
     assert proc.returncode != 0 and "resume it with the layout that wrote it" in proc.stdout + proc.stderr
-    went_on = _run(tmp_path / "on3", 3, 2, "sharded", "--max_steps", "5", "--resume", str(checkpoint), *llama)
+    went_on = resumed[3]
     assert len(went_on[0]["losses"]) == 5 and all(math.isfinite(x) for x in went_on[0]["losses"])
     assert all(float(e["step"]) == 5 for e in _full_adam_state(went_on).values())
 
