@@ -25,7 +25,7 @@ def _fresh_accelerate_state():
 
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    # Two workers on two cores (pyproject's -n 2): one torch thread each, not two apiece.
+    # Two workers on two cores (README (b)'s -n 2): one torch thread each, not two apiece.
     torch.set_num_threads(1)
 
 #: Tests whose children measure peak RSS from outside (child_rss.py and the like): they run one
