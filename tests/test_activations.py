@@ -15,7 +15,7 @@ import torch
 
 from stronghold_hf import StrongholdConfig, offload_model
 from stronghold_hf.testing import simulated_device
-from tiny_models import batch, tiny_model
+from tiny_models import batch, engine_losses, tiny_model
 
 LR = 1e-2
 
@@ -27,17 +27,7 @@ def _checkpointed(family, reentrant=False, **kw):
 
 
 def _train(model, engine, family, steps=2, seq=16):
-    opt = engine.build_optimizer(lr=LR)
-    losses = []
-    for step in range(steps):
-        loss = model(**batch(family, seed=step, seq=seq)).loss
-        loss.backward()
-        losses.append(loss.item())
-        engine.clip_grad_norm_(1.0)
-        opt.step()
-        opt.zero_grad()
-    engine.synchronize()
-    return losses
+    return engine_losses(model, engine, family, lr=LR, steps=steps, seq=seq)
 
 
 def _train_ref(model, family, steps=2, seq=16):

@@ -30,7 +30,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 from stronghold_hf import StrongholdConfig, StrongholdTrainer, StrongholdTrainingArguments, offload_model
 from stronghold_hf import tiling
 from stronghold_hf.tiling import SequenceTiling, TiledForward, probe, resolve_tile_tokens, tiled_modules
-from tiny_models import batch, tiny_config, tiny_model
+from tiny_models import batch, engine_losses, tiny_config, tiny_model
 
 FAMILIES = ["llama", "qwen2", "mistral", "gemma2", "gpt2", "bert", "t5"]
 SEQ = 16  # T5's decoder gets 8 tokens (tiny_models.batch): enough for the probe
@@ -67,17 +67,7 @@ def _train(model, family, *, steps=2, bf16=False, seq=SEQ, **config):
     """Losses of ``steps`` steps with the engine's optimizer, and the tiled modules' counts of
     tiled calls (read before ``close``, which gives the model back)."""
     engine = offload_model(model, StrongholdConfig(window_size=1, **config), device="cpu")
-    opt = engine.build_optimizer(lr=LR)
-    losses = []
-    for step in range(steps):
-        with _autocast(bf16):
-            loss = model(**batch(family, seed=step, seq=seq)).loss
-        loss.backward()
-        losses.append(loss.item())
-        engine.clip_grad_norm_(1.0)
-        opt.step()
-        opt.zero_grad()
-    engine.synchronize()
+    losses = engine_losses(model, engine, family, lr=LR, steps=steps, seq=seq, bf16=bf16)
     calls = {name: site.calls for name, site in tiled_modules(model).items()}
     engine.close()
     return losses, calls

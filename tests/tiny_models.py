@@ -84,3 +84,21 @@ def batch(family: str, seed: int, batch_size: int = 2, seq: int = 12) -> dict:
     labels = ids.clone()
     labels[mask == 0] = -100
     return dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def engine_losses(model, engine, family: str, *, lr: float, steps: int = 2, seq: int = 12,
+                  bf16: bool = False) -> list[float]:
+    """``steps`` steps of the engine's optimizer on `batch`es (clipping at 1.0, bf16 autocast on
+    request), then a synchronize; the losses."""
+    opt = engine.build_optimizer(lr=lr)
+    losses = []
+    for step in range(steps):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(**batch(family, seed=step, seq=seq)).loss
+        loss.backward()
+        losses.append(loss.item())
+        engine.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+    engine.synchronize()
+    return losses
