@@ -102,11 +102,9 @@ class Runner:
     def step(self) -> None:
         loss = self.model(input_ids=self.ids, labels=self.ids).loss
         loss.backward()
-        if self.max_grad_norm is None:
-            pass
-        elif self.engine is None:
+        if self.max_grad_norm is not None and self.engine is None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        else:
+        elif self.max_grad_norm is not None:
             self.engine.clip_grad_norm_(self.max_grad_norm)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)

@@ -33,7 +33,6 @@ from typing import Any
 import torch
 
 from ..mapped_checkpoint import MappedCheckpoint
-
 from ..optim.hybrid import StrongholdOptimizer, remap_cpu_state
 
 _hf_logger = logging.getLogger("transformers.trainer")  # where Trainer logs its own "Saving ..." lines
@@ -166,19 +165,20 @@ def load_optimizer_and_scheduler(checkpoint: str, optimizer: Any, lr_scheduler: 
         return
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps it
     release = None
-    if os.path.isfile(own) and (sharded or not shard_files) and not isinstance(inner, StrongholdOptimizer):
-        state = torch.load(own, map_location="cpu", weights_only=True)  # someone else's optimizer
-    elif os.path.isfile(own) and (sharded or not shard_files):
-        # CPU Adam state belongs in CPU RAM whatever the world size. The file is mapped, not
-        # read: the load copies it into the optimizer's state a tensor (NVMe: a unit) at a time
-        # and gives the file's pages back as it goes, so the state is never held twice.
-        mapped = MappedCheckpoint(own)
-        state, release = mapped.state, mapped.release
+    if os.path.isfile(own) and (sharded or not shard_files):
+        # CPU Adam state belongs in CPU RAM whatever the world size. The engine's own file is
+        # mapped, not read: the load copies it into the optimizer's state a tensor (NVMe: a
+        # unit) at a time and gives the file's pages back as it goes, so the state is never
+        # held twice. Another optimizer's file is read as torch reads it.
+        if isinstance(inner, StrongholdOptimizer):
+            mapped = MappedCheckpoint(own)
+            state, release = mapped.state, mapped.release
+        else:
+            state = torch.load(own, map_location="cpu", weights_only=True)
         if sharded and not inner.layout_matches(state):
             # Another device/host split: a parameter this rank now keeps whole on the device
             # may have been sharded across every rank's file.
             state, release = _state_for_this_layout(checkpoint, shard_files or [OPTIMIZER_NAME], optimizer, dp), None
-        del mapped
     elif shard_files or os.path.isfile(os.path.join(checkpoint, OPTIMIZER_NAME)):
         state = _state_for_this_layout(checkpoint, shard_files or [OPTIMIZER_NAME], optimizer, dp)
     else:
