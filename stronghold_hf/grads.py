@@ -166,9 +166,9 @@ class StagedGradient:
 class _InPlace:
     """The CPU device's flush: the lane is host memory already, read where it is."""
 
-    def __init__(self, transfer: TransferContext, src: torch.Tensor) -> None:
+    def __init__(self, transfer: TransferContext, src: torch.Tensor, norm_bytes: int = 0) -> None:
         self.src, self.dtype = src, src.dtype
-        self._event = transfer.book_d2h(src)
+        self._event = transfer.book_d2h(src.numel() * src.element_size() + norm_bytes)
         self._transfer = transfer
 
     def landed(self):
@@ -270,13 +270,16 @@ class GradientQueue:
         until `release`, which the fold calls after the last piece ([Note: lane lifetime])."""
         assert lane.state is LaneState.FILLING
         send = lane.device_buffer if send is None else send
-        if norm is not None:
-            self.transfer.copy_d2h(lane.norm_host, norm.reshape(1))
         if self.transfer.mode == "sync":
             # A CPU "device": the lane is host memory already and stays untouched until the
-            # fold has read it (the lane is FREE only after), so the fold reads it in place.
-            flush = _InPlace(self.transfer, send)
+            # fold has read it (the lane is FREE only after), so the fold reads it in place;
+            # the norm is host memory too, copied where the fold reads it and booked with the lane.
+            if norm is not None:
+                lane.norm_host.copy_(norm)
+            flush = _InPlace(self.transfer, send, norm_bytes=0 if norm is None else 4)
         else:
+            if norm is not None:
+                self.transfer.copy_d2h(lane.norm_host, norm.reshape(1))
             flush = StagedGradient(self.transfer, send, lane.staging)
         lane.state = LaneState.IN_FLIGHT
         return flush

@@ -149,6 +149,10 @@ def wrap_differentiable(callback: Callable[[], Any], tree: Any) -> tuple[Any, bo
             t = found[0]
             out = t.view_as(t)
             out.grad_fn.register_prehook(_PostBackwardPrehook(callback))
+            if type(tree) is tuple and len(tree) == 2 and type(tree[0]) is tuple and tree[0] and tree[0][0] is t:
+                # A module call ``(args, kwargs)`` whose first argument is the one tensor (a
+                # block's hidden states): no second walk of the call to put the view in.
+                return ((out, *tree[0][1:]), tree[1]), True
             return _replaced(tree, {id(t): out}), True
         outs = _CallInBackward.apply(callback, *found)
         return _replaced(tree, {id(t): o for t, o in zip(found, outs)}), True

@@ -154,6 +154,8 @@ class WindowSchedule:
         positions = candidates or tuple(self.positions_of.get(u.index, ()))
         if not positions:
             return self._cursor
+        if len(positions) == 1:
+            return positions[0]
         return next((p for p in positions if p >= self._cursor), positions[0])
 
     @property

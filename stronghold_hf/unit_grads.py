@@ -38,6 +38,7 @@ import functools
 import itertools
 import logging
 import operator
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -240,12 +241,23 @@ class UnitGrads:
         self._lane_accumulates = accumulate
 
     @engine_method
-    def collect_into_buffer(self) -> list[int]:
+    def collect_into_buffer(self) -> Sequence[int]:
         """Moves the gradients autograd produced since `attach_grad_buffer` into the lane, in one
         fused copy (an add onto a partial sum), and clears ``.grad``; returns the indices of the
         parameters that received one. Parameters that received none read as zeros in the lane
         (its padding stays zero: grads.py, [Note: a clean lane])."""
         assert self.grad_buffer is not None
+        tparams = self._tparams
+        grads = list(map(_grad, tparams))
+        if not self._lane_accumulates and all(map(operator.is_not, grads, itertools.repeat(None))):
+            # The usual case, every trainable parameter got a gradient: no loop in Python.
+            views = self._lane_views
+            with no_grad():
+                torch._foreach_copy_(views if len(views) == len(grads) else [views[k] for k in self._trainable_indices],
+                                     grads)
+            _set_grads(tparams, itertools.repeat(None))
+            self._lane_views = None
+            return self._trainable_indices
         params, views = self.params, self._lane_views
         touched, srcs, dsts = [], [], []
         for k in self._trainable_indices:
@@ -332,7 +344,8 @@ class UnitGrads:
         grads = self._lg if self._all_valid() else [gv if valid[k] else None for k, gv in zip(self._local, self._lg)]
         if self.exposes_grads:
             _set_grads(self._lp, grads)
-        _set_grads(self._lm, grads)
+        if not _all_are(map(_grad, self._lm), grads):  # the masters keep theirs between steps
+            _set_grads(self._lm, grads)
         self._exposed_grad_versions = self._grad_versions()
         self.taken_grads = False
 

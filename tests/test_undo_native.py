@@ -209,3 +209,23 @@ def test_auto_leaves_a_layout_the_kernel_does_not_read_to_torch():
     assert torch.equal(params[0], q) and all(torch.equal(states[0][k], st[k]) for k in st)
     with pytest.raises(ValueError, match="fp32 layout"):
         undo_adamw_([p1.clone()], [g16], [states[0]], _hyper(betas, wd), grad_mul, kernel="native")
+
+
+@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=["fp32-grad", "bf16-grad"])
+def test_the_step_tables_undo_is_the_same_undo(grad_dtype):
+    """A missed speculation undoes from the cached table of the step it undoes
+    (CPUAdam.undo_table): bit for bit what the undo that checks and addresses each tensor gives,
+    and no table where the undo would read other tensors than the step did."""
+    if cpu_adam_module.native_kernel_error() is not None:
+        pytest.skip("CPUAdam's native kernel is unavailable")
+    betas, wd, grad_mul = (0.9, 0.999), 0.1, 0.37
+    opt, p1, g, _ = _stepped(betas, wd, grad_mul, 2, grad_dtype)
+    hyper = _hyper(betas, wd)
+    p_ref, st_ref = _undone(opt, p1, g, hyper, grad_mul, "native")
+    assert opt.undo_table(0, lambda p: torch.zeros_like(g) if p is p1 else None) is None  # another gradient
+    assert opt.undo_table(0, lambda p: None) is None  # the undo reads none of the step's tensors
+    table = opt.undo_table(0, lambda p: p.grad)
+    assert table is not None and opt.undo_table(0, lambda p: p.grad) is table  # made once
+    undo_native.undo_adamw_table_(table, hyper, grad_mul)
+    assert torch.equal(p1, p_ref)
+    assert all(torch.equal(opt.state[p1][k], st_ref[k]) for k in st_ref)

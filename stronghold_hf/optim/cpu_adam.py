@@ -186,6 +186,7 @@ class CPUAdam(torch.optim.Optimizer):
         self._in_flight: set[int] = set()
         self._copy_out: dict[Tensor, Tensor] = {}  # param -> bf16/fp16 dest; not optimizer state
         self._tables: dict[int, tuple] = {}  # group -> (grad ids, params list, table, items): [Note: cached tables]
+        self._undo_tables: dict[int, tuple] = {}  # group -> (the step table it was made from, undo table)
         self._tls = threading.local()  # per-thread scratch of the torch kernel's scaled path
         self.__dict__.setdefault("_bits", {})  # param -> 32/8, set_state_bits' overrides (kept across copies)
 
@@ -459,6 +460,28 @@ class CPUAdam(torch.optim.Optimizer):
             for p, g, st, d in items8:
                 quant8.step_reference(p, g, st, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd,
                                       grad_mul=gmul, out=d)
+
+    def undo_table(self, gi: int, grad_of: Callable[[Tensor], Tensor | None]) -> array.array | None:
+        """The address table (sh_adamw_undo's layout) that undoes group ``gi``'s last native step,
+        made from that step's cached table ([Note: cached tables]), when the undo reads exactly
+        its tensors: ``grad_of(param)`` (the gradient the undo uses, or None) is the step's
+        gradient for each parameter it stepped, and None for every other. None otherwise (no
+        cached step, 8-bit state, other gradients): the caller builds its own. An undo after
+        every step whose speculation missed then costs no Python per parameter."""
+        cached = self._tables.get(gi)
+        if cached is None or cached[5] or cached[1] is not self.param_groups[gi]["params"]:
+            return None
+        table, items = cached[2], cached[3]
+        if sum(grad_of(p) is not None for p in cached[1]) != len(items) or not all(
+                grad_of(p) is g for p, g, _, _ in items):
+            return None
+        made = self._undo_tables.get(gi)
+        if made is None or made[0] is not table:
+            undo = array.array("q")  # step row (n, p, g, m, v, dest, step, flags) -> (n, p, g, m, v, step, bf16, 0)
+            for r in range(0, len(table), 8):
+                undo.extend((*table[r: r + 5], table[r + 6], table[r + 7] & _GRAD_BF16, 0))
+            made = self._undo_tables[gi] = (table, undo)
+        return made[1]
 
     def _run_native8(self, table: array.array, items, group: dict[str, Any], gmul: float) -> None:
         if not items:

@@ -228,6 +228,8 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         hyperparameters, and the loss scale of this step is the one speculation applies."""
         self._push_hyperparameters()
         self._speculation_scale = 1.0 if self.scaler is None else self.scaler.inv_scale
+        # What each group's update will read in this pass, taken once (records share them, read only).
+        self._speculation_hyper = [{k: group[k] for k in _HYPER_KEYS} for group in self.cpu_optimizer.param_groups]
         return self._speculation_scale
 
     def speculation_record(self, block) -> SpecRecord | None:
@@ -235,8 +237,8 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         grads = block.grads.host_grads()
         if not groups or not grads:
             return None
-        hyper = [{k: self.cpu_optimizer.param_groups[gi][k] for k in _HYPER_KEYS} for gi in groups]
-        return SpecRecord(list(groups), grads, self._speculation_scale, hyper)
+        hyper = self._speculation_hyper
+        return SpecRecord(list(groups), grads, self._speculation_scale, [hyper[gi] for gi in groups])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.device_optimizer is not None:

@@ -45,7 +45,7 @@ from torch import Tensor
 
 from .native import NativeLibrary
 
-__all__ = ["native_undo_error", "native_undo_accepts", "undo_adamw_native_"]
+__all__ = ["native_undo_error", "native_undo_accepts", "undo_adamw_native_", "undo_adamw_table_"]
 
 _GRAD_BF16 = 16  # table flag: the gradient is bf16 (the forward kernel's kGradBf16)
 
@@ -85,14 +85,22 @@ def undo_adamw_native_(params: list[Tensor], grads: list[Tensor], states: list[d
     assert lib is not None, _NATIVE.error()
     if not params:
         return
-    lr, wd, eps = float(hyper["lr"]), float(hyper["weight_decay"]), float(hyper["eps"])
-    beta1, beta2 = (float(b) for b in hyper["betas"])
-    if not math.isfinite(grad_mul):
-        raise ValueError(f"undo_adamw_native_: grad_mul={grad_mul} is not finite; no step applied it.")
     table = array.array("q")  # int64 [n, 8], see sh_adamw_undo; the lists keep every tensor alive
     for p, g, st in zip(params, grads, states):
         table.extend((p.numel(), p.data_ptr(), g.data_ptr(), st["exp_avg"].data_ptr(), st["exp_avg_sq"].data_ptr(),
                       st["step"].data_ptr(), _GRAD_BF16 if g.dtype == torch.bfloat16 else 0, 0))
+    undo_adamw_table_(table, hyper, grad_mul)
+
+
+def undo_adamw_table_(table: array.array, hyper: dict[str, Any], grad_mul: float) -> None:
+    """The kernel call of `undo_adamw_native_` on an address table made already (int64 [n, 8],
+    see sh_adamw_undo); the caller keeps every tensor it names alive (CPUAdam.undo_table)."""
+    lib = _NATIVE.load()
+    assert lib is not None, _NATIVE.error()
+    lr, wd, eps = float(hyper["lr"]), float(hyper["weight_decay"]), float(hyper["eps"])
+    beta1, beta2 = (float(b) for b in hyper["betas"])
+    if not math.isfinite(grad_mul):
+        raise ValueError(f"undo_adamw_native_: grad_mul={grad_mul} is not finite; no step applied it.")
     lib = _NATIVE.for_elements(sum(table[0::8]))  # a small undo keeps the GIL (native.py)
-    lib.sh_adamw_undo(len(params), table.buffer_info()[0], lr, beta1, beta2, wd, eps, float(grad_mul),
+    lib.sh_adamw_undo(len(table) // 8, table.buffer_info()[0], lr, beta1, beta2, wd, eps, float(grad_mul),
                       torch.get_num_threads())

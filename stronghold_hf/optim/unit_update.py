@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 
 from ..speculation import SpecRecord, undo_adamw_
+from . import undo_native
 from .cpu_adam import CPUAdam
 
 
@@ -75,8 +76,14 @@ class UnitUpdates:
             self._not_updating(block)
             return
         grads = dict(record.grads)
+        master_index = block.host.master_index
+        native = isinstance(self.cpu_optimizer, CPUAdam) and undo_native.native_undo_error() is None
         with self._state_of(block):
             for gi, hyper in zip(record.groups, record.hyper):
+                table = self.cpu_optimizer.undo_table(gi, lambda m: grads.get(master_index[id(m)])) if native else None
+                if table is not None:  # the step's own addresses: no Python per parameter
+                    undo_native.undo_adamw_table_(table, hyper, record.grad_mul)
+                    continue
                 params, used, states = [], [], []
                 for m in self.cpu_optimizer.param_groups[gi]["params"]:
                     k = block.host.master_index[id(m)]
