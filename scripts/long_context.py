@@ -1,6 +1,7 @@
 """Issue #42's long-context verdicts, from the estimator: Llama-3-8B, bf16, batch 1, gradient
 checkpointing, lean host, SDPA, sequence tiling "auto", on three machines. For each: the
-verdict at the target length, what bounds it, and the longest sequence that fits; then the
+verdict at the target length, what bounds it, and the longest sequence that fits; the RAM it
+needs with the checkpointed activations in an NVMe file (``nvme_activations``); then the
 same with the attention block tiled too, which no engine builds yet (the estimator's
 ``attention_tiled`` projection): what would reach the targets.
 
@@ -52,6 +53,14 @@ def main() -> int:
                           "checkpoints_offloaded": e.offload_activations, "mlp_tile_tokens": e.tile_tokens,
                           "attention": e.attn_implementation,
                           "longest_that_fits_tokens": longest(config, gpu, ram),
+                          # The host side with the checkpoints in an NVMe file (nvme_path,
+                          # nvme_activations=True; "auto" does it when the RAM would not hold them).
+                          "checkpoints_on_nvme_4tb": {
+                              "ram_needed_gib": round((d := run(config, target, gpu, ram, nvme_memory_bytes=4 << 40,
+                                                                nvme_activations=True)).cpu_bytes_needed / GIB, 1),
+                              "checkpoints_on_nvme": d.nvme_activations,
+                              "nvme_needed_gib": round(d.nvme_bytes_needed / GIB, 1),
+                              "cpu_fits": d.cpu_fits},
                           # What would reach the target: the attention block tiled too (a projection,
                           # counts.layer_memory's attention_tiled; not built).
                           "with_attention_tiled": {

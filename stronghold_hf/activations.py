@@ -19,10 +19,23 @@ module moves only the checkpointed inputs, in the order the window already knows
   position ``p - 1`` are copied back on the host-to-device stream, so they are on the device
   when that block's recompute unpacks them. An input not fetched ahead is fetched at unpack.
 
+[Note: checkpoints beyond RAM] With ``nvme_activations`` (and ``nvme_path``) an offloaded input
+goes on to a scratch file once its copy to the host has landed, and its host buffer is reused:
+the host holds a ring of a few inputs (`DISK_RING` being written, two being read back) instead
+of all of them, and the file grows with depth and sequence. The backward reads them back in
+the order it needs them, one position further ahead than the device fetch: when the block at
+``p`` starts its backward, the inputs of ``p - 2`` are read from the file on the I/O threads
+(which let go of the GIL) while those of ``p - 1``, read during the block before, are copied to
+the device. At 1M tokens an 8B model's checkpoints are 256 GiB (Llama-3-8B: 32 x 8 GiB in bf16);
+the device still holds ``O(W)`` of them, the host a handful, the disk the rest. The file is
+written once and read once per step, in order (the drive's best case); its regions are
+reused from the start once no input of an earlier pass lives.
+
 The ledger counts the device bytes of the inputs the engine holds (``activation_device_bytes``,
 ``activation_device_peak_bytes``) and the host buffers (``activation_host_bytes``), with
 offload on and off alike, so a CPU test sees the device peak stay flat with depth when it is
-on and grow when it is off.
+on and grow when it is off; with the file, the host bytes stay flat too and the file's
+(``activation_disk_bytes``, ``activation_disk_peak_bytes``) grow.
 
 [Note: saved input lifetime] A device tensor being copied to the host must stay alive until
 the copy's event has completed (transfer.py, [Note: D2H lifetime]): a `SavedInput` keeps it
@@ -42,7 +55,8 @@ from typing import Any, Literal
 import torch
 
 from .ledger import MemoryLedger
-from .memory import HostAllocator
+from .memory import HostAllocator, available_host_bytes
+from .swap import PAGE, StateFile, SwapDirectory
 from .transfer import TransferContext
 
 logger = logging.getLogger("stronghold_hf")
@@ -54,6 +68,13 @@ OffloadActivations = bool | Literal["auto"]
 AUTO_FREE_FRACTION = 0.25
 #: Inputs smaller than this stay on the device: not worth a copy each way.
 MIN_OFFLOAD_BYTES = 4096
+#: ``nvme_activations``: inputs whose write to the file may be in flight at once (their host
+#: buffers, with the two being read back, are what the host holds).
+DISK_RING = 2
+
+
+def _page_up(n: int) -> int:
+    return -(-n // PAGE) * PAGE
 
 
 class _HostBuffers:
@@ -66,6 +87,9 @@ class _HostBuffers:
         self._free: list[tuple[torch.Tensor, Any]] = []  # (uint8 buffer, event of the last copy reading it)
         self._lock = threading.Lock()  # a SavedInput may be collected on autograd's device thread
         self.total_bytes = 0
+        #: Page-aligned starts and lengths, what a file opened with O_DIRECT reads and writes
+        #: (set before the first buffer when the inputs go on to a file).
+        self.page_aligned = False
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         with self._lock:
@@ -77,9 +101,16 @@ class _HostBuffers:
             if best[1] is not None:
                 self.transfer.host_wait(best[1])  # its last copy to the device has read it
             return best[0]
-        buf = self.host.allocate(nbytes, transfer=True)
+        if self.page_aligned:
+            raw = self.host.allocate(_page_up(nbytes) + PAGE, transfer=True)
+            start = (-raw.data_ptr()) % PAGE
+            buf = raw[start: start + _page_up(nbytes)]
+            booked = raw.numel()
+        else:
+            buf = self.host.allocate(nbytes, transfer=True)
+            booked = buf.numel()
         with self._lock:
-            self.total_bytes += buf.numel()
+            self.total_bytes += booked
             total = self.total_bytes
         self.ledger.set_activation_host_bytes(total)
         return buf
@@ -93,7 +124,7 @@ class SavedInput:
     """One checkpointed input of one block use: on the device, on its way, or on the host."""
 
     __slots__ = ("store", "position", "shape", "dtype", "nbytes", "device_tensor", "d2h_event", "host",
-                 "h2d_event", "__weakref__")
+                 "h2d_event", "disk_offset", "io", "__weakref__")
 
     def __init__(self, store: "ActivationStore", tensor: torch.Tensor, position: int) -> None:
         self.store = store
@@ -104,26 +135,101 @@ class SavedInput:
         self.d2h_event = None
         self.host: torch.Tensor | None = None  # uint8 [>= nbytes] host copy
         self.h2d_event = None  # the last copy back to the device
+        self.disk_offset = -1  # its region of the checkpoint file, once written there
+        self.io: list = []  # the file requests in flight on ``host`` (a write, or a read back)
 
     def __del__(self) -> None:
         store = self.store
         if self.device_tensor is not None:
             store.ledger.activation_free(self.nbytes)
         if self.host is not None:
+            for request in self.io:  # the buffer goes back to the pool only once no request uses it
+                request.exception()
             store.buffers.release(self.host, self.h2d_event)
+        if self.disk_offset >= 0:
+            store.disk.forget()
+
+
+class CheckpointFile:
+    """The scratch file of inputs beyond RAM ([Note: checkpoints beyond RAM]): page-aligned regions
+    handed out in order, reused from the start once no input written in an earlier pass lives.
+    Made (its directory under ``nvme_path``, then the file) at the first input it takes."""
+
+    def __init__(self, root: str, ledger: MemoryLedger, io_threads: int) -> None:
+        self.root = root
+        self.ledger = ledger
+        self.io_threads = io_threads
+        self._directory: SwapDirectory | None = None
+        self._file: StateFile | None = None
+        self._end = 0  # bytes handed out
+        self._live = 0  # inputs with a region (their SavedInput not collected yet)
+        self._lock = threading.Lock()  # a SavedInput may be collected on autograd's device thread
+
+    def region(self, nbytes: int) -> int:
+        """The offset of a new region of ``nbytes`` (a page multiple); the file grows to hold it."""
+        with self._lock:
+            if self._live == 0:
+                self._end = 0  # nothing written before lives: start over
+            offset, self._end = self._end, self._end + nbytes
+            self._live += 1
+            end = self._end
+        if self._file is None:
+            self._directory = SwapDirectory(self.root)
+            self._file = StateFile(self._directory.file("checkpoints"), 0, io_threads=self.io_threads,
+                                   holds="the checkpointed activations")
+        if end > self._file.nbytes:
+            self._file.grow(max(end, 2 * self._file.nbytes))  # doubling: a pass grows it O(log) times
+        self.ledger.set_activation_disk_bytes(end)
+        return offset
+
+    def forget(self) -> None:
+        """An input with a region was collected."""
+        with self._lock:
+            self._live -= 1
+
+    def submit(self, write: bool, buf: torch.Tensor, offset: int) -> list:
+        return self._file.submit(write, buf, offset)
+
+    def stop_threads(self) -> None:
+        if self._file is not None:
+            self._file.stop_threads()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._directory is not None:
+            self._directory.remove()
+            self._directory = None
+
+
+def _wait(requests: list, what: str) -> None:
+    for request in requests:
+        err = request.exception()
+        if err is not None:
+            raise RuntimeError(f"stronghold: {what} of a checkpointed activation failed: {err!r}") from err
 
 
 class ActivationStore:
     """The saved inputs of checkpointed blocks (see the module docstring)."""
 
     def __init__(self, *, transfer: TransferContext, ledger: MemoryLedger, host: HostAllocator, device: torch.device,
-                 offload: OffloadActivations) -> None:
+                 offload: OffloadActivations, on_disk: bool | Literal["auto"] = False, nvme_path: str | None = None,
+                 io_threads: int = 4, host_reserve: int = 0) -> None:
         self.transfer = transfer
         self.ledger = ledger
         self.device = device
         self.requested = offload  # what the config asked for
         self.offload = offload  # True, False, or "auto" until the first checkpointed input decides
         self.buffers = _HostBuffers(host, ledger, transfer)
+        # [Note: checkpoints beyond RAM]: True, False, or "auto" until the first offloaded input decides.
+        self.on_disk = on_disk if nvme_path is not None else False
+        self.host_reserve = host_reserve  # RAM "auto" leaves to the rest of the machine
+        self.disk = CheckpointFile(nvme_path, ledger, io_threads) if nvme_path is not None else None
+        self.buffers.page_aligned = self.on_disk is True
+        if self.on_disk is True and offload == "auto":
+            self.offload = True  # the file takes what is offloaded: offloading is asked for
+        self._writing: list[SavedInput] = []  # inputs whose write to the file is in flight, oldest first
         self._position = -1  # of the block whose call is packing now
         self._offload_here = False
         self._num_blocks = 0
@@ -176,6 +282,9 @@ class ActivationStore:
         self.eligible_this_pass += bool(eligible)
         if eligible and tensor.is_contiguous():
             self.offloaded_this_pass += 1
+            if self.on_disk == "auto":
+                self.on_disk = self._decide_disk(saved.nbytes)
+                self.buffers.page_aligned = self.on_disk
             saved.host = self.buffers.acquire(saved.nbytes)
             flat = tensor.detach().reshape(-1).view(torch.uint8)
             saved.d2h_event = self.transfer.copy_d2h(saved.host[: saved.nbytes], flat)
@@ -184,8 +293,25 @@ class ActivationStore:
                 self._reap()
         return saved
 
+    def send_to_disk(self) -> None:
+        """The fit check's ``nvme_activations="auto"`` said the host cannot hold them (before the
+        first forward: no buffer is made yet)."""
+        if self.disk is not None:
+            self.on_disk = True
+            self.buffers.page_aligned = True
+
+    def _decide_disk(self, nbytes: int) -> bool:
+        available = available_host_bytes()
+        projected = nbytes * self._num_blocks
+        on = available is not None and projected > available - self.host_reserve
+        logger.info("stronghold: nvme_activations=auto -> %s: checkpointed inputs %.2f GiB (%d blocks x %.1f MiB), "
+                    "%s available to them on the host", on, projected / 2**30, self._num_blocks, nbytes / 2**20,
+                    "unknown" if available is None else f"{(available - self.host_reserve) / 2**30:.2f} GiB")
+        return on
+
     def _reap(self, wait: bool = False) -> None:
-        """Lets go of device tensors whose copy to the host has landed."""
+        """Lets go of device tensors whose copy to the host has landed (and, with the file, starts
+        writing them there)."""
         still = []
         for saved in self._leaving:
             if saved.device_tensor is None:
@@ -196,7 +322,42 @@ class ActivationStore:
                 still.append(saved)
                 continue
             self._drop_device(saved)
+            if self.on_disk is True:
+                self._write(saved)
         self._leaving = still
+
+    # ------------------------------------------------------------------ the file
+    def _write(self, saved: SavedInput) -> None:
+        """Starts writing a landed input to the file; its host buffer is reused once the write is
+        done (at most `DISK_RING` in flight: the oldest is waited for beyond that)."""
+        size = _page_up(saved.nbytes)
+        saved.disk_offset = self.disk.region(size)
+        saved.io = self.disk.submit(True, saved.host[:size], saved.disk_offset)
+        self._writing.append(saved)
+        self._retire_writes(DISK_RING)
+
+    def _retire_writes(self, keep: int) -> None:
+        """Gives back the host buffers of finished writes; waits for the oldest ones beyond ``keep``."""
+        still = []
+        for k, saved in enumerate(self._writing):
+            if saved.host is None or not saved.io:  # read back since, or collected
+                continue
+            if len(self._writing) - k > keep or all(r.done() for r in saved.io):
+                _wait(saved.io, "writing")
+                saved.io = []
+                self.buffers.release(saved.host, None)
+                saved.host = None
+            else:
+                still.append(saved)
+        self._writing = still
+
+    def _read(self, saved: SavedInput) -> None:
+        """Starts reading an input back from the file into a host buffer (nothing if it is there)."""
+        if saved.host is not None or saved.disk_offset < 0:
+            return
+        size = _page_up(saved.nbytes)
+        saved.host = self.buffers.acquire(size)
+        saved.io = self.disk.submit(False, saved.host[:size], saved.disk_offset)
 
     def _drop_device(self, saved: SavedInput) -> None:
         if saved.device_tensor is not None:
@@ -209,18 +370,32 @@ class ActivationStore:
 
     # ------------------------------------------------------------------ backward
     def prefetch_before(self, position: int) -> None:
-        """The block at ``position`` starts its backward: bring back the inputs of the one before."""
+        """The block at ``position`` starts its backward: bring back the inputs of the one before
+        (and, from the file, start reading those of the one before that)."""
         self._reap(wait=True)
         for ref in self._pass.get(position - 1, ()):
             saved = ref()
-            if saved is not None and saved.device_tensor is None and saved.host is not None:
+            if saved is not None and saved.device_tensor is None and (saved.host is not None or saved.disk_offset >= 0):
                 self._fetch(saved)
+        if self.on_disk is True:
+            self._retire_writes(0)
+            for ref in self._pass.get(position - 2, ()):
+                saved = ref()
+                if saved is not None and saved.device_tensor is None:
+                    self._read(saved)
 
     def _fetch(self, saved: SavedInput) -> None:
+        if saved.disk_offset >= 0:
+            self._read(saved)
+            _wait(saved.io, "reading back")
+            saved.io = []
         flat = torch.empty(saved.nbytes, dtype=torch.uint8, device=self.device)
         saved.h2d_event = self.transfer.copy_h2d(flat, saved.host[: saved.nbytes], fetch=False)
         saved.device_tensor = flat.view(saved.dtype).view(saved.shape)
         self.ledger.activation_alloc(saved.nbytes)
+        if saved.disk_offset >= 0:  # the file keeps it (a retained graph reads it again): the buffer is free
+            self.buffers.release(saved.host, saved.h2d_event)
+            saved.host = None
 
     def _unpack(self, saved):
         if not isinstance(saved, SavedInput):
@@ -229,7 +404,7 @@ class ActivationStore:
             self._reap(wait=True)
             self._fetch(saved)
         tensor = saved.device_tensor
-        if saved.host is not None:
+        if saved.host is not None or saved.disk_offset >= 0:
             if saved.h2d_event is not None:
                 self.transfer.device_wait(saved.h2d_event)
             # The recompute holds it from here; a second backward (retained graph) fetches again.
@@ -238,3 +413,16 @@ class ActivationStore:
 
     def end_backward(self) -> None:
         self._pass.clear()
+
+    def stop_threads(self) -> None:
+        """Lets every write land and joins the file's I/O threads (a later request restarts them)."""
+        self._retire_writes(0)
+        if self.disk is not None:
+            self.disk.stop_threads()
+
+    def close(self) -> None:
+        """Waits for the file's requests and removes it (engine.close)."""
+        self._reap(wait=True)
+        self._retire_writes(0)
+        if self.disk is not None:
+            self.disk.close()

@@ -328,6 +328,18 @@ class StrongholdConfig:
     fetch. Meant for models whose masters do not fit in RAM (Llama-3-70B on 256 GB): every fetch
     then reads the disk."""
 
+    nvme_activations: bool | Literal["auto"] = "auto"
+    """With ``nvme_path`` and offloaded checkpoints (``offload_activations``): each block's
+    checkpointed input goes on from host memory to a scratch file in the NVMe tier's
+    directory, written as it lands and read back one block ahead of the host-to-device copy in
+    backward (``activations.py``, [Note: checkpoints beyond RAM]). The host then holds a few
+    inputs instead of all of them: at 1M tokens Llama-3-8B's are 256 GiB. Training is
+    bit-identical. ``"auto"``: on when the fit check (the Trainer's, at start-up) says the host
+    cannot hold them, or, for ``offload_model`` alone, when all blocks' inputs would take more
+    than the host's available memory less ``cpu_reserve``; off without ``nvme_path``.
+    ``True``: always (needs ``nvme_path``; ``offload_activations="auto"`` is then on);
+    ``False``: never."""
+
     nvme_ring_buffers: int = 3
     """Host buffers between the NVMe tier and CPU Adam, each the size of the largest unit's
     moments: one being updated, one being written back, one read ahead (more read further
@@ -466,6 +478,15 @@ class StrongholdConfig:
                                  "state of the engine's CPU Adam.")
         if not isinstance(self.nvme_masters, bool):
             raise ValueError(f"StrongholdConfig.nvme_masters={self.nvme_masters!r}; use True or False.")
+        if self.nvme_activations not in (True, False, "auto") or (
+                isinstance(self.nvme_activations, int) and not isinstance(self.nvme_activations, bool)):
+            raise ValueError(f"StrongholdConfig.nvme_activations={self.nvme_activations!r}; use \"auto\", True or False.")
+        if self.nvme_activations is True and self.nvme_path is None:
+            raise ValueError("StrongholdConfig.nvme_activations=True needs nvme_path: a directory on a fast local disk "
+                             "for the checkpointed activations' file (or use nvme_activations=\"auto\").")
+        if self.nvme_activations is True and self.offload_activations is False:
+            raise ValueError("StrongholdConfig.nvme_activations=True with offload_activations=False: only inputs "
+                             "offloaded to the host go on to the file. Set offload_activations=True (or \"auto\").")
         if self.nvme_masters and self.nvme_path is None:
             raise ValueError("StrongholdConfig.nvme_masters=True needs nvme_path: a directory on a fast local disk "
                              "to hold the masters.")

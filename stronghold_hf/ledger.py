@@ -38,6 +38,9 @@ class MemoryLedger:
         self.activation_device_bytes = 0
         self.activation_device_peak_bytes = 0
         self.activation_host_bytes = 0
+        # The part of the checkpoint file (nvme_activations) in use, and its peak.
+        self.activation_disk_bytes = 0
+        self.activation_disk_peak_bytes = 0
 
     # ------------------------------------------------------------------ device
     def device_alloc(self, nbytes: int) -> None:
@@ -67,6 +70,11 @@ class MemoryLedger:
         with self._lock:
             self.activation_device_bytes -= nbytes
             assert self.activation_device_bytes >= 0, "ledger: more activation bytes freed than held"
+
+    def set_activation_disk_bytes(self, nbytes: int) -> None:
+        with self._lock:
+            self.activation_disk_bytes = nbytes
+            self.activation_disk_peak_bytes = max(self.activation_disk_peak_bytes, nbytes)
 
     def set_activation_host_bytes(self, nbytes: int) -> None:
         with self._lock:
@@ -110,4 +118,6 @@ class MemoryLedger:
                 "activation_device_bytes": self.activation_device_bytes,
                 "activation_device_peak_bytes": self.activation_device_peak_bytes,
                 "activation_host_bytes": self.activation_host_bytes,
+                "activation_disk_bytes": self.activation_disk_bytes,
+                "activation_disk_peak_bytes": self.activation_disk_peak_bytes,
             }

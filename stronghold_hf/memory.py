@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import threading
 import warnings
 import weakref
@@ -187,6 +188,14 @@ def available_host_bytes() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def total_host_bytes() -> int | None:
+    """The machine's physical memory (what ``cpu_reserve="auto"`` takes its share of); None if unknown."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def typed_view(flat_bytes: torch.Tensor, offset: int, numel: int, dtype: torch.dtype, shape) -> torch.Tensor:

@@ -171,9 +171,10 @@ class StateFile:
         logger.info("stronghold: NVMe tier: %s (%s) in %s (%s)", self.holds, _format_bytes(nbytes), path,
                     "O_DIRECT" if self.direct else "buffered I/O, pages dropped after use")
 
-    def _full_message(self, free: int) -> str:
-        return (f"StrongholdConfig.nvme_path: storing {self.holds} needs {_format_bytes(self.nbytes)} "
-                f"({self.nbytes} bytes) in {os.path.dirname(os.path.dirname(self.path))}, which has "
+    def _full_message(self, free: int, nbytes: int | None = None) -> str:
+        nbytes = self.nbytes if nbytes is None else nbytes
+        return (f"StrongholdConfig.nvme_path: storing {self.holds} needs {_format_bytes(nbytes)} "
+                f"({nbytes} bytes) in {os.path.dirname(os.path.dirname(self.path))}, which has "
                 f"{_format_bytes(free)} free. Free space there or point nvme_path at a larger disk.")
 
     def _preallocate(self, nbytes: int) -> None:
@@ -184,12 +185,23 @@ class StateFile:
         except OSError as err:
             if err.errno == errno.ENOSPC:
                 free = shutil.disk_usage(os.path.dirname(self.path)).free
-                raise ValueError(self._full_message(free)) from None
+                raise ValueError(self._full_message(free, nbytes)) from None
             if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
                 raise
             os.ftruncate(self.fd, nbytes)  # no preallocation here: a full disk shows at the first write
             logger.warning("stronghold: %s does not preallocate (%s); the swap file is sparse.",
                            os.path.dirname(self.path), err.strerror)
+
+    def grow(self, nbytes: int) -> None:
+        """Makes the file at least ``nbytes`` long (preallocated: a full disk is the same error
+        as at creation, raised before anything is written there)."""
+        if nbytes <= self.nbytes:
+            return
+        free = shutil.disk_usage(os.path.dirname(self.path)).free
+        if nbytes - self.nbytes > free:
+            raise ValueError(self._full_message(free, nbytes))
+        self._preallocate(nbytes)
+        self.nbytes = nbytes
 
     def _direct_works(self) -> bool:
         """Some file systems accept O_DIRECT at open and refuse it at the first request."""

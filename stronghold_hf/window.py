@@ -30,7 +30,7 @@ from . import distributed, read_guard
 from .activations import ActivationStore
 from .auto_window import AutoWindowProbe
 from .checkpointing import CheckpointWatch
-from .config import StrongholdConfig
+from .config import StrongholdConfig, host_reserve_bytes
 from .discovery import describe, find_block_stacks, plan_units, unit_device_dtype
 from .distributed import DataParallel
 from .grads import GradientQueue
@@ -38,7 +38,7 @@ from .hooks import in_backward, install_module_hooks
 from .host_choices import choose_host_memory
 from .host_reads import HostReads
 from .ledger import MemoryLedger
-from .memory import DeviceSlotPool, HostAllocator, element_size
+from .memory import DeviceSlotPool, HostAllocator, element_size, total_host_bytes
 from .memory_report import MemoryReport
 from .param_watch import ParametersOutside
 from .promises import Promises
@@ -162,8 +162,10 @@ class WindowEngine:
                 slot = max(u.slot_bytes for u in self.units if u.kind != "rest")
                 cap = split.budget - split.resident_bytes - split.streamed_bytes + (window_size + 1) * slot
             self.schedule.probe = AutoWindowProbe(self.blocks, device, window_bytes_cap=cap)
-        self.schedule.activations = ActivationStore(transfer=self.transfer, ledger=self.ledger, host=self.host,
-                                                    device=device, offload=config.offload_activations)
+        self.schedule.activations = ActivationStore(
+            transfer=self.transfer, ledger=self.ledger, host=self.host, device=device,
+            offload=config.offload_activations, on_disk=config.nvme_activations, nvme_path=config.nvme_path,
+            io_threads=config.nvme_io_threads, host_reserve=host_reserve_bytes(config.cpu_reserve, total_host_bytes()))
         self.promises = Promises()
         self.schedule.checkpoint_watch = CheckpointWatch(model, {id(u.module): u for u in self.blocks}, self.promises)
         first_position = {u: min(ps) for u, ps in self.schedule.positions_of.items()}
@@ -399,6 +401,7 @@ class WindowEngine:
             for disk in (nvme, self.disk_masters):
                 if disk is not None:
                     disk.file.stop_threads()
+            self.schedule.activations.stop_threads()
             if self.dp is not None:
                 self.dp.settle()
 
@@ -422,6 +425,7 @@ class WindowEngine:
         nvme = getattr(self.coordinator.optimizer, "nvme", None)
         if nvme is not None:
             nvme.close()  # the swap file is scratch: removed with the engine
+        self.schedule.activations.close()  # the checkpoint file too
         for h in self._handles:
             h.remove()
         self._handles.clear()

@@ -9,11 +9,12 @@ flat with depth (and growing with depth when offload is off). Training stays exa
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
 
-from stronghold_hf import StrongholdConfig, offload_model
+from stronghold_hf import StrongholdConfig, activations, offload_model
 from stronghold_hf.testing import simulated_device
 from tiny_models import batch, engine_losses, tiny_model
 
@@ -125,3 +126,90 @@ def test_auto_stays_off_on_a_cpu_device():
 def test_config_rejects_other_values():
     with pytest.raises(ValueError, match="offload_activations"):
         StrongholdConfig(offload_activations="yes")
+
+
+# ---------------------------------------------------------------------- checkpoints beyond RAM
+def _disk_run(tmp_path, family="llama", layers=8, disk=True, reentrant=False, steps=3, **kw):
+    """Trains a checkpointed model with its inputs offloaded, on to a file or not; returns the
+    losses, the trained parameters and the ledger's activation keys (the engine closed)."""
+    torch.manual_seed(0)
+    shape = {"num_hidden_layers": layers, "hidden_size": 64, "intermediate_size": 128} if family == "llama" else {
+        "n_layer": layers}
+    model = _checkpointed(family, reentrant, **shape)
+    config = StrongholdConfig(window_size=2, offload_activations=True, **(
+        dict(nvme_path=str(tmp_path), nvme_activations=True) if disk else {}), **kw)
+    engine = offload_model(model, config, device="cpu")
+    losses = engine_losses(model, engine, family, lr=LR, steps=steps, seq=32)
+    stats = {k: v for k, v in engine.memory_stats().items() if k.startswith("activation_")}
+    params = [p.detach().clone() for p in model.parameters()]
+    engine.close()
+    return losses, params, stats
+
+
+@pytest.mark.parametrize("family,reentrant", [("llama", False), ("gpt2", True)])
+def test_checkpoints_on_disk_train_bit_identically(tmp_path, family, reentrant):
+    """nvme_activations: the inputs go through a file and come back; the same bits as in RAM."""
+    in_ram = _disk_run(tmp_path, family, disk=False, reentrant=reentrant)
+    on_disk = _disk_run(tmp_path, family, disk=True, reentrant=reentrant)
+    assert on_disk[0] == in_ram[0]
+    assert all(torch.equal(a, b) for a, b in zip(on_disk[1], in_ram[1]))
+    assert in_ram[2]["activation_disk_peak_bytes"] == 0 and on_disk[2]["activation_disk_peak_bytes"] > 0
+    assert os.listdir(tmp_path) == []  # the engine's file and directory go with it
+
+
+def test_with_the_file_the_host_holds_a_ring_and_the_disk_grows_with_depth(tmp_path):
+    """The promise: host bytes for checkpoints do not grow with depth (a ring of DISK_RING + 2
+    inputs), the file does (one input per offloaded position); in RAM the host grows instead."""
+    one = 2 * 32 * 64 * 4  # batch 2 x 32 tokens x hidden 64, fp32
+    page_up = -(-one // 4096) * 4096
+    host, disk = {}, {}
+    for layers in (8, 16):
+        stats = _disk_run(tmp_path, layers=layers, steps=2)[2]
+        host[layers], disk[layers] = stats["activation_host_bytes"], stats["activation_disk_peak_bytes"]
+    # How many ring buffers a run makes depends on how fast its writes land, never on depth.
+    assert max(host.values()) <= (activations.DISK_RING + 2) * (page_up + 4096), host
+    assert disk[8] == (8 - 2) * page_up and disk[16] == (16 - 2) * page_up, disk
+    in_ram = _disk_run(tmp_path, layers=16, disk=False, steps=2)[2]["activation_host_bytes"]
+    assert in_ram >= (16 - 2) * one > 2 * host[16]
+
+
+def test_checkpoints_on_disk_under_delayed_copies_and_a_retained_graph(tmp_path):
+    """Copies that land late (the simulated GPU) and a second backward over the same graph,
+    which reads every input back from the file again."""
+    with simulated_device(0.002):
+        ref = _checkpointed("llama", num_hidden_layers=4, hidden_size=64, intermediate_size=128)
+        model = copy.deepcopy(ref)
+        engine = offload_model(model, StrongholdConfig(window_size=1, offload_activations=True, nvme_path=str(tmp_path),
+                                                       nvme_activations=True), device="cpu")
+        assert engine.transfer.mode == "delayed"
+        b = batch("llama", seed=0, seq=32)
+        for m in (ref, model):
+            loss = m(**b).loss
+            loss.backward(retain_graph=True)
+            loss.backward()
+        engine.synchronize()
+        assert engine.memory_stats()["activation_disk_peak_bytes"] > 0
+        for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        engine.close()
+
+
+def test_auto_goes_to_disk_only_when_the_host_would_not_hold_them(tmp_path, monkeypatch):
+    """nvme_activations="auto" (offload_model alone): the host's available memory less the
+    reserve decides, at the first offloaded input; without nvme_path nothing goes to disk."""
+    for available, expected in ((1 << 40, 0), (0, 1)):
+        monkeypatch.setattr(activations, "available_host_bytes", lambda: available)
+        stats = _disk_run(tmp_path, disk=False, steps=1, nvme_path=str(tmp_path), cpu_reserve=0)[2]
+        assert bool(stats["activation_disk_peak_bytes"]) == bool(expected), (available, stats)
+    assert StrongholdConfig(offload_activations=True).nvme_activations == "auto"
+    monkeypatch.setattr(activations, "available_host_bytes", lambda: 0)
+    assert _disk_run(tmp_path, disk=False, steps=1)[2]["activation_disk_peak_bytes"] == 0
+
+
+def test_nvme_activations_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="nvme_activations=True needs nvme_path"):
+        StrongholdConfig(nvme_activations=True)
+    with pytest.raises(ValueError, match="offload_activations=False"):
+        StrongholdConfig(nvme_activations=True, nvme_path="/tmp/x", offload_activations=False)
+    with pytest.raises(ValueError, match="nvme_activations='yes'"):
+        StrongholdConfig(nvme_activations="yes")

@@ -459,3 +459,28 @@ def test_headroom_defaults_scale_with_the_machine():
     assert host_reserve_bytes("8GB", 64 * GiB) == 8 * GiB
     with pytest.raises(ValueError, match="cpu_reserve"):
         StrongholdConfig(cpu_reserve="lots")
+
+
+def test_long_context_checkpoints_go_to_disk_when_the_ram_would_not_hold_them():
+    """Llama-3-8B, bf16, 512k tokens, 141 GB GPU, 128 GB RAM, 4 TB disk: the offloaded
+    checkpointed inputs (31 x 4 GiB) do not fit next to the masters; "auto" moves them to the
+    NVMe tier after the moments, the host keeps DISK_RING + 2 of them, and the disk counts them."""
+    from stronghold_hf.activations import DISK_RING
+
+    cfg = load_config(LLAMA3_8B[0], config_overrides=LLAMA3_8B[1])
+    seq = 512 * 1024
+    kw = dict(seq_len=seq, batch_size=1, dtype="bf16", gpu_memory_bytes="141GB", gradient_checkpointing=True,
+              cpu_memory_bytes="128GB", host_memory="lean", offload_activations=True, nvme_memory_bytes="4TB")
+    one = seq * 4096 * 2  # one layer's input in bf16: 4 GiB
+    in_ram = estimate(cfg, nvme_activations=False, **kw)
+    assert in_ram.cpu_activation_bytes >= 30 * one and not in_ram.cpu_fits
+    e = estimate(cfg, **kw)  # nvme_activations="auto"
+    assert e.nvme_activations and e.cpu_fits and e.nvme_fits
+    assert e.cpu_activation_bytes == (DISK_RING + 2) * one
+    assert e.nvme_bytes_needed == in_ram.cpu_activation_bytes + (e.cpu_adam_bytes == 0) * (
+        estimate(cfg, nvme_activations=False, **{**kw, "cpu_memory_bytes": "4TB"}, nvme=True).nvme_bytes_needed)
+    assert "checkpointed activations: on NVMe" in e.table() and "+ checkpointed activations" in e.table()
+    assert any("checkpointed activations" in n and "go to the NVMe tier" in n for n in e.notes)
+    roomy = estimate(cfg, **{**kw, "cpu_memory_bytes": "2TB"})
+    assert not roomy.nvme_activations  # auto: RAM holds them, they stay
+    assert estimate(cfg, nvme_activations=True, **{**kw, "cpu_memory_bytes": "2TB"}).nvme_activations

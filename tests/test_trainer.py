@@ -117,6 +117,27 @@ def test_gradient_checkpointing_and_eval(tmp_path):
     assert t.stronghold_engine.resident_blocks() == []
 
 
+def test_checkpoints_on_nvme_through_the_command_line(tmp_path):
+    """``--stronghold_config '{"nvme_path": ..., "nvme_activations": true}'`` with
+    ``--gradient_checkpointing``: the checkpointed inputs go through the file, and the run
+    trains as the plain Trainer does."""
+    ref = tiny_model("llama", hidden_size=64, intermediate_size=128)
+    model = copy.deepcopy(ref)
+    kw = dict(COMMON, gradient_checkpointing=True)
+    t_ref = Trainer(model=ref, args=TrainingArguments(output_dir=str(tmp_path / "a"), **kw),
+                    train_dataset=TinyDataset("llama"))
+    t_ref.train()
+    argv = ["--output_dir", str(tmp_path / "b"), "--stronghold", "--stronghold_window_size", "1", "--stronghold_config",
+            json.dumps({"nvme_path": str(tmp_path / "nvme"), "nvme_activations": True})]
+    for key, value in kw.items():
+        argv += ["--report_to", "none"] if key == "report_to" else [f"--{key}", str(value)]
+    (args,) = HfArgumentParser(StrongholdTrainingArguments).parse_args_into_dataclasses(argv)
+    t = StrongholdTrainer(model=model, args=args, train_dataset=TinyDataset("llama"))
+    t.train()
+    assert _losses(t) == pytest.approx(_losses(t_ref), rel=1e-4)
+    assert t.stronghold_engine.memory_stats()["activation_disk_peak_bytes"] > 0
+
+
 def test_seq2seq_predict_with_generate(tmp_path):
     ref = tiny_model("t5")
     model = copy.deepcopy(ref)

@@ -74,6 +74,7 @@ def estimate(
     resident: int | bool | str = False, resident_budget_bytes: int | str | None = None,
     attn_implementation: str | None = None, sequence_tiling: bool | str = "auto", tile_tokens: int | str = "auto",
     attention_tiled: bool = False, cpu_reserve: int | str = "auto", gpu_reserve: int | str = "auto",
+    nvme_activations: bool | str = "auto",
 ) -> Estimate:
     """Estimates STRONGHOLD and plain-training memory for a config (built on the meta device).
 
@@ -91,7 +92,9 @@ def estimate(
     the GPU would not fit otherwise. ``nvme_memory_bytes``: the NVMe tier's disk space; with it
     (``nvme="auto"``) the Adam moments go to disk when the RAM would not hold them
     (``nvme=True``: always, as an engine with ``nvme_path`` does), and then the fp32 masters
-    too when it still would not (``nvme_masters="auto"``; True: always, False: never).
+    too when it still would not (``nvme_masters="auto"``; True: always, False: never); the
+    offloaded checkpointed activations go to disk with the moments when the RAM would still not
+    hold them, before the masters (``nvme_activations="auto"``; True: always, False: never).
     ``resident`` and ``resident_budget_bytes`` are `StrongholdConfig`'s ``resident`` and
     ``gpu_memory`` (``None``: the GPU's memory less the engine's reserve): the units the split
     keeps on the GPU (split.py) count there with their AdamW state, not on the host. Only fp32
@@ -118,7 +121,7 @@ def estimate(
         offload_activations=offload_activations, loss_chunk_tokens=loss_chunk_tokens, host_memory=host_memory,
         host_image=host_image, host_grads=host_grads, gradient_accumulation_steps=gradient_accumulation_steps,
         nvme_memory_bytes=None if nvme_memory_bytes is None else parse_memory(nvme_memory_bytes),
-        nvme=nvme, nvme_masters=nvme_masters,
+        nvme=nvme, nvme_masters=nvme_masters, nvme_activations=nvme_activations,
     )
 
 
@@ -133,7 +136,7 @@ def estimate_for_model(
     nvme_memory_bytes: int | None = None, nvme: bool | str = "auto", nvme_ring_buffers: int = 3,
     nvme_masters: bool | str = "auto", resident: int | bool | str = False, resident_budget_bytes: int | None = None,
     attn_implementation: str | None = None, sequence_tiling: bool | str = "auto", tile_tokens: int | str = "auto",
-    cpu_reserve: int | str = "auto", gpu_reserve: int | str = "auto",
+    cpu_reserve: int | str = "auto", gpu_reserve: int | str = "auto", nvme_activations: bool | str = "auto",
 ) -> Estimate:
     """The same estimate from a live, already built model (call before moving it to the GPU).
 
@@ -176,5 +179,5 @@ def estimate_for_model(
         decoder_seq_len=decoder_seq_len, chunked_loss=chunked_loss, offload_activations=offload_activations,
         loss_chunk_tokens=loss_chunk_tokens, host_memory=host_memory, host_image=host_image, host_grads=host_grads,
         gradient_accumulation_steps=gradient_accumulation_steps, nvme_memory_bytes=nvme_memory_bytes, nvme=nvme,
-        nvme_ring_buffers=nvme_ring_buffers, nvme_masters=nvme_masters,
+        nvme_ring_buffers=nvme_ring_buffers, nvme_masters=nvme_masters, nvme_activations=nvme_activations,
     )

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..activations import DISK_RING  # nvme_activations: the writes in flight
 from ..config import DEFAULT_WINDOW_SIZE, device_reserve_bytes, host_reserve_bytes, parse_window_size
 from ..discovery import find_block_stacks
 from ..transfer import FETCH_STAGING_BUFFERS  # host_image=False: the ring that replaces the image
@@ -104,9 +105,14 @@ def _assemble(
     nvme: bool | str = "auto", nvme_ring_buffers: int = 3, nvme_masters: bool | str = "auto", split: Any = None,
     attention: str = "eager", sequence_tiling: bool | str = "auto", tile_tokens: int | str = "auto",
     attention_tiled: bool = False, cpu_reserve: int | str = "auto", gpu_reserve: int | str = "auto",
+    nvme_activations: bool | str = "auto",
 ) -> Estimate:
     if nvme not in (True, False, "auto"):
         raise ValueError(f"nvme={nvme!r}; use \"auto\", True or False.")
+    if nvme_activations not in (True, False, "auto"):
+        raise ValueError(f"nvme_activations={nvme_activations!r}; use \"auto\", True or False.")
+    if nvme_activations is True and nvme == "auto":
+        nvme = True  # it needs nvme_path, which puts the moments on disk too
     if nvme_masters not in (True, False, "auto"):
         raise ValueError(f"nvme_masters={nvme_masters!r}; use \"auto\", True or False.")
     if host_grads not in ("auto", "fp32", "compute"):
@@ -161,7 +167,7 @@ def _assemble(
     # Activations, from the config's shape.
     h = _cfg(config, "hidden_size", "d_model", "n_embd", "dim")
     a = _cfg(config, "num_attention_heads", "n_head", "num_heads", "encoder_attention_heads")
-    full = ckpt = ckpt_offloaded = head = inputs_host = 0
+    full = ckpt = ckpt_offloaded = head = inputs_host = input_largest = 0
     layer_peak, layer_transient, layer_largest = 0, 0, ("", 0)
     if h and a:
         s_dec = decoder_seq_len or seq_len
@@ -195,6 +201,7 @@ def _assemble(
         kept = sorted(inputs, reverse=True)[: min(n, w + 2)]
         ckpt_offloaded = sum(kept) + layer_peak
         inputs_host = sum(inputs) - sum(inputs[-w:]) if n > w else 0
+        input_largest = max(inputs)
         s_out = s_dec if any(layer.cross_attention for layer in counts.layers) else seq_len
         tokens = s_out * batch_size
         # The final norm's input and output (a projection with the attention tiled: one of them,
@@ -263,6 +270,9 @@ def _assemble(
                 break
             max_w = cand
     activation_host = inputs_host if offload else 0
+    # Checkpoints beyond RAM (nvme_activations, activations.py): the file holds them, the host
+    # a ring (the writes in flight and the two inputs being read back).
+    activation_ring = min(DISK_RING + 2, n) * input_largest if offload else 0
     # The NVMe tier: the moments on disk, a ring of buffers of the largest unit's moments in RAM
     # (with nvme_masters, of its masters and moments).
     unit_master = [4 * u.trainable for u in units]
@@ -277,27 +287,36 @@ def _assemble(
                           default=max((u.trainable for u in units), default=0))
     disk_fetch = FETCH_STAGING_BUFFERS * c * block_trainable + 4 * block_trainable
 
-    def host_need(keep: bool, on_disk: bool, masters_on_disk: bool = False) -> int:
+    def host_need(keep: bool, on_disk: bool, masters_on_disk: bool = False, acts_on_disk: bool = False) -> int:
+        acts = activation_ring if acts_on_disk else activation_host
         if masters_on_disk:
-            return (nvme_ring(True) + grad + pinned - image + disk_fetch + staging + activation_host
-                    + CPU_PROCESS_BYTES)
+            return nvme_ring(True) + grad + pinned - image + disk_fetch + staging + acts + CPU_PROCESS_BYTES
         image_or_ring = 0 if keep or not image else ring - image
         moments = nvme_ring(False) if on_disk else adam
-        return master + moments + grad + pinned + image_or_ring + staging + activation_host + CPU_PROCESS_BYTES
+        return master + moments + grad + pinned + image_or_ring + staging + acts + CPU_PROCESS_BYTES
 
     # What "auto" chooses, in order, the first that fits the RAM: everything in RAM; without
     # the image (host_image="auto"); the moments on disk (with nvme_memory), image kept if it
     # fits; then the masters on disk too (nvme_masters="auto").
     images = [True, False] if host_image == "auto" else [bool(host_image)]
     disks = [True] if nvme is True else [False] if nvme is False or (nvme_memory_bytes is None) else [False, True]
-    choices = [(keep, disk, False) for disk in disks for keep in images]
+    # The checkpointed inputs go to the file with the moments (an engine with nvme_path), when
+    # offloaded: "auto" after the choices that keep them in RAM, before the masters follow.
+    acts_ok = offload and activation_host > activation_ring and nvme_activations is not False
+    acts_forced = offload and nvme_activations is True
+    choices = [(keep, disk, False, disk and acts_forced) for disk in disks for keep in images]
+    if acts_ok and not acts_forced and True in disks:
+        choices += [(keep, True, False, True) for keep in images]
     if nvme_masters is True:
-        choices = [(False, True, True)]
+        choices = [(False, True, True, acts_ok or acts_forced)]
     elif nvme_masters == "auto" and True in disks and host_image is not True:
-        choices.append((False, True, True))
-    keep_image, on_disk, masters_on_disk = next(
+        choices.append((False, True, True, acts_ok or acts_forced))
+    keep_image, on_disk, masters_on_disk, acts_on_disk = next(
         (c for c in choices if cpu_room is None or host_need(*c) <= cpu_room), choices[-1])
-    cpu_needed = host_need(keep_image, on_disk, masters_on_disk)
+    cpu_needed = host_need(keep_image, on_disk, masters_on_disk, acts_on_disk)
+    if acts_on_disk and nvme_activations == "auto":
+        notes.append(f"the checkpointed activations ({_gib(activation_host)}) go to the NVMe tier "
+                     f"(StrongholdConfig(nvme_activations=True)): the host holds {min(DISK_RING + 2, n)} of them")
     if masters_on_disk:
         pinned += disk_fetch - image
     elif image and not keep_image:
@@ -327,7 +346,7 @@ def _assemble(
         notes.append("CPU RAM unknown: CPU check skipped")
     if gpu_fits is None:
         notes.append("GPU memory unknown: GPU check skipped")
-    on_nvme = (adam if on_disk else 0) + (master if masters_on_disk else 0)
+    on_nvme = (adam if on_disk else 0) + (master if masters_on_disk else 0) + (activation_host if acts_on_disk else 0)
     nvme_fits = None if not on_disk or nvme_memory_bytes is None else on_nvme <= nvme_memory_bytes
     act_peak = activations(block_act, head)
     fixed = window_bytes + lanes + outside + act_peak
@@ -348,7 +367,7 @@ def _assemble(
         cpu_master_bytes=0 if masters_on_disk else master, cpu_adam_bytes=0 if on_disk else adam, cpu_grad_bytes=grad, host_memory=host_memory,
         host_image=bool(keep_image or not image), host_grads="compute" if bf16_grads else "fp32",
         cpu_pinned_copy_bytes=pinned,
-        cpu_grad_staging_bytes=staging, cpu_activation_bytes=activation_host, cpu_process_bytes=CPU_PROCESS_BYTES,
+        cpu_grad_staging_bytes=staging, cpu_activation_bytes=activation_ring if acts_on_disk else activation_host, nvme_activations=acts_on_disk, cpu_process_bytes=CPU_PROCESS_BYTES,
         cpu_bytes_needed=cpu_needed, cpu_memory_bytes=cpu_memory_bytes,
         nvme_adam=on_disk, nvme_bytes_needed=on_nvme, nvme_memory_bytes=nvme_memory_bytes,
         cpu_nvme_ring_bytes=nvme_ring(masters_on_disk) if on_disk else 0, nvme_masters=masters_on_disk,

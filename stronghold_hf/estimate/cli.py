@@ -107,6 +107,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--nvme_masters", type=auto_flag, default="auto",
                         help="the fp32 masters on disk too (nvme_masters): auto (default: when the RAM would not hold "
                         "them with the moments on disk), true or false")
+    parser.add_argument("--nvme_activations", type=auto_flag, default="auto",
+                        help="the offloaded checkpointed activations on disk too (nvme_activations): auto (default: "
+                        "when the RAM would not hold them with the moments on disk), true or false")
     parser.add_argument("--resident", type=_arg_type(_parse_resident, "auto, an int >= 0 or false"), default="auto",
                         help="the device/host split (StrongholdConfig.resident): auto (default: what fits in the GPU "
                         "less the engine's reserve stays there), N blocks, or false (everything streams)")
@@ -145,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             offload_activations=args.offload_activations, host_memory=args.host_memory,
             host_image=args.host_image, host_grads=args.host_grads,
             gradient_accumulation_steps=args.gradient_accumulation_steps, nvme_memory_bytes=args.nvme_memory,
-            nvme_masters=args.nvme_masters, resident=args.resident, resident_budget_bytes=args.resident_budget,
+            nvme_masters=args.nvme_masters, nvme_activations=args.nvme_activations, resident=args.resident, resident_budget_bytes=args.resident_budget,
             attn_implementation=args.attn_implementation, sequence_tiling=args.sequence_tiling,
             tile_tokens=args.tile_tokens, cpu_reserve=args.cpu_reserve, gpu_reserve=args.gpu_reserve,
         )

@@ -97,6 +97,8 @@ class Estimate:
     cpu_reserve_bytes: int = 0
     gpu_reserve_bytes: int = 0
     attn_implementation: str = "eager"
+    # The checkpointed activations are on disk too (nvme_activations; cpu_activation_bytes is then their ring).
+    nvme_activations: bool = False
     tile_tokens: int | None = None
     gpu_layer_peak_bytes: int = 0
     layer_largest_tensor: str = ""
@@ -222,13 +224,15 @@ def _table(e: Estimate) -> str:
             else f"pinned {e.dtype} staging + fp32 read scratch (frozen: stored)",
             e.cpu_pinned_copy_bytes),
         row("pinned gradient staging (K buffers)", e.cpu_grad_staging_bytes),
-        row("offloaded checkpointed activations", e.cpu_activation_bytes),
+        row("checkpointed activations: on NVMe, a ring in RAM" if e.nvme_activations
+            else "offloaded checkpointed activations", e.cpu_activation_bytes),
         row("process allowance (Python, torch, CUDA runtime)", e.cpu_process_bytes),
         row("reserve left free (OS, page cache, data loader)", e.cpu_reserve_bytes),
         total("total, with the reserve", e.cpu_bytes_needed + e.cpu_reserve_bytes, e.cpu_memory_bytes, e.cpu_fits),
         *([f"NVMe (STRONGHOLD, nvme_path)",
            total(f"Adam moments ({'8-bit' if e.host_memory == 'lean' else 'fp32'})"
-                 + (" + fp32 masters" if e.nvme_masters else ""), e.nvme_bytes_needed,
+                 + (" + fp32 masters" if e.nvme_masters else "")
+                 + (" + checkpointed activations" if e.nvme_activations else ""), e.nvme_bytes_needed,
                  e.nvme_memory_bytes, e.nvme_fits)] if e.nvme_adam else []),
         f"GPU (STRONGHOLD, window_size={e.window_size})",
         row(f"window ({e.window_size + 1} units, largest {e.gpu_slot_bytes / MiB:.1f} MiB)", e.gpu_window_bytes),

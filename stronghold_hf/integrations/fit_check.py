@@ -62,6 +62,7 @@ class FitCheck:
         self._model = model
         self._args = args
         self._pending: tuple[int | None, int | None] | None = None  # (device, host) bytes measured at start
+        self.activations_to_disk = False  # what on_first_batch decided for nvme_activations="auto"
 
     @property
     def pending(self) -> bool:
@@ -99,6 +100,8 @@ class FitCheck:
             est.raise_if_not_fits()
             if self._offloads_activations(est):
                 self.config = self.config.replace(offload_activations=True)
+            if self._activations_to_disk(est):
+                self.config = self.config.replace(nvme_activations=True)
             self._adopt_split(est)
             return self.config
         est = self.estimate(seq_len=1, batch_size=1)
@@ -128,7 +131,15 @@ class FitCheck:
             gpu_memory_bytes=gpu_memory, cpu_memory_bytes=cpu_memory,
         )
         est.raise_if_not_fits()
+        self.activations_to_disk = self._activations_to_disk(est)
         return self._offloads_activations(est)
+
+    def _activations_to_disk(self, est) -> bool:
+        """``nvme_activations="auto"``: the fit check decides (on when the host would not hold them)."""
+        if self.config.nvme_activations != "auto" or not est.nvme_activations:
+            return False
+        _hf_logger.info("STRONGHOLD: checkpointed activations go on to the NVMe tier (the host would not hold them)")
+        return True
 
     def _offloads_activations(self, est) -> bool:
         """``offload_activations="auto"``: the fit check decides (on when only that makes it fit)."""
@@ -218,9 +229,9 @@ def _nvme_estimate_args(cfg: StrongholdConfig) -> dict[str, Any]:
     """With ``nvme_path`` the moments (and with ``nvme_masters`` the masters) are on disk: the fit
     check counts the ring, and the disk's free space."""
     if cfg.nvme_path is None:
-        return dict(nvme=False, nvme_masters=False)
+        return dict(nvme=False, nvme_masters=False, nvme_activations=False)
     probe = cfg.nvme_path
     while not os.path.exists(probe) and os.path.dirname(probe) != probe:  # created at the first step
         probe = os.path.dirname(probe)
     return dict(nvme=True, nvme_memory_bytes=shutil.disk_usage(probe).free, nvme_ring_buffers=cfg.nvme_ring_buffers,
-                nvme_masters=cfg.nvme_masters)
+                nvme_masters=cfg.nvme_masters, nvme_activations=cfg.nvme_activations)

@@ -192,8 +192,12 @@ class _StrongholdTrainerMixin:
 
     def training_step(self, model, inputs, *args, **kwargs):
         fit = getattr(self, "_stronghold_fit", None)
-        if fit is not None and fit.pending and fit.on_first_batch(inputs):  # before this batch's forward allocates
-            self.stronghold_engine.schedule.activations.offload = True
+        if fit is not None and fit.pending:  # before this batch's forward allocates
+            activations = self.stronghold_engine.schedule.activations
+            if fit.on_first_batch(inputs):
+                activations.offload = True
+            if fit.activations_to_disk:
+                activations.send_to_disk()
         return super().training_step(model, inputs, *args, **kwargs)
 
     # ------------------------------------------------------------------ accelerate
