@@ -38,7 +38,6 @@ from __future__ import annotations
 import array
 import ctypes
 import math
-import operator
 import threading
 import warnings
 from collections.abc import Callable, Iterable
@@ -49,9 +48,9 @@ from torch import Tensor
 
 from ..fastpath import no_grad, profiled
 
-_grad_of = operator.attrgetter("grad")
 from ..memory import is_placeholder  # a master bound around each update (nvme_masters)
 from . import quant8
+from .kernel_tables import OUT_KIND, GroupTables, Item, fp32_table, lean_table
 from .native import NativeLibrary
 
 __all__ = ["CPUAdam", "DEFAULT_CHUNK_NUMEL", "native_kernel_error"]
@@ -62,15 +61,9 @@ __all__ = ["CPUAdam", "DEFAULT_CHUNK_NUMEL", "native_kernel_error"]
 #: within noise of each other, 2**16 a third slower (docs/performance.md).
 DEFAULT_CHUNK_NUMEL = 1 << 19
 
-_OUT_KIND = {torch.bfloat16: 1, torch.float16: 2}
-_GRAD_BF16 = 16  # table flag of both kernels: the gradient is bf16 (kGradBf16)
 #: Gradient dtypes the kernels read: fp32, and bf16 (host gradients kept in the compute dtype,
 #: ``StrongholdConfig.host_grads``), widened exactly.
 GRAD_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def _flags(d: Tensor | None, g: Tensor) -> int:
-    return (0 if d is None else _OUT_KIND[d.dtype]) | (_GRAD_BF16 if g.dtype == torch.bfloat16 else 0)
 
 
 # The kernel: csrc/cpu_adam.cpp (sh_adamw_step's table layout is documented there).
@@ -185,8 +178,7 @@ class CPUAdam(torch.optim.Optimizer):
         self._lock = threading.Lock()  # guards lazy state insertion, _in_flight and _copy_out
         self._in_flight: set[int] = set()
         self._copy_out: dict[Tensor, Tensor] = {}  # param -> bf16/fp16 dest; not optimizer state
-        self._tables: dict[int, tuple] = {}  # group -> (grad ids, params list, table, items): [Note: cached tables]
-        self._undo_tables: dict[int, tuple] = {}  # group -> (the step table it was made from, undo table)
+        self._tables = GroupTables()  # the native kernels' address tables (kernel_tables.py)
         self._tls = threading.local()  # per-thread scratch of the torch kernel's scaled path
         self.__dict__.setdefault("_bits", {})  # param -> 32/8, set_state_bits' overrides (kept across copies)
 
@@ -337,7 +329,7 @@ class CPUAdam(torch.optim.Optimizer):
         if not any(param is p for g in self.param_groups for p in g["params"]):
             raise ValueError(f"CPUAdam.register_copy_out: the tensor (shape {tuple(param.shape)}) is in no param group; "
                              "pass the fp32 master this optimizer updates.")
-        if not isinstance(dest, Tensor) or dest.dtype not in _OUT_KIND or dest.device.type != "cpu":
+        if not isinstance(dest, Tensor) or dest.dtype not in OUT_KIND or dest.device.type != "cpu":
             got = f"{dest.dtype} on {dest.device}" if isinstance(dest, Tensor) else type(dest).__name__
             raise ValueError(f"CPUAdam.register_copy_out: dest must be a bf16 or fp16 CPU tensor, got {got}; "
                              "e.g. torch.empty(shape, dtype=torch.bfloat16).")
@@ -400,20 +392,13 @@ class CPUAdam(torch.optim.Optimizer):
     def _step_group(self, gi: int, gmul: float) -> None:
         group = self.param_groups[gi]
         if self.kernel == "native":
-            # [Note: cached tables] A group whose parameters hold the same gradient tensors as at
-            # its last step reuses that step's address tables: the engine steps each block with
-            # the same gradient buffers every step, and rebuilding a table is all Python (tens
-            # of microseconds per parameter, the whole update of a small block). State tensors
-            # and copy-out targets only change through load_state_dict / register_copy_out /
-            # state_moved (the NVMe tier rebinds a unit's moments for each update), which clear
-            # the cache.
-            key = tuple(map(id, map(_grad_of, group["params"])))
-            cached = self._tables.get(gi)
-            if cached is not None and cached[0] == key and cached[1] is group["params"]:
-                self._run_native(cached[2], cached[3], group, gmul)
-                self._run_native8(cached[4], cached[5], group, gmul)
+            cached = self._tables.cached(gi, group["params"])  # kernel_tables.py, [Note: cached tables]
+            if cached is not None:
+                table, items, table8, items8 = cached
+                self._run_native(table, items, group, gmul)
+                self._run_native8(table8, items8, group, gmul)
                 return
-        items: list[tuple[Tensor, Tensor, dict[str, Tensor], Tensor | None]] = []  # (param, grad, state, dest)
+        items: list[Item] = []
         for pi, p in enumerate(group["params"]):
             g = p.grad
             if g is None:
@@ -434,21 +419,8 @@ class CPUAdam(torch.optim.Optimizer):
         beta1, beta2 = (float(b) for b in group["betas"])
         lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
         if self.kernel == "native":
-            # [Note: raw addresses] A table holds addresses only; every tensor it names is kept
-            # alive by its items (grads made contiguous included) as long as the table is used.
-            table = array.array("q")  # int64 [n, 8], see sh_adamw_step
-            for p, g, st, d in items:
-                table.extend((p.numel(), p.data_ptr(), g.data_ptr(), st["exp_avg"].data_ptr(), st["exp_avg_sq"].data_ptr(),
-                              0 if d is None else d.data_ptr(), st["step"].data_ptr(), _flags(d, g)))
-            table8 = array.array("q")  # int64 [n, 10], see sh_adamw8_step
-            for p, g, st, d in items8:
-                table8.extend((p.numel(), p.data_ptr(), g.data_ptr(), st["exp_avg_q"].data_ptr(),
-                               st["exp_avg_absmax"].data_ptr(), st["exp_avg_sq_q"].data_ptr(),
-                               st["exp_avg_sq_absmax"].data_ptr(), 0 if d is None else d.data_ptr(),
-                               st["step"].data_ptr(), _flags(d, g)))
-            if all(g is p.grad for p, g, _, _ in items + items8):  # no contiguous() copies: the tables stay valid
-                with self._lock:
-                    self._tables[gi] = (key, group["params"], table, items, table8, items8)
+            table, table8 = fp32_table(items), lean_table(items8)  # [Note: raw addresses]
+            self._tables.keep(gi, group["params"], table, items, table8, items8)
             self._run_native(table, items, group, gmul)
             self._run_native8(table8, items8, group, gmul)
         else:
@@ -462,26 +434,11 @@ class CPUAdam(torch.optim.Optimizer):
                                       grad_mul=gmul, out=d)
 
     def undo_table(self, gi: int, grad_of: Callable[[Tensor], Tensor | None]) -> array.array | None:
-        """The address table (sh_adamw_undo's layout) that undoes group ``gi``'s last native step,
-        made from that step's cached table ([Note: cached tables]), when the undo reads exactly
-        its tensors: ``grad_of(param)`` (the gradient the undo uses, or None) is the step's
-        gradient for each parameter it stepped, and None for every other. None otherwise (no
-        cached step, 8-bit state, other gradients): the caller builds its own. An undo after
-        every step whose speculation missed then costs no Python per parameter."""
-        cached = self._tables.get(gi)
-        if cached is None or cached[5] or cached[1] is not self.param_groups[gi]["params"]:
-            return None
-        table, items = cached[2], cached[3]
-        if sum(grad_of(p) is not None for p in cached[1]) != len(items) or not all(
-                grad_of(p) is g for p, g, _, _ in items):
-            return None
-        made = self._undo_tables.get(gi)
-        if made is None or made[0] is not table:
-            undo = array.array("q")  # step row (n, p, g, m, v, dest, step, flags) -> (n, p, g, m, v, step, bf16, 0)
-            for r in range(0, len(table), 8):
-                undo.extend((*table[r: r + 5], table[r + 6], table[r + 7] & _GRAD_BF16, 0))
-            made = self._undo_tables[gi] = (table, undo)
-        return made[1]
+        """The address table that undoes group ``gi``'s last native step, made from that step's
+        cached table (kernel_tables.py, `GroupTables.undo`); None when the undo would read other
+        tensors. An undo after every step whose speculation missed then costs no Python per
+        parameter."""
+        return self._tables.undo(gi, self.param_groups[gi]["params"], grad_of)
 
     def _run_native8(self, table: array.array, items, group: dict[str, Any], gmul: float) -> None:
         if not items:
