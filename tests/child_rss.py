@@ -244,3 +244,49 @@ before = status_kib("VmRSS")
 trainer.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2") if resume else None)
 print(block, peak.growth)
 """
+
+
+#: Checkpointed activations in host memory or on to a file (argv[1]: the StrongholdConfig keys
+#: as JSON, argv[2]: a directory for nvme_path): an fp32 Llama of 16 blocks of hidden 32 with
+#: gradient checkpointing, batch 128 x 128 tokens (each block's checkpointed input 2 MiB), window
+#: 1, inputs offloaded. The peak RSS is reset after build_optimizer; prints one input's bytes and
+#: the peak-RSS growth (KiB) over one step.
+CHECKPOINTS_CHILD = r"""
+import ctypes, json, sys
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from stronghold_hf import StrongholdConfig, offload_model
+
+torch.manual_seed(0)
+torch.set_num_threads(1)
+cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=16, num_attention_heads=1,
+                  num_key_value_heads=1, tie_word_embeddings=False, max_position_embeddings=128)
+model = LlamaForCausalLM(cfg)
+model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+config = dict(json.loads(sys.argv[1]))
+if config.pop("on_disk", False):
+    config.update(nvme_path=sys.argv[2], nvme_activations=True)
+engine = offload_model(model, StrongholdConfig(window_size=1, host_worker="inline", resident=False,
+                                               offload_activations=True, **config), device="cpu")
+opt = engine.build_optimizer(lr=1e-4)
+ids = torch.randint(0, 256, (128, 128))
+
+
+def step():
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def status_kib(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+ctypes.CDLL("libc.so.6").malloc_trim(0)
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # VmHWM := VmRSS
+before = status_kib("VmRSS")
+step()
+print(128 * 128 * 32 * 4, status_kib("VmHWM") - before)
+"""

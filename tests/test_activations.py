@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import copy
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from stronghold_hf import StrongholdConfig, activations, offload_model
 from stronghold_hf.testing import simulated_device
+from child_rss import CHECKPOINTS_CHILD
 from tiny_models import batch, engine_losses, tiny_model
 
 LR = 1e-2
@@ -213,3 +216,21 @@ def test_nvme_activations_refuses_what_it_cannot_do():
         StrongholdConfig(nvme_activations=True, nvme_path="/tmp/x", offload_activations=False)
     with pytest.raises(ValueError, match="nvme_activations='yes'"):
         StrongholdConfig(nvme_activations="yes")
+
+
+def test_checkpoints_on_disk_peak_rss_measured_from_outside(tmp_path):
+    """The same promise measured from outside (a child process per variant, peak RSS over a
+    step): with the file the host's growth is at least 9 of the 15 offloaded inputs smaller
+    (the ring keeps up to DISK_RING + 2 of them)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
+    growth = {}
+    for variant in ('{"on_disk": false}', '{"on_disk": true}'):
+        out = subprocess.run([sys.executable, "-c", CHECKPOINTS_CHILD, variant, str(tmp_path)], capture_output=True,
+                             text=True, env=env, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        one, kib = map(int, out.stdout.split()[-2:])
+        growth[variant] = kib * 1024
+    in_ram, on_disk = growth['{"on_disk": false}'], growth['{"on_disk": true}']
+    print(f"peak RSS growth, one step: inputs in RAM {in_ram / 2**20:.0f} MiB, on disk {on_disk / 2**20:.0f} MiB "
+          f"(one input {one / 2**20:.0f} MiB)")
+    assert in_ram - on_disk >= 9 * one, (in_ram, on_disk, one)
