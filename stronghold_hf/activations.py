@@ -56,7 +56,7 @@ import torch
 
 from .ledger import MemoryLedger
 from .memory import HostAllocator, available_host_bytes
-from .swap import PAGE, StateFile, SwapDirectory
+from .swap import PAGE, StateFile, SwapDirectory, _page_up
 from .transfer import TransferContext
 
 logger = logging.getLogger("stronghold_hf")
@@ -71,10 +71,6 @@ MIN_OFFLOAD_BYTES = 4096
 #: ``nvme_activations``: inputs whose write to the file may be in flight at once (their host
 #: buffers, with the two being read back, are what the host holds).
 DISK_RING = 2
-
-
-def _page_up(n: int) -> int:
-    return -(-n // PAGE) * PAGE
 
 
 class _HostBuffers:
