@@ -37,28 +37,11 @@ print(body, after - before)
 """
 
 
-def llama_steps_child(*, layers: int, hidden: int, since: str) -> str:
-    """Child code: an fp32 Llama body of ``layers`` blocks of ``hidden`` (MLP 4x, a 2000-token
-    untied vocabulary) offloaded with the StrongholdConfig keys given as JSON in argv[1], two
-    steps; prints the body's parameter count and the growth of peak RSS (VmHWM, KiB) since
-    ``"step"`` (after offload_model and build_optimizer) or ``"offload"`` (before them).
-
-    The peak is reset to the resident memory at that point after ``malloc_trim``, so neither an
-    earlier transient peak nor freed tensors kept in the heap (or not, depending on the
-    allocator's history) hide or absorb part of the growth."""
-    assert since in ("step", "offload")
-    return f"""
-import ctypes, json, sys
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-from stronghold_hf import StrongholdConfig, offload_model
-
-torch.manual_seed(0)
-cfg = LlamaConfig(vocab_size=2000, hidden_size={hidden}, intermediate_size={4 * hidden}, num_hidden_layers={layers},
-                  num_attention_heads={hidden // 64}, num_key_value_heads={hidden // 64}, tie_word_embeddings=False)
-model = LlamaForCausalLM(cfg)
-body = sum(p.numel() for p in model.model.layers.parameters())
-ids = torch.randint(0, 2000, (1, 32))
+#: What a child that measures its own peak RSS needs: ``status_kib(field)`` reads
+#: /proc/self/status; ``reset_peak()`` trims the heap, sets VmHWM to the current RSS and
+#: returns that RSS (KiB).
+PEAK_HELPERS = r"""
+import ctypes
 
 
 def status_kib(field):
@@ -69,8 +52,33 @@ def status_kib(field):
 def reset_peak():
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
+        f.write("5")  # VmHWM := VmRSS
     return status_kib("VmRSS")
+"""
+
+
+def llama_steps_child(*, layers: int, hidden: int, since: str) -> str:
+    """Child code: an fp32 Llama body of ``layers`` blocks of ``hidden`` (MLP 4x, a 2000-token
+    untied vocabulary) offloaded with the StrongholdConfig keys given as JSON in argv[1], two
+    steps; prints the body's parameter count and the growth of peak RSS (VmHWM, KiB) since
+    ``"step"`` (after offload_model and build_optimizer) or ``"offload"`` (before them).
+
+    The peak is reset to the resident memory at that point after ``malloc_trim``, so neither an
+    earlier transient peak nor freed tensors kept in the heap (or not, depending on the
+    allocator's history) hide or absorb part of the growth."""
+    assert since in ("step", "offload")
+    return PEAK_HELPERS + f"""
+import json, sys
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from stronghold_hf import StrongholdConfig, offload_model
+
+torch.manual_seed(0)
+cfg = LlamaConfig(vocab_size=2000, hidden_size={hidden}, intermediate_size={4 * hidden}, num_hidden_layers={layers},
+                  num_attention_heads={hidden // 64}, num_key_value_heads={hidden // 64}, tie_word_embeddings=False)
+model = LlamaForCausalLM(cfg)
+body = sum(p.numel() for p in model.model.layers.parameters())
+ids = torch.randint(0, 2000, (1, 32))
 
 
 before = reset_peak() if {since!r} == "offload" else None
@@ -118,8 +126,8 @@ def saved_bytes_per_unit(child_code: str, baseline: str, variant: str, what: str
 #: tokens, then for each length in argv[1] (comma-separated) the peak RSS is reset and one step
 #: runs at that length (argv[2] == "1": gradient checkpointing). Prints one line per length:
 #: the peak-RSS growth of that step, in KiB.
-ACTIVATION_PEAK_CHILD = r"""
-import ctypes, sys
+ACTIVATION_PEAK_CHILD = PEAK_HELPERS + r"""
+import sys
 import torch
 import transformers as T
 from stronghold_hf import StrongholdConfig, offload_model
@@ -142,17 +150,9 @@ def step(n):
     opt.zero_grad()
 
 
-def status_kib(field):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-
 step(256)
 for n in lengths:
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
-    before = status_kib("VmRSS")
+    before = reset_peak()
     step(n)
     print(n, status_kib("VmHWM") - before, flush=True)
 """
@@ -251,8 +251,8 @@ print(block, peak.growth)
 #: gradient checkpointing, batch 128 x 128 tokens (each block's checkpointed input 2 MiB), window
 #: 1, inputs offloaded. The peak RSS is reset after build_optimizer; prints one input's bytes and
 #: the peak-RSS growth (KiB) over one step.
-CHECKPOINTS_CHILD = r"""
-import ctypes, json, sys
+CHECKPOINTS_CHILD = PEAK_HELPERS + r"""
+import json, sys
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from stronghold_hf import StrongholdConfig, offload_model
@@ -278,15 +278,7 @@ def step():
     opt.zero_grad()
 
 
-def status_kib(field):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-
-ctypes.CDLL("libc.so.6").malloc_trim(0)
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # VmHWM := VmRSS
-before = status_kib("VmRSS")
+before = reset_peak()
 step()
 print(128 * 128 * 32 * 4, status_kib("VmHWM") - before)
 """
