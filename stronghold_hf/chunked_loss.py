@@ -7,7 +7,8 @@ A causal LM's forward computes ``logits = self.lm_head(hidden_states)`` as one
 than a whole decoder block, and it does not shrink with any offloading of the blocks.
 
 This module computes the LM head and the cross-entropy in chunks of token rows instead, and
-recomputes each chunk in backward, so what the loss region holds is ``O(chunk x vocab)``.
+recomputes each chunk in backward, so what the loss region holds is ``O(chunk x vocab)``, or
+``O(chunk x piece)`` when the head is read in vocabulary pieces ([Note: vocabulary pieces]).
 That is what Liger's fused linear cross-entropy, Apple's Cut Cross-Entropy (Wijmans et al.,
 "Cut Your Losses in Large-Vocabulary Language Models", arXiv:2411.09009) and NeMo's
 ChunkedCrossEntropy do with GPU kernels; here it is plain torch, so it runs on CPU too. TRL's
@@ -159,7 +160,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, index: Tensor, targets: Tensor,
-                transform: HeadTransform, chunk_tokens: int, ignore_index: int) -> Tensor:
+                transform: HeadTransform, chunk_tokens: int, ignore_index: int, piece_rows: int | None = None) -> Tensor:
         device_type = hidden.device.type
         # [Note: autocast in backward] Like torch.utils.checkpoint: the recompute must see the
         # autocast of the forward (the dtype of the logits decides the gradients), not whatever
@@ -168,10 +169,28 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                             dtype=torch.get_autocast_dtype(device_type),
                             cache_enabled=torch.is_autocast_cache_enabled())
         ctx.transform, ctx.chunk_tokens, ctx.ignore_index = transform, chunk_tokens, ignore_index
+        vocab = weight.shape[0]
+        ctx.piece_rows = piece_rows = vocab if piece_rows is None else max(1, min(int(piece_rows), vocab))
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        if piece_rows < vocab:
+            # [Note: vocabulary pieces] The loss of each chunk from [c, piece] tiles of logits, with
+            # an online log-sum-exp; its fp32 [rows] log-sum-exps are all backward keeps besides the
+            # inputs (O(tokens), not O(tokens x vocab)).
+            torch._assert_async(((targets >= 0) & (targets < vocab)).all(),
+                                "chunked loss: a label is outside [0, vocab_size)")
+            lses = []
+            for start in range(0, index.numel(), chunk_tokens):
+                x = hidden[_rows(hidden, index[start:start + chunk_tokens])]
+                lse, picked = _online_lse(x, weight, bias, transform, targets[start:start + chunk_tokens], piece_rows)
+                total += (lse - picked).sum()
+                lses.append(lse)
+                del x, picked
+            lse_all = torch.cat(lses) if lses else torch.zeros(0, dtype=torch.float32, device=hidden.device)
+            ctx.save_for_backward(hidden, weight, bias, index, targets, lse_all)
+            return total
         # [Note: saved tensors] Only the inputs: autograd checks their versions, so a weight
         # updated in place before backward fails loudly instead of giving stale gradients.
-        ctx.save_for_backward(hidden, weight, bias, index, targets)
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        ctx.save_for_backward(hidden, weight, bias, index, targets, None)
         for start in range(0, index.numel(), chunk_tokens):
             rows = index[start:start + chunk_tokens]
             # [c, V] in the autocast dtype, like HF's ``self.lm_head(...)``; freed each iteration.
@@ -183,11 +202,11 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_total: Tensor):
-        hidden, weight, bias, index, targets = ctx.saved_tensors
+        hidden, weight, bias, index, targets, lse = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         need_bias = need_bias and bias is not None
         if not (need_hidden or need_weight or need_bias):
-            return (None,) * 8
+            return (None,) * 9
         grad_hidden = hidden.new_zeros(hidden.shape) if need_hidden else None
         # [Note: fp32 head gradient] The chunks' [V, H] gradients are summed in fp32 even for a
         # bf16/fp16 head (one extra V x H x 4 bytes for the backward): HF's single matmul over
@@ -200,7 +219,10 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             # that requires grad, so under bf16 the weight is cast once, not once per chunk.
             w = weight.detach().requires_grad_(need_weight)
             b = None if bias is None else bias.detach().requires_grad_(need_bias)
-            for start in range(0, index.numel(), ctx.chunk_tokens):
+            if lse is not None:
+                _piece_backward(ctx, hidden, weight, bias, index, targets, lse, grad_total,
+                                grad_hidden, grad_weight, grad_bias)
+            for start in range(0, index.numel() if lse is None else 0, ctx.chunk_tokens):
                 rows = _rows(hidden, index[start:start + ctx.chunk_tokens])
                 x = hidden[rows].detach().requires_grad_(need_hidden)
                 logits = ctx.transform(F.linear(x, w, b))
@@ -224,7 +246,71 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_weight = grad_weight.to(weight.dtype)
         if need_bias:
             grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def _online_lse(x: Tensor, weight: Tensor, bias: Tensor | None, transform: HeadTransform, targets: Tensor,
+                piece_rows: int) -> tuple[Tensor, Tensor]:
+    """fp32 ``(logsumexp(logits), logits[target])`` per row of ``x``, the logits made a
+    ``[rows, piece_rows]`` tile at a time ([Note: vocabulary pieces])."""
+    top = total = None
+    picked = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
+    for v0 in range(0, weight.shape[0], piece_rows):
+        v1 = v0 + piece_rows
+        logits = transform(F.linear(x, weight[v0:v1], None if bias is None else bias[v0:v1])).float()
+        tile_top = logits.amax(dim=1)
+        if top is None:
+            top, total = tile_top, torch.exp(logits - tile_top[:, None]).sum(dim=1)
+        else:
+            new_top = torch.maximum(top, tile_top)
+            total = total * torch.exp(top - new_top) + torch.exp(logits - new_top[:, None]).sum(dim=1)
+            top = new_top
+        inside = (targets >= v0) & (targets < v1)
+        column = (targets - v0).clamp(0, logits.shape[1] - 1)
+        picked = torch.where(inside, logits.gather(1, column[:, None]).squeeze(1), picked)
+        del logits  # one tile at a time
+    return top + torch.log(total), picked
+
+
+def _piece_backward(ctx, hidden, weight, bias, index, targets, lse, grad_total, grad_hidden, grad_weight, grad_bias):
+    """`ChunkedLinearCrossEntropy.backward` over vocabulary pieces: per chunk and piece, the
+    tile's logits are recomputed and ``(softmax - onehot) x grad`` (from the saved log-sum-exp)
+    is pushed back through the transform and the piece's rows of the head; the hidden states'
+    gradient is summed over the pieces in fp32 and rounded once per chunk, as one matmul would."""
+    need_hidden, need_weight, need_bias = grad_hidden is not None, grad_weight is not None, grad_bias is not None
+    rows_per = ctx.piece_rows
+    starts = range(0, weight.shape[0], rows_per)
+    # One leaf per piece for the whole backward: autocast caches its cast of each (as it does
+    # the whole weight's on the unpieced path), and a piece's gradient is the piece's size.
+    w_pieces = [weight[v0:v0 + rows_per].detach().requires_grad_(need_weight) for v0 in starts]
+    b_pieces = [None if bias is None else bias[v0:v0 + rows_per].detach().requires_grad_(need_bias) for v0 in starts]
+    for start in range(0, index.numel(), ctx.chunk_tokens):
+        rows = _rows(hidden, index[start:start + ctx.chunk_tokens])
+        x = hidden[rows].detach().requires_grad_(need_hidden)
+        t = targets[start:start + ctx.chunk_tokens]
+        chunk_lse = lse[start:start + ctx.chunk_tokens]
+        gx = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if need_hidden else None
+        for v0, w, b in zip(starts, w_pieces, b_pieces):
+            logits = ctx.transform(F.linear(x, w, b)).float()
+            with torch.no_grad():
+                g = torch.exp(logits - chunk_lse[:, None])
+                # - onehot where the target is in this piece; a scatter, not a nonzero(), which
+                # would wait for the device once per tile.
+                inside = ((t >= v0) & (t < v0 + rows_per)).to(g.dtype)
+                g.scatter_add_(1, (t - v0).clamp(0, g.shape[1] - 1)[:, None], -inside[:, None])
+                g *= grad_total
+            wanted = [u for u, need in ((x, need_hidden), (w, need_weight), (b, need_bias)) if need]
+            grads = list(torch.autograd.grad(logits, wanted, g))
+            if need_hidden:
+                gx += grads.pop(0)
+            if need_weight:
+                grad_weight[v0:v0 + rows_per] += grads.pop(0)
+            if need_bias:
+                grad_bias[v0:v0 + rows_per] += grads.pop(0)
+            del logits, g, grads, wanted  # [Note: chunk lifetime], per tile
+        if need_hidden:
+            grad_hidden[rows] = gx.to(grad_hidden.dtype)
+        del x, gx
 
 
 def chunked_linear_cross_entropy(
@@ -238,6 +324,7 @@ def chunked_linear_cross_entropy(
     num_items_in_batch: int | Tensor | None = None,
     transform: HeadTransform = HeadTransform(),
     chunk_tokens: ChunkTokens = "auto",
+    vocab_piece_rows: int | None = None,
 ) -> Tensor:
     """The loss transformers' ``ForCausalLMLoss`` gives for
     ``logits = transform(F.linear(hidden, weight, bias))``, without building those logits.
@@ -247,6 +334,11 @@ def chunked_linear_cross_entropy(
     ``shift_labels`` (already aligned, any shape with as many elements) is given; the result
     is the mean over non-ignored tokens (``nan`` when there are none), or their sum divided
     by ``num_items_in_batch`` when that is given (gradient accumulation).
+
+    ``vocab_piece_rows``: with fewer rows than the head has, each chunk's logits are made over
+    pieces of that many vocabulary rows with an online log-sum-exp, so what the loss holds at
+    once is a ``[chunk, piece]`` tile ([Note: vocabulary pieces]); ``None``: the whole
+    vocabulary per chunk.
     """
     lead = hidden.shape[:-1]
     if shift_labels is None:
@@ -265,7 +357,11 @@ def chunked_linear_cross_entropy(
     targets = targets.reshape(-1).to(hidden.device)
     index = (targets != ignore_index).nonzero().squeeze(1)
     chunk = resolve_chunk_tokens(chunk_tokens, weight.shape[0])
-    total = ChunkedLinearCrossEntropy.apply(hidden, weight, bias, index, targets[index], transform, chunk, ignore_index)
+    if vocab_piece_rows is not None and (isinstance(vocab_piece_rows, bool) or not isinstance(vocab_piece_rows, int)
+                                         or vocab_piece_rows < 1):
+        raise ValueError(f"chunked_linear_cross_entropy: vocab_piece_rows={vocab_piece_rows!r}; pass an int >= 1 or None.")
+    total = ChunkedLinearCrossEntropy.apply(hidden, weight, bias, index, targets[index], transform, chunk, ignore_index,
+                                            vocab_piece_rows)
     if num_items_in_batch is None:
         # HF's reduction="mean" over the non-ignored rows: 0 / 0 = nan when all are ignored.
         return total / index.numel()
@@ -597,8 +693,10 @@ def _loss_arguments(logits=None, labels=None, vocab_size=None, num_items_in_batc
 class _ChunkedHead:
     """The chunked path of one causal LM: its state for the forward in flight, and its hooks."""
 
-    def __init__(self, model: nn.Module, plan: LossPlan, chunk_tokens: ChunkTokens, promises=None):
+    def __init__(self, model: nn.Module, plan: LossPlan, chunk_tokens: ChunkTokens, promises=None,
+                 piece_numel: int | None = None):
         self.model, self.plan, self.chunk_tokens = model, plan, chunk_tokens
+        self.piece_numel = piece_numel  # the largest piece of the head one tile of logits may use
         self.promises = promises  # promises.Promises: the first training forward says whether chunking ran
         self.head: nn.Module = model.get_submodule(plan.head_path)
         self._reset()
@@ -678,7 +776,15 @@ class _ChunkedHead:
                              f"head, or use StrongholdConfig(chunked_loss=False).")
         return chunked_linear_cross_entropy(hidden, weight, bias, labels, shift_labels=shift_labels,
                                             ignore_index=ignore_index, num_items_in_batch=num_items,
-                                            transform=self.plan.transform, chunk_tokens=self.chunk_tokens)
+                                            transform=self.plan.transform, chunk_tokens=self.chunk_tokens,
+                                            vocab_piece_rows=self.piece_rows(weight))
+
+    def piece_rows(self, weight: Tensor) -> int | None:
+        """Vocabulary rows per piece: a head larger than ``piece_numel`` elements is read in
+        pieces of at most that many (None: whole)."""
+        if self.piece_numel is None or weight.numel() <= self.piece_numel:
+            return None
+        return max(1, self.piece_numel // weight.shape[1])
 
     def _chunk_rows(self) -> int:
         return resolve_chunk_tokens(self.chunk_tokens, self.head.weight.shape[0])
@@ -759,7 +865,11 @@ class ChunkedLoss:
         self._heads = heads
 
     @classmethod
-    def install(cls, root: nn.Module, chunk_tokens: ChunkTokens = "auto", promises=None) -> ChunkedLoss:
+    def install(cls, root: nn.Module, chunk_tokens: ChunkTokens = "auto", promises=None,
+                piece_numel: int | None = None) -> ChunkedLoss:
+        """``piece_numel``: a head with more elements computes each chunk's logits over
+        vocabulary pieces of at most that many elements (the engine passes its largest block's:
+        no tile of logits is made from more than a block's worth of head); None: whole."""
         resolve_chunk_tokens(chunk_tokens, 1)  # validate now, not at the first step
         if not isinstance(root, nn.Module):
             raise TypeError(f"ChunkedLoss.install: root is a {type(root).__name__}; pass the model (an nn.Module).")
@@ -779,7 +889,7 @@ class ChunkedLoss:
                 logger.info("chunked loss: the plain loss path is used for %s", reason)
                 continue
             logger.debug("chunked loss: %s", reason)
-            heads.append(_ChunkedHead(model, plan, chunk_tokens, promises))
+            heads.append(_ChunkedHead(model, plan, chunk_tokens, promises, piece_numel))
         return cls(heads)
 
     @property

@@ -18,6 +18,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 import transformers as T
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -125,9 +126,12 @@ def assert_same_grads(model, reference):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("pieces", [None, 1, 7], ids=["whole", "one-row-pieces", "7-row-pieces"])
 @pytest.mark.parametrize("transform", [HeadTransform(), HeadTransform.softcap(0.7), HeadTransform.divide(0.5)],
                          ids=["none", "softcap", "divide"])
-def test_function_matches_hf_loss(transform):
+def test_function_matches_hf_loss(transform, pieces):
+    """Whole, and over vocabulary pieces (an online log-sum-exp, a ragged last piece of 40 rows
+    in 7s): HF's loss and gradients to fp32 rounding in every labelling HF accepts."""
     torch.manual_seed(0)
     weight = torch.randn(40, 16, requires_grad=True)
     bias = torch.randn(40, requires_grad=True)
@@ -144,7 +148,8 @@ def test_function_matches_hf_loss(transform):
     for labels, kwargs in cases:
         ref = ForCausalLMLoss(transform(F.linear(hidden, weight, bias)), labels, 40, **kwargs)
         ref_grads = torch.autograd.grad(ref, (hidden, weight, bias))
-        loss = chunked_linear_cross_entropy(hidden, weight, bias, labels, transform=transform, chunk_tokens=3, **kwargs)
+        loss = chunked_linear_cross_entropy(hidden, weight, bias, labels, transform=transform, chunk_tokens=3,
+                                            vocab_piece_rows=pieces, **kwargs)
         grads = torch.autograd.grad(loss, (hidden, weight, bias))
         torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-7)
         for got, want in zip(grads, ref_grads):
@@ -230,6 +235,46 @@ def test_parity_with_plain_hf(family):
         assert out.logits is None
         torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-7)
         assert_same_grads(model, reference)
+
+
+class _Shapes(TorchDispatchMode):
+    """The shapes of every tensor the ops dispatched while active produce."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.shapes.append(tuple(t.shape))
+        return out
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt2"])
+def test_vocabulary_pieces_keep_logits_a_chunk_by_piece_tile(family):
+    """A head larger than ``piece_numel`` makes each chunk's logits 9 vocabulary rows at a time:
+    no [tokens, vocab] tile exists in forward or backward (the unpieced path, checked the same
+    way, makes them), and loss and gradients are plain HF's (an untied head, Gemma2's
+    soft-capping, GPT-2's tied embedding)."""
+    model, reference = pair(family)
+    hidden = model.get_output_embeddings().weight.shape[1]
+    batch = make_batch()
+    tiles = {}
+    for pieces in (False, True):
+        chunked = ChunkedLoss.install(model, chunk_tokens=CHUNK, piece_numel=9 * hidden if pieces else None)
+        assert chunked._heads[0].piece_rows(model.get_output_embeddings().weight) == (9 if pieces else None)
+        with _Shapes() as seen:
+            out = step(model, **batch)
+        ref = step(reference, **batch)
+        torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-7)
+        assert_same_grads(model, reference)
+        # [rows, vocab] or [rows, piece] tiles of a chunk (a [1, vocab] sum is the tied embedding's backward).
+        tiles[pieces] = {s for s in seen.shapes if len(s) == 2 and s[-1] in (VOCAB, 9) and 1 < s[0] <= CHUNK}
+        chunked.remove()
+    assert (CHUNK, VOCAB) in tiles[False]  # the check sees a whole-vocabulary tile where there is one
+    assert all(s[-1] == 9 for s in tiles[True]) and (CHUNK, 9) in tiles[True], tiles[True]
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])

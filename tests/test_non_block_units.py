@@ -97,6 +97,22 @@ def test_parity_with_streamed_embeddings_and_heads(family):
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_head_larger_than_a_block_makes_its_logits_a_block_of_vocabulary_at_a_time(family):
+    """The engine's chunked loss reads a head larger than the largest block in pieces of a
+    block's worth of vocabulary rows (the logits a [chunk, piece] tile), and trains like plain
+    HF (GPT-2's tied embedding, Llama's untied head)."""
+    ref, model, engine = _pair(lambda: tiny_model(family, **BIG_VOCAB), window_size=1, loss_chunk_tokens=5)
+    head = model.get_output_embeddings().weight
+    largest_block = max(sum(p.numel() for p in u.params) for u in engine.units if u.kind == "block")
+    assert head.numel() > largest_block
+    (chunked_head,) = engine.chunked_loss._heads
+    rows = chunked_head.piece_rows(head)
+    assert rows == largest_block // head.shape[1] and rows < head.shape[0]
+    _train_both(ref, model, engine, _lm_loss(family))
+    assert engine.promises.stats()["promise_chunked_loss"] == 1.0  # the chunked (pieced) path ran
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_parity_under_delayed_copies(family):
     with simulated_device(0.002):
         ref, model, engine = _pair(lambda: tiny_model(family, **BIG_VOCAB, **FAMILIES[family]), window_size=2)

@@ -214,11 +214,17 @@ def _assemble(
             from ..chunked_loss import BYTES_PER_LOGIT, resolve_chunk_tokens
 
             chunk = min(tokens, resolve_chunk_tokens(loss_chunk_tokens, counts.logits_width))
+            # A head larger than the largest block makes each chunk's logits a piece of the
+            # vocabulary at a time (chunked_loss.py, [Note: vocabulary pieces]).
+            hidden_width = counts.hidden or h
+            tile_width = counts.logits_width
+            if largest and counts.logits_width * hidden_width > largest:
+                tile_width = max(1, largest // hidden_width)
             head_grad = counts.logits_width * counts.hidden * (4 + (counts.head_device_bytes if
                                                                     counts.head_device_bytes != 4 else 0))
             # BYTES_PER_LOGIT prices a 16-bit chunk (its fp32 copy and its 16-bit gradient
             # included); an fp32 chunk needs neither: 12 B.
-            head += chunk * counts.logits_width * (BYTES_PER_LOGIT if c != 4 else 12) + head_grad
+            head += chunk * tile_width * (BYTES_PER_LOGIT if c != 4 else 12) + head_grad
         else:
             head += tokens * counts.logits_width * LOGIT_BYTES
         plain_head = 2 * tokens * (counts.hidden or h) * c + tokens * counts.logits_width * LOGIT_BYTES
