@@ -231,7 +231,8 @@ class StrongholdConfig:
     ``"auto"`` speculates only after a step that did not clip, and pauses while the recent miss
     rate is high (early training clips on nearly every step at ``max_grad_norm=1.0``); it never
     speculates when the host work runs inline (a CPU compute device, see ``host_worker``).
-    ``"on"`` always speculates (a miss costs an undo and a redo per block); ``"off"`` never."""
+    ``"on"`` always speculates (a miss costs an undo and a redo per block, one fused pass where
+    they read the same gradients); ``"off"`` never."""
 
     chunked_loss: bool | Literal["auto"] = "auto"
     """Causal LMs compute the LM head and the cross-entropy in chunks of tokens during training

@@ -22,6 +22,8 @@ host worker (optim/undo_native.py; torch ops where that cannot be built). It rec
 moments to within an ulp of the new ones (exactly, for a parameter's first step); when the
 redo applies a much smaller clip coefficient, that ulp grows relative to the redone moments,
 up to about 1e-5 at a coefficient of 0.01, inside the suite's parity tolerances (1e-4).
+When the redo reads the gradients the speculative update read (a clipped step), the undo and
+the redo run as one native pass over the block (optim/unit_update.py, `UnitUpdates.redo`).
 """
 
 from __future__ import annotations

@@ -37,14 +37,20 @@ LAYERS = 6
 
 @pytest.fixture
 def slow_updates(monkeypatch):
-    """Every CPU Adam update (speculative, redo or plain) costs ``UPDATE_S`` more."""
-    step_groups = CPUAdam.step_groups
+    """Every CPU Adam update (speculative, redo or plain) costs ``UPDATE_S`` more; a redo fused
+    with its rollback (CPUAdam.redo_groups) too."""
+    step_groups, redo_groups = CPUAdam.step_groups, CPUAdam.redo_groups
 
     def slow_step_groups(self, *args, **kwargs):
         time.sleep(UPDATE_S)
         return step_groups(self, *args, **kwargs)
 
+    def slow_redo_groups(self, *args, **kwargs):
+        time.sleep(UPDATE_S)
+        return redo_groups(self, *args, **kwargs)
+
     monkeypatch.setattr(CPUAdam, "step_groups", slow_step_groups)
+    monkeypatch.setattr(CPUAdam, "redo_groups", slow_redo_groups)
 
 
 def _forward_costs(speculative_step: str, kinds: list[str]) -> dict[str, list[dict[str, float]]]:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from stronghold_hf import StrongholdConfig, offload_model
+from stronghold_hf.optim import cpu_adam as cpu_adam_module, undo_native
 from stronghold_hf.optim.cpu_adam import CPUAdam
 from stronghold_hf.speculation import SpeculationPolicy, undo_adamw_
 from stronghold_hf.testing import simulated_device
@@ -60,12 +61,18 @@ def test_speculation_without_clipping_hits_and_is_exact(family):
 
 
 @pytest.mark.parametrize("family", ["gpt2", "t5"])
-def test_speculation_with_active_clipping_rolls_back_and_is_exact(family):
+def test_speculation_with_active_clipping_rolls_back_and_is_exact(family, monkeypatch):
     """The first step knows no limit yet: every block is speculated, the step clips, each is
-    rolled back and redone. From then on the pass stops speculating as soon as the blocks
-    folded so far exceed ``max_norm`` (inline, the first fold already does): the step will
-    clip whatever the rest hold, so no update is started only to be undone."""
+    rolled back and redone (in one fused pass: the redo reads the gradients the speculative
+    update read). From then on the pass stops speculating as soon as the blocks folded so far
+    exceed ``max_norm`` (inline, the first fold already does): the step will clip whatever the
+    rest hold, so no update is started only to be undone."""
+    fused = []
+    redo_groups = CPUAdam.redo_groups
+    monkeypatch.setattr(CPUAdam, "redo_groups", lambda self, *a, **k: fused.append(redo_groups(self, *a, **k)) or fused[-1])
     engine = _pair(family, "on", 4, max_norm=0.05)
+    if undo_native.native_undo_error() is None and cpu_adam_module.native_kernel_error() is None:
+        assert fused and all(fused), fused  # every rolled-back block was redone in the same pass
     stats = engine.stats.as_dict()
     assert stats["speculation_misses"] == 1 and stats["speculation_hits"] == 0
     assert stats["rollback_s"] > 0

@@ -229,3 +229,61 @@ def test_the_step_tables_undo_is_the_same_undo(grad_dtype):
     undo_native.undo_adamw_table_(table, hyper, grad_mul)
     assert torch.equal(p1, p_ref)
     assert all(torch.equal(opt.state[p1][k], st_ref[k]) for k in st_ref)
+
+
+REDO_CASES = [  # (name, betas, weight_decay, speculative grad_mul, redo's grad_mul, redo's lr, steps before)
+    ("clipped", (0.9, 0.999), 0.1, 1.0, 0.37, LR, 3),
+    ("rescaled-new-lr", (0.9, 0.999), 0.1, 0.5, 0.2, 2 * LR, 3),
+    ("no-decay", (0.9, 0.999), 0.0, 1.0, 0.37, LR, 3),
+    ("small-betas", (0.3, 0.5), 0.1, 2.5, 0.1, LR, 3),
+    ("fresh", (0.9, 0.999), 0.1, 1.0, 0.37, LR, 0),
+]
+
+
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16, torch.float16], ids=["no-image", "bf16-image", "fp16-image"])
+@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=["fp32-grad", "bf16-grad"])
+@pytest.mark.parametrize("name,betas,wd,spec_mul,redo_mul,redo_lr,steps", REDO_CASES, ids=[c[0] for c in REDO_CASES])
+def test_the_fused_rollback_and_redo_is_the_undo_then_the_step(name, betas, wd, spec_mul, redo_mul, redo_lr, steps,
+                                                               grad_dtype, out_dtype):
+    """A missed speculation's rollback and redo in one pass (CPUAdam.redo_groups) leaves the
+    master, both moments, the step count and the compute-dtype image bit for bit where the
+    table undo followed by the step leaves them, for a first step too, and with the redo at
+    another coefficient and learning rate."""
+    if cpu_adam_module.native_kernel_error() is not None:
+        pytest.skip("CPUAdam's native kernel is unavailable")
+    runs = []
+    for fused in (False, True):
+        opt, p1, g, _ = _stepped(betas, wd, spec_mul, steps, grad_dtype)  # the speculative step is the last
+        image = None
+        if out_dtype is not None:
+            image = torch.empty(NUMEL, dtype=out_dtype)
+            opt.register_copy_out(p1, image)
+            p1.grad = g
+            opt.step(inv_loss_scale=spec_mul)  # one more speculative step, now with the image
+        spec_hyper = _hyper(betas, wd)
+        opt.param_groups[0]["lr"] = redo_lr
+        if fused:
+            assert opt.redo_groups([0], [spec_hyper], spec_mul, clip_coef=redo_mul)
+        else:
+            undo_native.undo_adamw_table_(opt.undo_table(0, lambda p: p.grad), spec_hyper, spec_mul)
+            opt.step_groups([0], clip_coef=redo_mul)
+        runs.append((p1.clone(), {k: t.clone() for k, t in opt.state[p1].items()},
+                     None if image is None else image.clone()))
+    (p_ref, st_ref, im_ref), (p_got, st_got, im_got) = runs
+    assert torch.equal(p_got, p_ref)
+    assert all(torch.equal(st_got[k], st_ref[k]) for k in st_ref), [k for k in st_ref if not torch.equal(st_got[k], st_ref[k])]
+    assert im_ref is None or torch.equal(im_got.view(torch.int16), im_ref.view(torch.int16))
+
+
+def test_the_fused_redo_declines_what_it_cannot_do_exactly():
+    """No cached step for the gradients the masters hold now (another gradient tensor), or a
+    torch kernel: it returns False and changes nothing, and the caller undoes and steps apart."""
+    if cpu_adam_module.native_kernel_error() is not None:
+        pytest.skip("CPUAdam's native kernel is unavailable")
+    opt, p1, g, _ = _stepped((0.9, 0.999), 0.1, 1.0, 2, torch.float32)
+    before = p1.clone(), {k: t.clone() for k, t in opt.state[p1].items()}
+    p1.grad = g.clone()  # the same values in another tensor: not the step's table
+    assert not opt.redo_groups([0], [_hyper((0.9, 0.999), 0.1)], 1.0, clip_coef=0.5)
+    assert torch.equal(p1, before[0]) and all(torch.equal(opt.state[p1][k], v) for k, v in before[1].items())
+    torch_opt, q, gq, _ = _stepped((0.9, 0.999), 0.1, 1.0, 1, torch.float32, kernel="torch")
+    assert not torch_opt.redo_groups([0], [_hyper((0.9, 0.999), 0.1)], 1.0, clip_coef=0.5)

@@ -49,7 +49,7 @@ from torch import Tensor
 from ..fastpath import no_grad, profiled
 
 from ..memory import is_placeholder  # a master bound around each update (nvme_masters)
-from . import quant8
+from . import quant8, undo_native
 from .kernel_tables import OUT_KIND, GroupTables, Item, fp32_table, lean_table
 from .native import NativeLibrary
 
@@ -439,6 +439,40 @@ class CPUAdam(torch.optim.Optimizer):
         tensors. An undo after every step whose speculation missed then costs no Python per
         parameter."""
         return self._tables.undo(gi, self.param_groups[gi]["params"], grad_of)
+
+    def redo_groups(self, group_indices: Iterable[int], undo_hypers: list[dict[str, Any]], undo_gmul: float, *,
+                    clip_coef: float = 1.0, inv_loss_scale: float = 1.0) -> bool:
+        """Rolls back each group's last native step (made with ``undo_hypers[k]`` and
+        ``undo_gmul``) and steps it again with its current hyperparameters and ``clip_coef x
+        inv_loss_scale``, in one native pass per group (undo_native.redo_adamw_table_): the same
+        result, bit for bit, as `undo_table`'s undo followed by `step_groups`. Only where that
+        holds: every group's cached step table names the gradients its masters hold now, none
+        has 8-bit state, and the native undo builds. Otherwise nothing changes and it returns
+        False; the caller undoes and steps separately."""
+        indices = [int(i) for i in group_indices]
+        if self.kernel != "native" or undo_native.native_undo_error() is not None:
+            return False
+        tables = []
+        for gi in indices:
+            cached = self._tables.cached(gi, self.param_groups[gi]["params"])
+            if cached is None or cached[3] or not cached[1]:  # no cached step, or 8-bit items
+                return False
+            tables.append(cached[0])
+        with self._lock:
+            busy = self._in_flight.intersection(indices)
+            if busy:
+                raise RuntimeError(f"CPUAdam.redo_groups: groups {sorted(busy)} are being stepped by another thread.")
+            self._in_flight.update(indices)
+        try:
+            self._opt_called = True  # as step_groups: LR schedulers check it
+            gmul = _as_float(clip_coef, "clip_coef") * _as_float(inv_loss_scale, "inv_loss_scale")
+            with profiled("CPUAdam.redo_groups", tuple(indices)):
+                for gi, table, undo_hyper in zip(indices, tables, undo_hypers):
+                    undo_native.redo_adamw_table_(table, undo_hyper, undo_gmul, self.param_groups[gi], gmul)
+        finally:
+            with self._lock:
+                self._in_flight.difference_update(indices)
+        return True
 
     def _run_native8(self, table: array.array, items, group: dict[str, Any], gmul: float) -> None:
         if not items:

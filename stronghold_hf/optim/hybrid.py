@@ -167,6 +167,16 @@ class StrongholdOptimizer(torch.optim.Optimizer):
                     self._release_grads(block)
                     continue
                 misses += 1
+                if (not found_inf and self.updates.fuses_redo and any(g is not None for _, g in grads)
+                        and block.grads.grads_match(grads, record.grads)):
+                    # The usual miss (the step clipped): the rollback and the redo read the same
+                    # gradients, so they run as one pass over the block's state (unit_update.py).
+                    plan.append((block, "the rollback and redo of a speculative update",
+                                 partial(self.updates.redo, block, record, groups, grads, clip_coef * inv_scale),
+                                 "rollback_s"))
+                    state_order.append(block.index)
+                    self._release_grads(block)
+                    continue
                 plan.append((block, "the rollback of a speculative update", partial(self.updates.undo, block, record),
                              "rollback_s"))
                 state_order.append(block.index)

@@ -45,13 +45,14 @@ from torch import Tensor
 
 from .native import NativeLibrary
 
-__all__ = ["native_undo_error", "native_undo_accepts", "undo_adamw_native_", "undo_adamw_table_"]
+__all__ = ["native_undo_error", "native_undo_accepts", "redo_adamw_table_", "undo_adamw_native_", "undo_adamw_table_"]
 
 _GRAD_BF16 = 16  # table flag: the gradient is bf16 (the forward kernel's kGradBf16)
 
 # The kernel: csrc/adam_undo.cpp (sh_adamw_undo's table layout is documented there).
-_NATIVE = NativeLibrary("adam_undo", "adam_undo.cpp", abi=("sh_adam_undo_abi", 1), signatures={
-    "sh_adamw_undo": [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_double] * 6 + [ctypes.c_int32]},
+_NATIVE = NativeLibrary("adam_undo", "adam_undo.cpp", abi=("sh_adam_undo_abi", 2), signatures={
+    "sh_adamw_undo": [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_double] * 6 + [ctypes.c_int32],
+    "sh_adamw_redo": [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_double] * 12 + [ctypes.c_int32]},
     fallback="undo_adamw_(kernel='auto') undoes with torch ops instead (speculation._undo_adamw_torch, "
              "about ten passes over the block)")
 
@@ -104,3 +105,24 @@ def undo_adamw_table_(table: array.array, hyper: dict[str, Any], grad_mul: float
     lib = _NATIVE.for_elements(sum(table[0::8]))  # a small undo keeps the GIL (native.py)
     lib.sh_adamw_undo(len(table) // 8, table.buffer_info()[0], lr, beta1, beta2, wd, eps, float(grad_mul),
                       torch.get_num_threads())
+
+
+def _scalars(hyper: dict[str, Any]) -> tuple[float, float, float, float, float]:
+    beta1, beta2 = (float(b) for b in hyper["betas"])
+    return float(hyper["lr"]), beta1, beta2, float(hyper["weight_decay"]), float(hyper["eps"])
+
+
+def redo_adamw_table_(table: array.array, undo_hyper: dict[str, Any], undo_grad_mul: float,
+                      hyper: dict[str, Any], grad_mul: float) -> None:
+    """A missed speculation's rollback and redo in one pass (``sh_adamw_redo``): on the step
+    table of the update being rolled back (CPUAdam's layout, int64 [n, 8]), the undo of that
+    update (made with ``undo_hyper`` and ``undo_grad_mul``) then the step with ``hyper`` and
+    ``grad_mul``, bit for bit what `undo_adamw_table_` and the step would leave, with the
+    masters and moments streamed once instead of twice. The caller keeps the tensors alive."""
+    if not (math.isfinite(undo_grad_mul) and math.isfinite(grad_mul)):
+        raise ValueError(f"redo_adamw_table_: grad_mul={undo_grad_mul}/{grad_mul} is not finite.")
+    _NATIVE.load()
+    lib = _NATIVE.for_elements(sum(table[0::8]))  # a small call keeps the GIL (native.py)
+    assert lib is not None, _NATIVE.error()
+    lib.sh_adamw_redo(len(table) // 8, table.buffer_info()[0], *_scalars(undo_hyper), float(undo_grad_mul),
+                      *_scalars(hyper), float(grad_mul), torch.get_num_threads())

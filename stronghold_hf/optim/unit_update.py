@@ -1,4 +1,5 @@
-"""One unit's CPU work on the host worker: its update, a speculative update, and their undo.
+"""One unit's CPU work on the host worker: its update, a speculative update, their undo, and
+a missed speculation's undo and redo fused.
 
 The optimizer's step (``hybrid.py``) decides which unit gets which work, with which gradients
 and coefficient, and queues it through the step coordinator (``stepping.py``), which runs it on
@@ -69,6 +70,29 @@ class UnitUpdates:
         """After a validated speculation: nothing if it ran, else the update it skipped."""
         if not record.applied:
             self.update(block, record.groups, record.grads, record.grad_mul)
+
+    @property
+    def fuses_redo(self) -> bool:
+        """Whether a missed speculation's rollback and redo can run as one pass (`redo`): CPU
+        Adam's native kernels, and the state in RAM (the NVMe tier rebinds the moments for each
+        update, so the step's address table is not there to reuse)."""
+        return isinstance(self.cpu_optimizer, CPUAdam) and self.nvme is None and undo_native.native_undo_error() is None
+
+    def redo(self, block, record: SpecRecord, groups: list[int], grads, grad_mul: float) -> None:
+        """A missed speculation: its rollback and the update with ``grad_mul``, in one native pass
+        over the block when the update reads the very gradients the speculative one did
+        (CPUAdam.redo_groups; bit for bit the two apart, with the state streamed once); the two
+        apart otherwise. Planned only where `fuses_redo`."""
+        if not record.applied:  # the pass stopped speculating before this block: nothing to undo
+            self.update(block, groups, grads, grad_mul)
+            return
+        if list(record.groups) == list(groups) and block.grads.load_master_grads(grads) and \
+                self.cpu_optimizer.redo_groups(groups, record.hyper, record.grad_mul, clip_coef=grad_mul):
+            if not block.layout.masters_in_image:
+                block.host.image_rewritten(k for k, g in grads if g is not None)
+            return
+        self.undo(block, record)
+        self.update(block, groups, grads, grad_mul)
 
     def undo(self, block, record: SpecRecord) -> None:
         """Inverts a speculative update exactly from what it applied."""

@@ -1,5 +1,6 @@
 // The inverse of one CPUAdam step (optim/undo_native.py): the rollback of a missed speculation
-// in one pass per element, mirroring the forward kernel (cpu_adam.cpp, adam_range).
+// in one pass per element, mirroring the forward kernel (adam_step.h, adam_range); and the
+// rollback fused with the redo that follows it (sh_adamw_redo).
 //
 // -ffp-contract=off (native.py's flags) keeps the recomputed step term bitwise equal to the
 // forward's in the vector body and the scalar tail alike.
@@ -9,6 +10,7 @@
 #include <cstring>
 #include <vector>
 
+#include "adam_step.h"
 #include "common.h"
 
 namespace {
@@ -64,20 +66,33 @@ template <bool S> RangeFn pick1(bool d, bool f, bool m, bool v) {
 }
 }  // namespace
 
-extern "C" int sh_adam_undo_abi() { return 1; }
+extern "C" int sh_adam_undo_abi() { return 2; }
+
+namespace {
+// The undo's constants for a step made with these scalars (rounded as the forward rounded them).
+struct UndoCall {
+  Undo h;
+  bool scale, dec, has_m, has_v;
+};
+UndoCall undo_call(double lr, double beta1, double beta2, double weight_decay, double eps, double grad_mul) {
+  const float lerp_w = float(1.0 - beta1), b2 = float(beta2), decay = float(1.0 - lr * weight_decay);
+  const double keep_m = 1.0 - double(lerp_w);  // exact
+  const Undo h{float(grad_mul), decay, lerp_w, float(1.0 - beta2), float(eps),
+               1.0 / double(decay), 1.0 / keep_m, 1.0 / double(b2)};
+  // A factor of 0 lost the old value (and the redo does not read it): no division.
+  return UndoCall{h, grad_mul != 1.0, weight_decay != 0.0 && decay != 0.0f, keep_m != 0.0, b2 != 0.0f};
+}
+RangeFn pick_undo(const UndoCall& c, bool fresh) {
+  return c.scale ? pick1<true>(c.dec, fresh, c.has_m, c.has_v) : pick1<false>(c.dec, fresh, c.has_m, c.has_v);
+}
+}  // namespace
 
 // table: int64 [nt, 8] = numel, then the addresses of param, grad, exp_avg, exp_avg_sq (fp32
 // [numel]; the grad bf16 when flagged) and step (fp32 0-d), the flags (kGradBf16), and 0.
 // Scalars arrive as doubles and are rounded to fp32 as the forward kernel rounds them.
 extern "C" void sh_adamw_undo(int64_t nt, const int64_t* table, double lr, double beta1, double beta2,
                               double weight_decay, double eps, double grad_mul, int32_t nthreads) {
-  const float lerp_w = float(1.0 - beta1), b2 = float(beta2), decay = float(1.0 - lr * weight_decay);
-  const double keep_m = 1.0 - double(lerp_w);  // exact
-  const Undo h{float(grad_mul), decay, lerp_w, float(1.0 - beta2), float(eps),
-               1.0 / double(decay), 1.0 / keep_m, 1.0 / double(b2)};
-  // A factor of 0 lost the old value (and the redo does not read it): no division.
-  const bool scale = grad_mul != 1.0, dec = weight_decay != 0.0 && decay != 0.0f;
-  const bool has_m = keep_m != 0.0, has_v = b2 != 0.0f;
+  const UndoCall c = undo_call(lr, beta1, beta2, weight_decay, eps, grad_mul);
   // The bias corrections of the step being undone (the step count before it goes back),
   // derived as the forward derives them; then the count goes back by one.
   std::vector<float> coefs(2 * nt);  // -lr / bias_correction1, sqrt(bias_correction2)
@@ -96,12 +111,55 @@ extern "C" void sh_adamw_undo(int64_t nt, const int64_t* table, double lr, doubl
 #pragma omp parallel num_threads(threads) if (threads > 1)
   for_each_in_slice(nt, table, 8, total, [&](int64_t t, int64_t off, int64_t n) {
     const int64_t* e = table + 8 * t;
-    RangeFn fn = scale ? pick1<true>(dec, fresh[t], has_m, has_v) : pick1<false>(dec, fresh[t], has_m, has_v);
+    RangeFn fn = pick_undo(c, fresh[t]);
     float* p = reinterpret_cast<float*>(e[1]) + off;
     float* m = reinterpret_cast<float*>(e[3]) + off;
     float* v = reinterpret_cast<float*>(e[4]) + off;
     fp32_grad_pieces(e[2], e[6] & kGradBf16, off, n, [&](const float* g, int64_t i, int64_t k) {
-      fn(p + i, g, m + i, v + i, k, h, coefs[2 * t], coefs[2 * t + 1]);
+      fn(p + i, g, m + i, v + i, k, c.h, coefs[2 * t], coefs[2 * t + 1]);
+    });
+  });
+}
+
+// A missed speculation's rollback and its redo in one pass: per cache-sized piece, the undo of
+// the step made with (lr_u .. grad_mul_u), then the step with (lr .. grad_mul), the same two
+// range functions sh_adamw_undo and sh_adamw_step run, so every element ends bit for bit where
+// the two calls would leave it, with the masters and moments read and written once instead of
+// twice. The step count goes back and forward again (unchanged, as after the two calls).
+// table: sh_adamw_step's layout (numel, param, grad, exp_avg, exp_avg_sq, out, step, flags).
+extern "C" void sh_adamw_redo(int64_t nt, const int64_t* table, double lr_u, double beta1_u, double beta2_u,
+                              double weight_decay_u, double eps_u, double grad_mul_u, double lr, double beta1,
+                              double beta2, double weight_decay, double eps, double grad_mul, int32_t nthreads) {
+  const UndoCall c = undo_call(lr_u, beta1_u, beta2_u, weight_decay_u, eps_u, grad_mul_u);
+  const Hyper h = step_hyper(lr, beta1, beta2, weight_decay, eps, grad_mul);
+  std::vector<float> coefs(4 * nt);  // the undo's and the redo's -lr / bc1 and sqrt(bc2)
+  std::vector<char> fresh(nt);
+  int64_t total = 0;
+  for (int64_t t = 0; t < nt; ++t) {
+    const int64_t* e = table + 8 * t;
+    float* step = reinterpret_cast<float*>(e[6]);
+    coefs[4 * t] = neg_step_size(lr_u, beta1_u, *step);
+    coefs[4 * t + 1] = bias_correction2_sqrt(beta2_u, *step);
+    fresh[t] = *step <= 1.0f;
+    *step = *step - 1.0f;  // sh_adamw_undo
+    *step = *step + 1.0f;  // sh_adamw_step
+    coefs[4 * t + 2] = neg_step_size(lr, beta1, *step);
+    coefs[4 * t + 3] = bias_correction2_sqrt(beta2, *step);
+    total += e[0];
+  }
+  const int threads = threads_for(total, nthreads);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  for_each_in_slice(nt, table, 8, total, [&](int64_t t, int64_t off, int64_t n) {
+    const int64_t* e = table + 8 * t;
+    const RangeFn undo = pick_undo(c, fresh[t]);
+    const StepRow r = step_row(e, off, h, grad_mul, weight_decay);
+    fp32_grad_pieces(e[2], e[7] & kGradBf16, off, n, [&](const float* g, int64_t i, int64_t k) {
+      for (int64_t j = 0; j < k; j += kWiden) {  // a piece stays in cache between the two
+        const int64_t kk = std::min(kWiden, k - j), at = i + j;
+        undo(r.p + at, g + j, r.m + at, r.v + at, kk, c.h, coefs[4 * t], coefs[4 * t + 1]);
+        r.fn(r.p + at, g + j, r.m + at, r.v + at, r.out ? r.out + at : nullptr, kk, h, coefs[4 * t + 2],
+             coefs[4 * t + 3]);
+      }
     });
   });
 }
