@@ -13,6 +13,12 @@ of training), with fp32 and bf16 gradients. Variants run interleaved (the order 
 each round) and the medians are reported, with the paired ratio (median over rounds of
 torch / native, timed back to back), because these shared machines drift by +-30%.
 
+A miss then redoes the update with the step's coefficient. With the native kernels that redo
+runs fused with the undo when it reads the same gradients (``CPUAdam.redo_groups``, one pass
+over the state): ``miss_apart`` times the undo then the update, ``miss_fused`` the fused pass,
+each after a speculative update and followed (untimed) by the undo of the redo, so the state
+stays that of training; ``miss_fused_speedup_paired`` is their paired ratio.
+
 Output: one JSON object per line; the LAST line is the summary.
 
     python benchmarks/bench_undo.py             # ~1 min on 2 cores
@@ -96,6 +102,24 @@ def main() -> None:
             undo_adamw_(g, gs, [opt.state[p] for p in g], hyper, GRAD_MUL, kernel=kernel)
         return time.perf_counter() - t0
 
+    REDO_MUL = 0.5  # the step's coefficient (it clipped): not the speculative update's
+
+    def hyper_of(gi: int) -> dict:
+        return {k: opt.param_groups[gi][k] for k in ("lr", "betas", "eps", "weight_decay")}
+
+    def miss(dt: torch.dtype, fused: bool) -> float:
+        """A speculative update, then its rollback and redo (timed), then the redo undone."""
+        update(dt)
+        hypers = [hyper_of(0), hyper_of(1)]
+        t0 = time.perf_counter()
+        if not (fused and opt.redo_groups([0, 1], hypers, GRAD_MUL, clip_coef=REDO_MUL)):
+            undo(dt, "native")
+            opt.step_groups([0, 1], clip_coef=REDO_MUL)
+        took = time.perf_counter() - t0
+        for gi, (g, gs) in enumerate(zip(groups, grads[dt])):
+            undo_adamw_(g, gs, [opt.state[p] for p in g], hypers[gi], REDO_MUL, kernel="native")
+        return took
+
     for dt in grads:  # warm-up: builds the libraries, creates the state, faults the scratch in
         update(dt)
         update(dt)
@@ -115,6 +139,11 @@ def main() -> None:
                 times.setdefault(f"undo_{k}_{name}_grad", []).append(round_s[k])
             if "native" in round_s:
                 ratios.setdefault(f"{name}_grad", []).append(round_s["torch"] / round_s["native"])
+                pair = {}
+                for fused in ((False, True) if r % 2 == 0 else (True, False)):
+                    pair[fused] = miss(dt, fused)
+                    times.setdefault(f"miss_{'fused' if fused else 'apart'}_{name}_grad", []).append(pair[fused])
+                ratios.setdefault(f"miss_{name}_grad", []).append(pair[False] / pair[True])
     med = {k: statistics.median(v) for k, v in times.items()}
     for k, v in times.items():
         emit({"variant": k, "median_ms": round(1e3 * med[k], 2), "min_ms": round(1e3 * min(v), 2),
@@ -133,6 +162,9 @@ def main() -> None:
             summary[f"speedup_{name}_grad_paired"] = round(statistics.median(ratios[f"{name}_grad"]), 2)
             summary[f"undo_native_over_update_{name}_grad"] = round(
                 med[f"undo_native_{name}_grad"] / med[f"update_{name}_grad"], 2)
+            summary[f"miss_apart_{name}_grad_ms"] = round(1e3 * med[f"miss_apart_{name}_grad"], 2)
+            summary[f"miss_fused_{name}_grad_ms"] = round(1e3 * med[f"miss_fused_{name}_grad"], 2)
+            summary[f"miss_fused_speedup_{name}_grad_paired"] = round(statistics.median(ratios[f"miss_{name}_grad"]), 2)
     emit(summary)
 
 

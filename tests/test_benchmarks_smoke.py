@@ -30,13 +30,15 @@ def test_bench_cpu_adam_smoke():
 
 
 def test_bench_undo_smoke():
-    """The speculation undo's benchmark: the native one-pass kernel against the torch undo."""
+    """The speculation undo's benchmark: the native one-pass kernel against the torch undo, and
+    a miss's rollback and redo apart against fused."""
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_undo.py"), "--smoke"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads([ln for ln in proc.stdout.splitlines() if ln.strip()][-1])
     assert summary["summary"] is True
-    for key in ("undo_native_fp32_grad_ms", "undo_torch_fp32_grad_ms", "speedup_fp32_grad", "speedup_bf16_grad"):
+    for key in ("undo_native_fp32_grad_ms", "undo_torch_fp32_grad_ms", "speedup_fp32_grad", "speedup_bf16_grad",
+                "miss_apart_fp32_grad_ms", "miss_fused_fp32_grad_ms", "miss_fused_speedup_bf16_grad_paired"):
         assert isinstance(summary[key], (int, float)) and summary[key] > 0, key
 
 
@@ -225,14 +227,15 @@ def test_gpu_summary_judges_the_split_targets(tmp_path):
 
 def test_bench_host_smoke():
     """The host-work benchmark: plain's CPU time per block, the engine's extra in the GPU
-    configuration and the CPU default, their ratios and the extra aten ops, as numbers."""
+    configuration (speculation forced on), the GPU default and the CPU default, their ratios
+    and the extra aten ops, as numbers."""
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_host.py"), "--smoke"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.strip()]
     summary = rows[-1]
     assert summary["bench"] == "host" and summary["plain_us_per_block"] > 0
-    for variant in ("gpu_config", "cpu_default"):
+    for variant in ("gpu_config", "gpu_default", "cpu_default"):
         for key in ("extra_us_per_block", "ratio", "ratio_paired", "extra_ops_per_block"):
             assert isinstance(summary[f"{variant}_{key}"], (int, float)), (variant, key)
     # The engine's own ops per block on the training thread: a handful, not one per parameter.
