@@ -202,7 +202,7 @@ if [ "$MODE" = cuda ]; then
     MEMORY=(--width 512 --depths 4,16,64 --seq 32 --batch 1 --cap_third --vocab_sweep 4096,131072
             --seq_sweep 512,8192 --depth_sweep 2,32)
     ESTIMATE=(--layers 2 --seq 4096)
-    HOST=(--rounds 4 --steps 4)
+    HOST=(--rounds 4 --steps 4 --variants gpu_config,gpu_default)  # on CUDA the defaults are gpu_default
     LONG=(--hidden 2048 --ffn 8192 --layers 16 --heads 32 --vocab 128256 --tile_tokens auto)  # Llama-3.2-1B
 else
     DEV=(--device cpu)
