@@ -79,7 +79,7 @@ def test_wheel_ships_the_kernel_sources_and_builds_them(tmp_path):
           "-w", str(dist)], cwd=src)
     (wheel,) = dist.glob("stronghold_hf-*.whl")
     expected = sorted(f.name for f in CSRC.iterdir() if f.is_file())
-    assert {"common.h", "cpu_adam.cpp", "cpu_adam8.cpp", "adam_undo.cpp"} <= set(expected)
+    assert {"common.h", "adam_step.h", "cpu_adam.cpp", "cpu_adam8.cpp", "adam_undo.cpp"} <= set(expected)
     with zipfile.ZipFile(wheel) as zf:
         shipped = {n: zf.read(n) for n in zf.namelist() if n.startswith("stronghold_hf/optim/csrc/")}
     assert sorted(Path(n).name for n in shipped) == expected

@@ -25,7 +25,7 @@ Two kernels do the math (docs/performance.md has the measurements):
 * ``"torch"``: ``torch._fused_adamw_`` (aten/src/ATen/native/cpu/FusedAdamKernel.cpp), used
   when no compiler or no shared OpenMP runtime is available. Copy-out is then a second pass
   over the params, and a scaled gradient goes through it chunk by chunk
-  (``_step_torch_chunked``): 1.15-1.5x the plain step time for either.
+  (adam_torch.py): 1.15-1.5x the plain step time for either.
 
 The two agree to rounding (a few ulps per step), not bit for bit. Both are deterministic: the
 native kernel's results do not depend on thread count, chunking or group layout, and the
@@ -50,6 +50,7 @@ from ..fastpath import no_grad, profiled
 
 from ..memory import is_placeholder  # a master bound around each update (nvme_masters)
 from . import quant8, undo_native
+from .adam_torch import TorchAdamStep
 from .kernel_tables import OUT_KIND, GroupTables, Item, fp32_table, lean_table
 from .native import NativeLibrary
 
@@ -179,7 +180,7 @@ class CPUAdam(torch.optim.Optimizer):
         self._in_flight: set[int] = set()
         self._copy_out: dict[Tensor, Tensor] = {}  # param -> bf16/fp16 dest; not optimizer state
         self._tables = GroupTables()  # the native kernels' address tables (kernel_tables.py)
-        self._tls = threading.local()  # per-thread scratch of the torch kernel's scaled path
+        self._torch_kernel = TorchAdamStep(self._chunk_numel)  # kernel="torch" (adam_torch.py)
         self.__dict__.setdefault("_bits", {})  # param -> 32/8, set_state_bits' overrides (kept across copies)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -428,7 +429,7 @@ class CPUAdam(torch.optim.Optimizer):
             if items:
                 # As torch's _fused_adam: the caller bumps the step before the kernel reads it.
                 torch._foreach_add_([st["step"] for _, _, st, _ in items], 1.0)
-                self._step_torch(items, gmul, hyper)
+                self._torch_kernel.step(items, gmul, hyper)
             for p, g, st, d in items8:
                 quant8.step_reference(p, g, st, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd,
                                       grad_mul=gmul, out=d)
@@ -500,68 +501,3 @@ class CPUAdam(torch.optim.Optimizer):
         lib = _NATIVE.for_elements(sum(table[0::8]))  # a small update keeps the GIL (native.py)
         lib.sh_adamw_step(len(items), table.buffer_info()[0], lr, beta1, beta2, wd, eps, gmul, torch.get_num_threads())
 
-    def _step_torch(self, items, gmul: float, hyper: dict[str, Any]) -> None:
-        if gmul != 1.0:  # see [Note: the fused kernel writes the unscaled gradient back]
-            self._step_torch_chunked(items, torch.tensor(1.0 / gmul, dtype=torch.float32), hyper)  # a divisor
-            return
-        if any(g.dtype != torch.float32 for _, g, _, _ in items):  # bf16 gradients: widened chunk by chunk
-            self._step_torch_chunked(items, None, hyper, widen=True)
-            return
-        # grad_scale=None (not 1.0) keeps the gradient read-only. Copy-out is a separate pass:
-        # chunking it to copy from cache measured no faster here (docs/performance.md), and
-        # one call per group means one OpenMP region per tensor instead of several.
-        ps, gs, sts = zip(*[(p, g, st) for p, g, st, _ in items])
-        torch._fused_adamw_(list(ps), list(gs), [s["exp_avg"] for s in sts], [s["exp_avg_sq"] for s in sts], [],
-                            [s["step"] for s in sts], grad_scale=None, found_inf=None, **hyper)
-        pairs = [(d, p) for p, _, _, d in items if d is not None]
-        if pairs:
-            torch._foreach_copy_(*map(list, zip(*pairs)))
-
-    def _step_torch_chunked(self, items, grad_scale: Tensor | None, hyper: dict[str, Any], widen: bool = False) -> None:
-        """``_fused_adamw_`` over batches of <= chunk_numel elements (big tensors split, small
-        ones packed), each followed by its copy-out while the params are still in cache, for
-        a scaled gradient.
-
-        [Note: the fused kernel writes the unscaled gradient back] Given ``grad_scale``,
-        FusedAdamKernel.cpp stores ``grad / grad_scale`` into the gradient it is handed, so
-        each chunk of the gradient is first copied into a per-thread fp32 scratch and the
-        kernel gets that. DRAM traffic is unchanged (the copy reads the gradient once, the
-        kernel then works in cache); the cost is the in-cache copy and a call per chunk. A bf16
-        gradient takes the same scratch (``widen``, or any scaled step): the copy widens it.
-        """
-        limit = self._chunk_numel
-        scratch = None
-        if grad_scale is not None or widen or any(g.dtype != torch.float32 for _, g, _, _ in items):
-            scratch = getattr(self._tls, "scratch", None)
-            if scratch is None or scratch.numel() < limit:
-                scratch = self._tls.scratch = torch.empty(limit, dtype=torch.float32)  # fp32 [chunk_numel]
-        ps, gs, ms, vs, ss, dst, src = [], [], [], [], [], [], []  # one batch of 1-D views
-        filled = 0
-
-        def flush() -> None:
-            nonlocal filled
-            grads = gs
-            if scratch is not None:
-                grads = list(scratch[:filled].split([g.numel() for g in gs]))
-                torch._foreach_copy_(grads, gs)
-            torch._fused_adamw_(ps, grads, ms, vs, [], ss, grad_scale=grad_scale, found_inf=None, **hyper)
-            if dst:
-                torch._foreach_copy_(dst, src)
-            for lst in (ps, gs, ms, vs, ss, dst, src):
-                lst.clear()
-            filled = 0
-
-        for p, g, st, d in items:
-            if p.numel() == 0:
-                continue
-            pieces = zip(*(t.view(-1).split(limit) for t in (p, g, st["exp_avg"], st["exp_avg_sq"])))
-            d_pieces = d.view(-1).split(limit) if d is not None else None
-            for k, (pp, gp, mp, vp) in enumerate(pieces):
-                if filled and filled + pp.numel() > limit:
-                    flush()
-                ps.append(pp); gs.append(gp); ms.append(mp); vs.append(vp); ss.append(st["step"])
-                if d_pieces is not None:
-                    dst.append(d_pieces[k]); src.append(pp)
-                filled += pp.numel()
-        if ps:
-            flush()
