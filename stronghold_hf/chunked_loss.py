@@ -57,6 +57,10 @@ AUTO_CHUNK_BYTES = 512 * 2**20
 #: the fp32 log-softmax autograd saves (4), its fp32 gradient (4), the bf16 gradient (2).
 BYTES_PER_LOGIT = 16
 AUTO_CHUNK_MIN, AUTO_CHUNK_MAX = 128, 8192
+#: At most this many vocabulary pieces per chunk: a tiny model's blocks (a few thousand
+#: parameters) next to a 32k vocabulary would otherwise make thousands of one-row tiles, each a
+#: Python iteration and a kernel launch. Real models have a few (Llama-3-8B: 3).
+MAX_VOCAB_PIECES = 64
 
 
 def resolve_chunk_tokens(chunk_tokens: ChunkTokens, vocab_size: int) -> int:
@@ -166,7 +170,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             for start in range(0, index.numel() if lse is None else 0, ctx.chunk_tokens):
                 rows = _rows(hidden, index[start:start + ctx.chunk_tokens])
                 x = hidden[rows].detach().requires_grad_(need_hidden)
-                logits = ctx.transform(F.linear(x, w, b))
+                logits = ctx.transform(F.linear(_cast_for_autocast(x, ctx.autocast), w, b))
                 loss = F.cross_entropy(logits.float(), targets[start:start + ctx.chunk_tokens],
                                        ignore_index=ctx.ignore_index, reduction="sum")
                 wanted = [t for t, need in ((x, need_hidden), (w, need_weight), (b, need_bias)) if need]
@@ -188,6 +192,19 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         if need_bias:
             grad_bias = grad_bias.to(bias.dtype)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def _cast_for_autocast(x: Tensor, autocast: dict) -> Tensor:
+    """``x`` cast to the autocast dtype as autocast would cast it for the head's matmul, by a
+    differentiable ``.to`` instead. [Note: autocast's cache in backward] A chunk's ``x`` is an
+    fp32 leaf that requires grad, the kind of tensor autocast caches its cast of until its
+    context exits: with one context for the whole backward (so that the weight is cast once),
+    every chunk's bf16 copy of its rows would stay cached to the end, the hidden states over
+    again in bf16. Cast here, the copy is an ordinary intermediate, freed with its chunk; the
+    result is the same (the same rounding, the same gradient back to fp32)."""
+    if autocast["enabled"] and x.dtype == torch.float32 and autocast["dtype"] in (torch.bfloat16, torch.float16):
+        return x.to(autocast["dtype"])
+    return x
 
 
 def _online_lse(x: Tensor, weight: Tensor, bias: Tensor | None, transform: HeadTransform, targets: Tensor,
@@ -228,11 +245,12 @@ def _piece_backward(ctx, hidden, weight, bias, index, targets, lse, grad_total, 
     for start in range(0, index.numel(), ctx.chunk_tokens):
         rows = _rows(hidden, index[start:start + ctx.chunk_tokens])
         x = hidden[rows].detach().requires_grad_(need_hidden)
+        x_in = _cast_for_autocast(x, ctx.autocast)
         t = targets[start:start + ctx.chunk_tokens]
         chunk_lse = lse[start:start + ctx.chunk_tokens]
         gx = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if need_hidden else None
         for v0, w, b in zip(starts, w_pieces, b_pieces):
-            logits = ctx.transform(F.linear(x, w, b)).float()
+            logits = ctx.transform(F.linear(x_in, w, b)).float()
             with torch.no_grad():
                 g = torch.exp(logits - chunk_lse[:, None])
                 # - onehot where the target is in this piece; a scatter, not a nonzero(), which
@@ -420,10 +438,11 @@ class _ChunkedHead:
 
     def piece_rows(self, weight: Tensor) -> int | None:
         """Vocabulary rows per piece: a head larger than ``piece_numel`` elements is read in
-        pieces of at most that many (None: whole)."""
+        pieces of at most that many (None: whole), and in at most `MAX_VOCAB_PIECES`."""
         if self.piece_numel is None or weight.numel() <= self.piece_numel:
             return None
-        return max(1, self.piece_numel // weight.shape[1])
+        vocab = weight.shape[0]
+        return max(self.piece_numel // weight.shape[1], -(-vocab // MAX_VOCAB_PIECES), 1)
 
     def _chunk_rows(self) -> int:
         return resolve_chunk_tokens(self.chunk_tokens, self.head.weight.shape[0])
@@ -545,6 +564,7 @@ class ChunkedLoss:
 
 __all__ = [
     "AUTO_CHUNK_BYTES",
+    "MAX_VOCAB_PIECES",
     "ChunkedLinearCrossEntropy",
     "ChunkedLoss",
     "HeadTransform",

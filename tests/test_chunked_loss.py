@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import types
+import weakref
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from stronghold_hf.chunked_loss import (
+    MAX_VOCAB_PIECES,
     ChunkedLoss,
     HeadTransform,
     _Phase,
@@ -275,6 +277,52 @@ def test_vocabulary_pieces_keep_logits_a_chunk_by_piece_tile(family):
         chunked.remove()
     assert (CHUNK, VOCAB) in tiles[False]  # the check sees a whole-vocabulary tile where there is one
     assert all(s[-1] == 9 for s in tiles[True]) and (CHUNK, 9) in tiles[True], tiles[True]
+
+
+class _LiveCasts(TorchDispatchMode):
+    """Weak references to every bf16 copy of an fp32 [rows, hidden] tensor of at most
+    ``max_rows`` rows (a chunk's, not a piece of the weight's) made while active, and the most of
+    them alive at once."""
+
+    def __init__(self, hidden: int, max_rows: int):
+        super().__init__()
+        self.hidden, self.max_rows, self.refs, self.most_alive = hidden, max_rows, [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if (func is torch.ops.aten._to_copy.default and isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
+                and out.dim() == 2 and out.shape[1] == self.hidden and out.shape[0] <= self.max_rows
+                and args[0].dtype == torch.float32):
+            self.refs.append(weakref.ref(out))
+            self.most_alive = max(self.most_alive, sum(r() is not None for r in self.refs))
+        return out
+
+
+@pytest.mark.parametrize("pieces", [None, 9], ids=["whole", "pieces"])
+def test_bf16_backward_keeps_one_chunk_of_cast_rows_alive(pieces):
+    """[Note: autocast's cache in backward] Under bf16 autocast the backward casts each chunk's
+    fp32 rows to bf16 for the head's matmul; the casts die with their chunk instead of staying in
+    autocast's cache to the end (the hidden states over again, in bf16)."""
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 40, 16, requires_grad=True)
+    weight = torch.randn(96, 16, requires_grad=True)
+    labels = torch.randint(0, 96, (2, 40))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = chunked_linear_cross_entropy(hidden, weight, None, labels, chunk_tokens=CHUNK, vocab_piece_rows=pieces)
+    with _LiveCasts(16, max_rows=CHUNK) as casts:  # the weight's casts (96 or 9 rows) are meant to stay
+        loss.backward()
+    assert len(casts.refs) >= 10  # one per chunk: 78 rows in chunks of 5
+    assert casts.most_alive <= 2, casts.most_alive
+
+
+def test_vocabulary_pieces_are_at_most_max_vocab_pieces():
+    """Blocks smaller than a vocabulary row's worth each would make a one-row tile per row; the
+    pieces are capped at MAX_VOCAB_PIECES (a 96-row head: pieces of 2 rows, not 96 of 1)."""
+    model = causal_lm("llama")
+    head = model.get_output_embeddings().weight
+    chunked = ChunkedLoss.install(model, chunk_tokens=CHUNK, piece_numel=head.shape[1])
+    assert chunked._heads[0].piece_rows(head) == -(-VOCAB // MAX_VOCAB_PIECES) == 2
+    chunked.remove()
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])

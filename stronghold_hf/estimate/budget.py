@@ -211,7 +211,7 @@ def _assemble(
         use_chunks = (chunked_loss is True or (chunked_loss == "auto" and not whole_resident)) and (
             counts.chunked and counts.logits_width)
         if use_chunks:
-            from ..chunked_loss import BYTES_PER_LOGIT, resolve_chunk_tokens
+            from ..chunked_loss import BYTES_PER_LOGIT, MAX_VOCAB_PIECES, resolve_chunk_tokens
 
             chunk = min(tokens, resolve_chunk_tokens(loss_chunk_tokens, counts.logits_width))
             # A head larger than the largest block makes each chunk's logits a piece of the
@@ -219,7 +219,7 @@ def _assemble(
             hidden_width = counts.hidden or h
             tile_width = counts.logits_width
             if largest and counts.logits_width * hidden_width > largest:
-                tile_width = max(1, largest // hidden_width)
+                tile_width = max(largest // hidden_width, -(-counts.logits_width // MAX_VOCAB_PIECES), 1)
             head_grad = counts.logits_width * counts.hidden * (4 + (counts.head_device_bytes if
                                                                     counts.head_device_bytes != 4 else 0))
             # BYTES_PER_LOGIT prices a 16-bit chunk (its fp32 copy and its 16-bit gradient
