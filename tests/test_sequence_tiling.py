@@ -20,10 +20,12 @@ import os
 import pickle
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
@@ -148,6 +150,40 @@ def test_dropout_tile_masks_are_replayed_in_backward():
     torch.testing.assert_close(layer[0].bias.grad, (g * kept).sum((0, 1)) * 2)
     torch.testing.assert_close(x.grad, (g * kept * 2) @ layer[0].weight)
     assert torch.equal(torch.get_rng_state(), before_backward)  # the replay leaves the caller's stream alone
+
+
+def test_bf16_backward_keeps_one_tile_of_cast_input_alive():
+    """[Note: autocast's cache in backward] Under bf16 autocast the recompute casts each fp32
+    input tile to bf16 for the MLP's first matmul; the casts die with their tile instead of
+    staying in autocast's cache to the end of the module's backward (the input over again in
+    bf16), and the gradients are those of the untiled MLP under the same autocast."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+    x = torch.randn(2, 30, 8, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = TiledForward.apply(lambda t: mlp(t), 3, False, x, *mlp.parameters())
+    refs, most = [], [0]
+
+    class LiveCasts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if (func is torch.ops.aten._to_copy.default and out.dtype == torch.bfloat16 and out.dim() == 3
+                    and args[0].dtype == torch.float32):  # an input tile's cast, not a weight's
+                refs.append(weakref.ref(out))
+                most[0] = max(most[0], sum(r() is not None for r in refs))
+            return out
+
+    g = torch.randn_like(y)
+    with LiveCasts():
+        y.backward(g)
+    assert len(refs) == 10 and most[0] <= 2, (len(refs), most[0])
+    want = [t.grad.clone() for t in (x, *mlp.parameters())]
+    for t in (x, *mlp.parameters()):
+        t.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mlp(x).backward(g)
+    for got, ref in zip(want, (x.grad, *(p.grad for p in mlp.parameters()))):
+        torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
 
 
 # ---------------------------------------------------------------------------------------------
