@@ -119,14 +119,13 @@ class _HostBuffers:
 class SavedInput:
     """One checkpointed input of one block use: on the device, on its way, or on the host."""
 
-    __slots__ = ("store", "position", "shape", "strides", "dtype", "nbytes", "device_tensor", "d2h_event", "host",
+    __slots__ = ("store", "position", "shape", "dtype", "nbytes", "device_tensor", "d2h_event", "host",
                  "h2d_event", "disk_offset", "io", "__weakref__")
 
     def __init__(self, store: "ActivationStore", tensor: torch.Tensor, position: int) -> None:
         self.store = store
         self.position = position
         self.shape, self.dtype = tensor.shape, tensor.dtype
-        self.strides: tuple[int, ...] | None = None  # a permuted layout to restore (None: contiguous)
         self.nbytes = tensor.numel() * tensor.element_size()
         self.device_tensor: torch.Tensor | None = tensor  # held while on the device or being copied out
         self.d2h_event = None
@@ -198,22 +197,6 @@ class CheckpointFile:
         if self._directory is not None:
             self._directory.remove()
             self._directory = None
-
-
-def _dense_span(tensor: torch.Tensor) -> torch.Tensor | None:
-    """A contiguous 1-D view of exactly ``tensor``'s elements in memory order, when they fill a
-    span of its storage with no gap and no overlap (contiguous, or a permutation of contiguous,
-    as LongT5's position bias is); None otherwise (a slice of something larger, an expanded
-    tensor). Copied out and back through it, a tensor keeps its strides: the recompute sees the
-    layout the forward saw, so its kernels (and their rounding) are the same."""
-    if tensor.is_contiguous():
-        return tensor.reshape(-1)
-    expected = 1
-    for stride, size in sorted((st, n) for n, st in zip(tensor.shape, tensor.stride()) if n != 1):
-        if stride != expected:
-            return None
-        expected *= size
-    return tensor.as_strided((tensor.numel(),), (1,), tensor.storage_offset())
 
 
 def _wait(requests: list, what: str) -> None:
@@ -291,18 +274,20 @@ class ActivationStore:
         self.packed_positions[self._position] = self.packed_positions.get(self._position, 0) + 1
         if self.offload == "auto":
             self.offload = self._decide(saved.nbytes)
-        eligible = self.offload and self._offload_here and saved.nbytes >= MIN_OFFLOAD_BYTES
-        span = _dense_span(tensor.detach()) if eligible else None  # None: stays (a view into more)
-        self.eligible_this_pass += span is not None
-        if span is not None:
+        # [Note: a saved tensor that is not contiguous] stays on the device and is not counted as
+        # one that should have left: such an input is usually a view of a tensor every block is
+        # handed (T5's and LongT5's position bias, a permuted [1, heads, s, s]), and a copy per
+        # block on the host would hold it once per block instead of once.
+        eligible = (self.offload and self._offload_here and saved.nbytes >= MIN_OFFLOAD_BYTES
+                    and tensor.is_contiguous())
+        self.eligible_this_pass += bool(eligible)
+        if eligible:
             self.offloaded_this_pass += 1
-            if not tensor.is_contiguous():
-                saved.strides = tensor.stride()
             if self.on_disk == "auto":
                 self.on_disk = self._decide_disk(saved.nbytes)
                 self.buffers.page_aligned = self.on_disk
             saved.host = self.buffers.acquire(saved.nbytes)
-            flat = span.view(torch.uint8)
+            flat = tensor.detach().reshape(-1).view(torch.uint8)
             saved.d2h_event = self.transfer.copy_d2h(saved.host[: saved.nbytes], flat)
             self._leaving.append(saved)
             if not self.transfer.is_async:
@@ -407,9 +392,7 @@ class ActivationStore:
             saved.io = []
         flat = torch.empty(saved.nbytes, dtype=torch.uint8, device=self.device)
         saved.h2d_event = self.transfer.copy_h2d(flat, saved.host[: saved.nbytes], fetch=False)
-        typed = flat.view(saved.dtype)
-        saved.device_tensor = typed.view(saved.shape) if saved.strides is None else typed.as_strided(saved.shape,
-                                                                                                      saved.strides)
+        saved.device_tensor = flat.view(saved.dtype).view(saved.shape)
         self.ledger.activation_alloc(saved.nbytes)
         if saved.disk_offset >= 0:  # the file keeps it (a retained graph reads it again): the buffer is free
             self.buffers.release(saved.host, saved.h2d_event)

@@ -62,12 +62,13 @@ def test_offloaded_checkpoints_train_exactly(family, reentrant):
     assert stats["activation_host_bytes"] > 0 and stats["activation_device_bytes"] == 0
 
 
-def test_a_permuted_checkpointed_input_leaves_the_device_and_comes_back_in_its_layout():
-    """LongT5 hands its blocks a position bias laid out as a permutation of a contiguous tensor
-    (not contiguous, yet its elements fill a span of storage). It leaves the device like any
-    other input and comes back with its strides, so the recompute runs the forward's kernels;
-    the promise holds where it used to be broken ("none of the checkpointed inputs left the
-    device") and training matches the untouched model."""
+def test_a_shared_position_bias_stays_on_the_device_without_a_false_alarm():
+    """[Note: a saved tensor that is not contiguous] LongT5 hands every block the same position
+    bias, a permuted (not contiguous) [1, heads, s, s] view. It stays on the device, once, rather
+    than a copy per block on the host, and it is not counted as an input that should have left:
+    at 12 tokens it is the only input large enough to offload, and offload_activations=True
+    used to raise "none of the 1 checkpointed inputs left the device" although gradient
+    checkpointing was on. Training matches the untouched model."""
     cfg = T.AutoConfig.for_model("longt5", vocab_size=VOCAB, d_model=32, d_ff=64, num_layers=2, num_decoder_layers=2,
                                  num_heads=2, d_kv=16, decoder_start_token_id=0, pad_token_id=0, dropout_rate=0.0)
     torch.manual_seed(0)
@@ -75,36 +76,24 @@ def test_a_permuted_checkpointed_input_leaves_the_device_and_comes_back_in_its_l
     ref.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = copy.deepcopy(ref)
     engine = offload_model(model, StrongholdConfig(window_size=1, offload_activations=True), device="cpu")
-    permuted = []  # (strides, the strides kept with it, whether a host copy was made)
+    stayed = []
     pack = activations.ActivationStore._pack
 
     def watched_pack(self, t):
         saved = pack(self, t)
-        if isinstance(saved, activations.SavedInput) and not t.is_contiguous():
-            permuted.append((t.stride(), saved.strides, saved.host is not None))
+        if (isinstance(saved, activations.SavedInput) and not t.is_contiguous()
+                and saved.nbytes >= activations.MIN_OFFLOAD_BYTES):
+            stayed.append(saved.host is None)
         return saved
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(activations.ActivationStore, "_pack", watched_pack)
-        losses = _train(model, engine, "t5")
-    left = [p for p in permuted if p[2]]
-    assert left and all(kept == strides for strides, kept, _ in left), permuted  # it left, strides kept
-    assert losses == pytest.approx(_train_ref(ref, "t5"), rel=1e-5)
+        losses = _train(model, engine, "t5", seq=12)
+    assert stayed and all(stayed)  # the bias was saved, large enough, and kept on the device
+    assert losses == pytest.approx(_train_ref(ref, "t5", seq=12), rel=1e-5)
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=4e-4, msg=lambda m: f"{name}: {m}")
-    stats = engine.memory_stats()
-    assert stats["promise_activation_offload"] == 1.0 and stats["activation_host_bytes"] > 0
-
-
-def test_dense_span_is_exactly_the_elements_or_none():
-    x = torch.arange(24.0).reshape(2, 3, 4)
-    assert torch.equal(activations._dense_span(x), x.reshape(-1))
-    permuted = x.permute(2, 0, 1)  # not contiguous, dense: the same 24 elements
-    span = activations._dense_span(permuted)
-    assert span.is_contiguous() and torch.equal(span.sort().values, x.reshape(-1))
-    assert torch.equal(span.as_strided(permuted.shape, permuted.stride()), permuted)
-    assert activations._dense_span(x[:, :2]) is None  # a slice of something larger
-    assert activations._dense_span(x[:1].expand(4, 3, 4)) is None  # elements shared
+    assert engine.memory_stats()["promises_broken"] == 0
 
 
 def test_offloaded_checkpoints_under_delayed_copies():
