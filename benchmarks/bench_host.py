@@ -224,7 +224,7 @@ def main(argv=None) -> int:
         return statistics.median(ratios)
     ops_per_block = {n: slope(depths, [ops[(n, d)] for d in depths]) for n in names}
     plain = per_block["plain"]
-    summary = {"bench": "host", "device": str(device), "width": args.width, "seq": args.seq, "depths": depths,
+    summary = {"bench": "host", "summary": True, "device": str(device), "width": args.width, "seq": args.seq, "depths": depths,
                "max_grad_norm": args.max_grad_norm,
                "torch_threads": 1, "plain_us_per_block": round(plain, 1),
                "plain_ops_per_block": round(ops_per_block["plain"], 1)}

@@ -225,16 +225,24 @@ def test_gpu_summary_judges_the_split_targets(tmp_path):
     assert verdict("#35 bench_step quarter budget: tokens/s vs Twin-Flow").startswith("unmet (not run: ")
 
 
-def test_bench_host_smoke():
+def test_bench_host_smoke(tmp_path):
     """The host-work benchmark: plain's CPU time per block, the engine's extra in the GPU
     configuration (speculation forced on), the GPU default and the CPU default, their ratios
-    and the extra aten ops, as numbers."""
+    and the extra aten ops, as numbers; and gpu_check's summary reads its line as the #41
+    target's value (it used to say "printed no summary line")."""
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_host.py"), "--smoke"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.strip()]
     summary = rows[-1]
-    assert summary["bench"] == "host" and summary["plain_us_per_block"] > 0
+    assert summary["bench"] == "host" and summary["summary"] is True and summary["plain_us_per_block"] > 0
+    (tmp_path / "pieces.tsv").write_text("host\tok\t7\t\n")
+    (tmp_path / "host.jsonl").write_text(proc.stdout)
+    report = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_summary.py"), str(tmp_path)],
+                            capture_output=True, text=True, timeout=60)
+    assert report.returncode == 0, report.stderr
+    line = next(ln for ln in report.stdout.splitlines() if ln.startswith("target bench_host"))
+    assert f"({summary['gpu_config_ratio_paired']:.3f})" in line, line
     for variant in ("gpu_config", "gpu_default", "cpu_default"):
         for key in ("extra_us_per_block", "ratio", "ratio_paired", "extra_ops_per_block"):
             assert isinstance(summary[f"{variant}_{key}"], (int, float)), (variant, key)
