@@ -63,6 +63,15 @@ AUTO_CHUNK_MIN, AUTO_CHUNK_MAX = 128, 8192
 MAX_VOCAB_PIECES = 64
 
 
+def vocab_piece_rows(vocab: int, hidden: int, piece_numel: int | None) -> int | None:
+    """Vocabulary rows per piece of a ``[vocab, hidden]`` head: a head of more than
+    ``piece_numel`` elements is read in pieces of at most that many, and in at most
+    `MAX_VOCAB_PIECES`; None: whole (no ``piece_numel``, or the head is no larger)."""
+    if piece_numel is None or vocab * hidden <= piece_numel:
+        return None
+    return max(piece_numel // hidden, -(-vocab // MAX_VOCAB_PIECES), 1)
+
+
 def resolve_chunk_tokens(chunk_tokens: ChunkTokens, vocab_size: int) -> int:
     """Token rows per chunk: ``chunk_tokens`` itself, or for ``"auto"`` the rows whose logits
     cost about `AUTO_CHUNK_BYTES`, clamped to ``[128, 8192]`` (261 rows for a 128k vocab)."""
@@ -170,7 +179,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             for start in range(0, index.numel() if lse is None else 0, ctx.chunk_tokens):
                 rows = _rows(hidden, index[start:start + ctx.chunk_tokens])
                 x = hidden[rows].detach().requires_grad_(need_hidden)
-                logits = ctx.transform(F.linear(_cast_for_autocast(x, ctx.autocast), w, b))
+                logits = ctx.transform(F.linear(_uncached(x, ctx.autocast), w, b))
                 loss = F.cross_entropy(logits.float(), targets[start:start + ctx.chunk_tokens],
                                        ignore_index=ctx.ignore_index, reduction="sum")
                 wanted = [t for t, need in ((x, need_hidden), (w, need_weight), (b, need_bias)) if need]
@@ -194,17 +203,14 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
-def _cast_for_autocast(x: Tensor, autocast: dict) -> Tensor:
-    """``x`` cast to the autocast dtype as autocast would cast it for the head's matmul, by a
-    differentiable ``.to`` instead. [Note: autocast's cache in backward] A chunk's ``x`` is an
-    fp32 leaf that requires grad, the kind of tensor autocast caches its cast of until its
-    context exits: with one context for the whole backward (so that the weight is cast once),
-    every chunk's bf16 copy of its rows would stay cached to the end, the hidden states over
-    again in bf16. Cast here, the copy is an ordinary intermediate, freed with its chunk; the
-    result is the same (the same rounding, the same gradient back to fp32)."""
-    if autocast["enabled"] and x.dtype == torch.float32 and autocast["dtype"] in (torch.bfloat16, torch.float16):
-        return x.to(autocast["dtype"])
-    return x
+def _uncached(x: Tensor, autocast: dict) -> Tensor:
+    """[Note: autocast's cache in backward] A chunk's rows ``x`` are an fp32 leaf that requires
+    grad, the kind of tensor autocast caches its casts of until its context exits; the backward
+    keeps one context throughout (so that the weight is cast once), so every chunk's bf16 copy of
+    its rows would stay cached to the end, the hidden states over again in bf16. A view of the
+    leaf is cast the same way but not cached: its copy dies with its chunk. (tiling.py's backward
+    does the same for its tiles.)"""
+    return x.view_as(x) if autocast["enabled"] and x.requires_grad else x
 
 
 def _online_lse(x: Tensor, weight: Tensor, bias: Tensor | None, transform: HeadTransform, targets: Tensor,
@@ -245,7 +251,7 @@ def _piece_backward(ctx, hidden, weight, bias, index, targets, lse, grad_total, 
     for start in range(0, index.numel(), ctx.chunk_tokens):
         rows = _rows(hidden, index[start:start + ctx.chunk_tokens])
         x = hidden[rows].detach().requires_grad_(need_hidden)
-        x_in = _cast_for_autocast(x, ctx.autocast)
+        x_in = _uncached(x, ctx.autocast)
         t = targets[start:start + ctx.chunk_tokens]
         chunk_lse = lse[start:start + ctx.chunk_tokens]
         gx = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if need_hidden else None
@@ -437,12 +443,7 @@ class _ChunkedHead:
                                             vocab_piece_rows=self.piece_rows(weight))
 
     def piece_rows(self, weight: Tensor) -> int | None:
-        """Vocabulary rows per piece: a head larger than ``piece_numel`` elements is read in
-        pieces of at most that many (None: whole), and in at most `MAX_VOCAB_PIECES`."""
-        if self.piece_numel is None or weight.numel() <= self.piece_numel:
-            return None
-        vocab = weight.shape[0]
-        return max(self.piece_numel // weight.shape[1], -(-vocab // MAX_VOCAB_PIECES), 1)
+        return vocab_piece_rows(weight.shape[0], weight.shape[1], self.piece_numel)
 
     def _chunk_rows(self) -> int:
         return resolve_chunk_tokens(self.chunk_tokens, self.head.weight.shape[0])
@@ -573,4 +574,5 @@ __all__ = [
     "chunked_linear_cross_entropy",
     "is_causal_lm_class",
     "resolve_chunk_tokens",
+    "vocab_piece_rows",
 ]

@@ -169,11 +169,9 @@ class TiledForward(torch.autograd.Function):
         with torch.enable_grad(), torch.autocast(**ctx.autocast), _replayed_rng(ctx.rng):
             for start in range(0, s, tokens):
                 xt = _tile(x, start, tokens).detach().requires_grad_(need_x)
-                # [Note: autocast's cache in backward] An fp32 leaf that requires grad is the
-                # kind of tensor autocast caches its casts of until its context exits, and this
-                # one context spans every tile (so that each weight is cast once): every tile's
-                # bf16 copy would stay to the end, the input over again in bf16. A view of the
-                # leaf is cast the same way but not cached, and its copy dies with its tile.
+                # [Note: autocast's cache in backward] (chunked_loss.py): the tile's leaf, cached
+                # by autocast to the end of this one context, would keep every tile's bf16 copy
+                # of the input; a view of it is cast the same way but not cached.
                 yt = ctx.run(xt.view_as(xt) if need_x and ctx.autocast["enabled"] else xt)
                 inputs = [xt, *params] if need_x else params
                 grads = (torch.autograd.grad(yt, inputs, _tile(grad_out, start, tokens), allow_unused=True)

@@ -196,7 +196,7 @@ class WindowEngine:
         if config.chunked_loss is True or (config.chunked_loss == "auto" and self.units):
             from .chunked_loss import ChunkedLoss
 
-            largest_block = max((sum(p.numel() for p in u.params) for u in self.units if u.kind == "block"), default=0)
+            largest_block = max((sum(p.numel() for p in u.params) for u in self.blocks), default=0)
             self.chunked_loss = ChunkedLoss.install(model, config.loss_chunk_tokens, promises=self.promises,
                                                     piece_numel=largest_block or None)
         setattr(model, _ENGINE_ATTR, self)

@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import types
-import weakref
 
 import pytest
 import torch
@@ -33,6 +32,7 @@ from stronghold_hf.chunked_loss import (
     chunked_linear_cross_entropy,
     resolve_chunk_tokens,
 )
+from live_casts import LiveCasts
 from tiny_models import FAMILIES, VOCAB, tiny_config
 
 CHUNK = 5  # tokens per chunk: a 2 x 12 batch runs several chunks and a ragged last one
@@ -279,25 +279,6 @@ def test_vocabulary_pieces_keep_logits_a_chunk_by_piece_tile(family):
     assert all(s[-1] == 9 for s in tiles[True]) and (CHUNK, 9) in tiles[True], tiles[True]
 
 
-class _LiveCasts(TorchDispatchMode):
-    """Weak references to every bf16 copy of an fp32 [rows, hidden] tensor of at most
-    ``max_rows`` rows (a chunk's, not a piece of the weight's) made while active, and the most of
-    them alive at once."""
-
-    def __init__(self, hidden: int, max_rows: int):
-        super().__init__()
-        self.hidden, self.max_rows, self.refs, self.most_alive = hidden, max_rows, [], 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if (func is torch.ops.aten._to_copy.default and isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
-                and out.dim() == 2 and out.shape[1] == self.hidden and out.shape[0] <= self.max_rows
-                and args[0].dtype == torch.float32):
-            self.refs.append(weakref.ref(out))
-            self.most_alive = max(self.most_alive, sum(r() is not None for r in self.refs))
-        return out
-
-
 @pytest.mark.parametrize("pieces", [None, 9], ids=["whole", "pieces"])
 def test_bf16_backward_keeps_one_chunk_of_cast_rows_alive(pieces):
     """[Note: autocast's cache in backward] Under bf16 autocast the backward casts each chunk's
@@ -309,7 +290,8 @@ def test_bf16_backward_keeps_one_chunk_of_cast_rows_alive(pieces):
     labels = torch.randint(0, 96, (2, 40))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = chunked_linear_cross_entropy(hidden, weight, None, labels, chunk_tokens=CHUNK, vocab_piece_rows=pieces)
-    with _LiveCasts(16, max_rows=CHUNK) as casts:  # the weight's casts (96 or 9 rows) are meant to stay
+    # A chunk's rows ([<= CHUNK, 16]), not the weight's casts (96 or 9 rows), which are meant to stay.
+    with LiveCasts(lambda out: out.dim() == 2 and out.shape[1] == 16 and out.shape[0] <= CHUNK) as casts:
         loss.backward()
     assert len(casts.refs) >= 10  # one per chunk: 78 rows in chunks of 5
     assert casts.most_alive <= 2, casts.most_alive

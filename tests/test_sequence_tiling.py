@@ -20,18 +20,17 @@ import os
 import pickle
 import subprocess
 import sys
-import weakref
 
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 from stronghold_hf import StrongholdConfig, StrongholdTrainer, StrongholdTrainingArguments, offload_model
 from stronghold_hf import tiling
 from stronghold_hf.tiling import SequenceTiling, TiledForward, probe, resolve_tile_tokens, tiled_modules
+from live_casts import LiveCasts
 from tiny_models import batch, engine_losses, tiny_config, tiny_model
 
 FAMILIES = ["llama", "qwen2", "mistral", "gemma2", "gpt2", "bert", "t5"]
@@ -162,21 +161,10 @@ def test_bf16_backward_keeps_one_tile_of_cast_input_alive():
     x = torch.randn(2, 30, 8, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = TiledForward.apply(lambda t: mlp(t), 3, False, x, *mlp.parameters())
-    refs, most = [], [0]
-
-    class LiveCasts(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if (func is torch.ops.aten._to_copy.default and out.dtype == torch.bfloat16 and out.dim() == 3
-                    and args[0].dtype == torch.float32):  # an input tile's cast, not a weight's
-                refs.append(weakref.ref(out))
-                most[0] = max(most[0], sum(r() is not None for r in refs))
-            return out
-
     g = torch.randn_like(y)
-    with LiveCasts():
+    with LiveCasts(lambda out: out.dim() == 3) as casts:  # an input tile's cast, not a weight's
         y.backward(g)
-    assert len(refs) == 10 and most[0] <= 2, (len(refs), most[0])
+    assert len(casts.refs) == 10 and casts.most_alive <= 2, (len(casts.refs), casts.most_alive)
     want = [t.grad.clone() for t in (x, *mlp.parameters())]
     for t in (x, *mlp.parameters()):
         t.grad = None

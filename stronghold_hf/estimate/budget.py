@@ -211,15 +211,12 @@ def _assemble(
         use_chunks = (chunked_loss is True or (chunked_loss == "auto" and not whole_resident)) and (
             counts.chunked and counts.logits_width)
         if use_chunks:
-            from ..chunked_loss import BYTES_PER_LOGIT, MAX_VOCAB_PIECES, resolve_chunk_tokens
+            from ..chunked_loss import BYTES_PER_LOGIT, resolve_chunk_tokens, vocab_piece_rows
 
             chunk = min(tokens, resolve_chunk_tokens(loss_chunk_tokens, counts.logits_width))
             # A head larger than the largest block makes each chunk's logits a piece of the
             # vocabulary at a time (chunked_loss.py, [Note: vocabulary pieces]).
-            hidden_width = counts.hidden or h
-            tile_width = counts.logits_width
-            if largest and counts.logits_width * hidden_width > largest:
-                tile_width = max(largest // hidden_width, -(-counts.logits_width // MAX_VOCAB_PIECES), 1)
+            tile_width = vocab_piece_rows(counts.logits_width, counts.hidden or h, largest or None) or counts.logits_width
             head_grad = counts.logits_width * counts.hidden * (4 + (counts.head_device_bytes if
                                                                     counts.head_device_bytes != 4 else 0))
             # BYTES_PER_LOGIT prices a 16-bit chunk (its fp32 copy and its 16-bit gradient
