@@ -36,6 +36,7 @@ continues bit-identically.
 from __future__ import annotations
 
 import array
+import contextlib
 import ctypes
 import math
 import threading
@@ -372,20 +373,27 @@ class CPUAdam(torch.optim.Optimizer):
         n = len(self.param_groups)
         if len(set(indices)) != len(indices) or any(not 0 <= i < n for i in indices):
             raise ValueError(f"CPUAdam.step_groups: group indices {indices} must be distinct and in [0, {n}).")
-        with self._lock:
-            busy = self._in_flight.intersection(indices)
-            if busy:
-                raise RuntimeError(f"CPUAdam.step_groups: groups {sorted(busy)} are being stepped by another thread; "
-                                   "a group must be stepped by one thread at a time.")
-            self._in_flight.update(indices)
-        try:
-            self._opt_called = True  # LR schedulers check this; step_groups bypasses step()
+        with self._claimed(indices, "step_groups"):
             if _is_true(found_inf):
                 return
             gmul = _as_float(clip_coef, "clip_coef") * _as_float(inv_loss_scale, "inv_loss_scale")
             with no_grad(), profiled("CPUAdam.step_groups", tuple(indices)):
                 for gi in indices:
                     self._step_group(gi, gmul)
+
+    @contextlib.contextmanager
+    def _claimed(self, indices: list[int], caller: str):
+        """Inside: ``indices`` are this thread's to step (a group is stepped by one thread at a
+        time); LR schedulers see that the optimizer stepped (the group calls bypass step())."""
+        with self._lock:
+            busy = self._in_flight.intersection(indices)
+            if busy:
+                raise RuntimeError(f"CPUAdam.{caller}: groups {sorted(busy)} are being stepped by another thread; "
+                                   "a group must be stepped by one thread at a time.")
+            self._in_flight.update(indices)
+        try:
+            self._opt_called = True
+            yield
         finally:
             with self._lock:
                 self._in_flight.difference_update(indices)
@@ -459,20 +467,11 @@ class CPUAdam(torch.optim.Optimizer):
             if cached is None or cached[3] or not cached[1]:  # no cached step, or 8-bit items
                 return False
             tables.append(cached[0])
-        with self._lock:
-            busy = self._in_flight.intersection(indices)
-            if busy:
-                raise RuntimeError(f"CPUAdam.redo_groups: groups {sorted(busy)} are being stepped by another thread.")
-            self._in_flight.update(indices)
-        try:
-            self._opt_called = True  # as step_groups: LR schedulers check it
+        with self._claimed(indices, "redo_groups"):
             gmul = _as_float(clip_coef, "clip_coef") * _as_float(inv_loss_scale, "inv_loss_scale")
             with profiled("CPUAdam.redo_groups", tuple(indices)):
                 for gi, table, undo_hyper in zip(indices, tables, undo_hypers):
                     undo_native.redo_adamw_table_(table, undo_hyper, undo_gmul, self.param_groups[gi], gmul)
-        finally:
-            with self._lock:
-                self._in_flight.difference_update(indices)
         return True
 
     def _run_native8(self, table: array.array, items, group: dict[str, Any], gmul: float) -> None:

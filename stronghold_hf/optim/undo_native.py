@@ -93,23 +93,22 @@ def undo_adamw_native_(params: list[Tensor], grads: list[Tensor], states: list[d
     undo_adamw_table_(table, hyper, grad_mul)
 
 
+def _scalars(hyper: dict[str, Any]) -> tuple[float, float, float, float, float]:
+    """(lr, beta1, beta2, weight_decay, eps) of a param group, as the kernels take them."""
+    beta1, beta2 = (float(b) for b in hyper["betas"])
+    return float(hyper["lr"]), beta1, beta2, float(hyper["weight_decay"]), float(hyper["eps"])
+
+
 def undo_adamw_table_(table: array.array, hyper: dict[str, Any], grad_mul: float) -> None:
     """The kernel call of `undo_adamw_native_` on an address table made already (int64 [n, 8],
     see sh_adamw_undo); the caller keeps every tensor it names alive (CPUAdam.undo_table)."""
     lib = _NATIVE.load()
     assert lib is not None, _NATIVE.error()
-    lr, wd, eps = float(hyper["lr"]), float(hyper["weight_decay"]), float(hyper["eps"])
-    beta1, beta2 = (float(b) for b in hyper["betas"])
     if not math.isfinite(grad_mul):
         raise ValueError(f"undo_adamw_native_: grad_mul={grad_mul} is not finite; no step applied it.")
     lib = _NATIVE.for_elements(sum(table[0::8]))  # a small undo keeps the GIL (native.py)
-    lib.sh_adamw_undo(len(table) // 8, table.buffer_info()[0], lr, beta1, beta2, wd, eps, float(grad_mul),
+    lib.sh_adamw_undo(len(table) // 8, table.buffer_info()[0], *_scalars(hyper), float(grad_mul),
                       torch.get_num_threads())
-
-
-def _scalars(hyper: dict[str, Any]) -> tuple[float, float, float, float, float]:
-    beta1, beta2 = (float(b) for b in hyper["betas"])
-    return float(hyper["lr"]), beta1, beta2, float(hyper["weight_decay"]), float(hyper["eps"])
 
 
 def redo_adamw_table_(table: array.array, undo_hyper: dict[str, Any], undo_grad_mul: float,

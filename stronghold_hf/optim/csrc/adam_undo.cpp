@@ -82,6 +82,14 @@ UndoCall undo_call(double lr, double beta1, double beta2, double weight_decay, d
   // A factor of 0 lost the old value (and the redo does not read it): no division.
   return UndoCall{h, grad_mul != 1.0, weight_decay != 0.0 && decay != 0.0f, keep_m != 0.0, b2 != 0.0f};
 }
+// The undone step's coefficients (from the count before it goes back, as the forward derived
+// them) into coefs[0..1], and the count back by one; true if that step was the state's first.
+bool count_back(double lr, double beta1, double beta2, float* step, float* coefs) {
+  bias_coefs(lr, beta1, beta2, *step, coefs);
+  const bool fresh = *step <= 1.0f;
+  *step = *step - 1.0f;
+  return fresh;
+}
 RangeFn pick_undo(const UndoCall& c, bool fresh) {
   return c.scale ? pick1<true>(c.dec, fresh, c.has_m, c.has_v) : pick1<false>(c.dec, fresh, c.has_m, c.has_v);
 }
@@ -93,18 +101,12 @@ RangeFn pick_undo(const UndoCall& c, bool fresh) {
 extern "C" void sh_adamw_undo(int64_t nt, const int64_t* table, double lr, double beta1, double beta2,
                               double weight_decay, double eps, double grad_mul, int32_t nthreads) {
   const UndoCall c = undo_call(lr, beta1, beta2, weight_decay, eps, grad_mul);
-  // The bias corrections of the step being undone (the step count before it goes back),
-  // derived as the forward derives them; then the count goes back by one.
   std::vector<float> coefs(2 * nt);  // -lr / bias_correction1, sqrt(bias_correction2)
   std::vector<char> fresh(nt);
   int64_t total = 0;
   for (int64_t t = 0; t < nt; ++t) {
     const int64_t* e = table + 8 * t;
-    float* step = reinterpret_cast<float*>(e[5]);
-    coefs[2 * t] = neg_step_size(lr, beta1, *step);
-    coefs[2 * t + 1] = bias_correction2_sqrt(beta2, *step);
-    fresh[t] = *step <= 1.0f;
-    *step = *step - 1.0f;
+    fresh[t] = count_back(lr, beta1, beta2, reinterpret_cast<float*>(e[5]), &coefs[2 * t]);
     total += e[0];
   }
   const int threads = threads_for(total, nthreads);
@@ -138,13 +140,9 @@ extern "C" void sh_adamw_redo(int64_t nt, const int64_t* table, double lr_u, dou
   for (int64_t t = 0; t < nt; ++t) {
     const int64_t* e = table + 8 * t;
     float* step = reinterpret_cast<float*>(e[6]);
-    coefs[4 * t] = neg_step_size(lr_u, beta1_u, *step);
-    coefs[4 * t + 1] = bias_correction2_sqrt(beta2_u, *step);
-    fresh[t] = *step <= 1.0f;
-    *step = *step - 1.0f;  // sh_adamw_undo
-    *step = *step + 1.0f;  // sh_adamw_step
-    coefs[4 * t + 2] = neg_step_size(lr, beta1, *step);
-    coefs[4 * t + 3] = bias_correction2_sqrt(beta2, *step);
+    fresh[t] = count_back(lr_u, beta1_u, beta2_u, step, &coefs[4 * t]);  // sh_adamw_undo
+    *step = *step + 1.0f;                                                 // sh_adamw_step
+    bias_coefs(lr, beta1, beta2, *step, &coefs[4 * t + 2]);
     total += e[0];
   }
   const int threads = threads_for(total, nthreads);

@@ -57,6 +57,11 @@ inline float neg_step_size(double lr, double beta1, float step) {
 inline float bias_correction2_sqrt(double beta2, float step) {
   return float(std::sqrt(1.0 - std::pow(beta2, double(step))));
 }
+// Both of a step's coefficients, into out[0] and out[1].
+inline void bias_coefs(double lr, double beta1, double beta2, float step, float* out) {
+  out[0] = neg_step_size(lr, beta1, step);
+  out[1] = bias_correction2_sqrt(beta2, step);
+}
 
 // ---- Threading: how the table-driven kernels (CPU Adam's update, the speculation undo) split
 // one call's concatenated tensors over OpenMP threads.

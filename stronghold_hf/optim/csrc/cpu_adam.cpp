@@ -26,8 +26,7 @@ extern "C" void sh_adamw_step(int64_t nt, const int64_t* table, double lr, doubl
     const int64_t* e = table + 8 * t;
     float* step = reinterpret_cast<float*>(e[6]);
     *step = *step + 1.0f;
-    coefs[2 * t] = neg_step_size(lr, beta1, *step);
-    coefs[2 * t + 1] = bias_correction2_sqrt(beta2, *step);
+    bias_coefs(lr, beta1, beta2, *step, &coefs[2 * t]);
     total += e[0];
   }
   const int threads = threads_for(total, nthreads);
