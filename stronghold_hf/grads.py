@@ -193,6 +193,7 @@ class GradientQueue:
         self._num_lanes = num_lanes
         self._free = threading.Condition(threading.Lock())
         self._allocated = False  # the lanes' device storage holds bytes (during a backward pass)
+        self._busy = 0  # lanes not FREE (changed under ``_free``)
         self.peak_in_flight = 0
 
     def _lane_pool(self) -> list[GradLane]:
@@ -212,7 +213,7 @@ class GradientQueue:
 
     @property
     def busy(self) -> int:
-        return sum(lane.state is not LaneState.FREE for lane in self._lanes)
+        return self._busy
 
     def acquire(self, unit_index: int, numel: int, dtype: torch.dtype, key: int | None = None) -> GradLane:
         """A lane of ``numel`` elements; waits for the oldest flush when all are busy. ``key``: the
@@ -228,6 +229,7 @@ class GradientQueue:
                         break
                 if lane is not None:
                     lane.state = LaneState.FILLING
+                    self._busy = busy = self._busy + 1
                     break
                 oldest = next((l.ticket for l in lanes if l.state is LaneState.IN_FLIGHT), None)
             if oldest is None:
@@ -244,7 +246,6 @@ class GradientQueue:
             buffer.zero_()  # the padding between parameters must not add to norms or sums
             lane.clean_key = key
         lane.dtype, lane.numel, lane.unit_index = dtype, numel, unit_index
-        busy = self.busy
         if busy > self.peak_in_flight:
             self.peak_in_flight = busy
         return lane
@@ -303,6 +304,7 @@ class GradientQueue:
             lane.device_buffer = None
             lane.state = LaneState.FREE
             lane.ticket = None
+            self._busy -= 1
             self._free.notify_all()
 
     def discard(self, lane: GradLane) -> None:
@@ -311,6 +313,7 @@ class GradientQueue:
         with self._free:
             lane.device_buffer = None
             lane.state = LaneState.FREE
+            self._busy -= 1
             self._free.notify_all()
 
     def _wait(self, ticket: Ticket) -> None:

@@ -44,8 +44,9 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def current_graph_task() -> int:
-    return torch._C._current_graph_task_id()
+#: The id of the backward pass autograd runs on this thread right now (-1: none); the C
+#: function itself, called on every block's hooks.
+current_graph_task = torch._C._current_graph_task_id
 
 
 class _CallInBackward(torch.autograd.Function):

@@ -210,7 +210,7 @@ class WindowSchedule:
         return output
 
     def on_pre_forward(self, u: Unit, positions, args, kwargs):
-        if in_backward():
+        if current_graph_task() != -1:  # in backward
             return self._pre_forward_in_backward(u, args, kwargs)
         if u.kind == "block":
             self._block_entries += 1
@@ -241,7 +241,7 @@ class WindowSchedule:
         return output
 
     def on_post_forward(self, u: Unit, output):
-        if in_backward():
+        if current_graph_task() != -1:  # in backward
             return output
         return self._close(u, output)
 
@@ -272,7 +272,8 @@ class WindowSchedule:
 
     def _open(self, u: Unit, positions, _unused) -> None:
         """A forward use of ``u`` begins: make it resident and hold it (nothing if held already)."""
-        self.settle()
+        if self.phase is Phase.BACKWARD:
+            self.settle()
         if u.kind != "block" and u.forward_holds > 0:
             self._stack.append(_Open(u, None, -1, nested=True))
             return
@@ -393,7 +394,7 @@ class WindowSchedule:
         if not use.done:
             use.done = True
             u.pending_backward = max(0, u.pending_backward - 1)
-        if u.holds == 0 and u.pending_backward == 0:
+        if u.forward_holds + u.backward_holds == 0 and u.pending_backward == 0:  # (u.holds, inlined)
             self.slots.release(u, backward=self.phase is Phase.BACKWARD)
 
     def on_use_dropped(self, use: UnitUse) -> None:

@@ -223,10 +223,12 @@ class StepCoordinator:
         if ticket is not None:
             if not ticket.done():
                 self.stats.count_host_block()
-            waited = ticket.wait()
-            self.stats.add("blocked_s", waited)
-            if forward:
-                self.stats.add("forward_stall_s", waited)
+                waited = ticket.wait()
+                self.stats.add("blocked_s", waited)
+                if forward:
+                    self.stats.add("forward_stall_s", waited)
+            else:
+                ticket.wait()  # re-raises the task's error; no time to count
             if self._first_ticket is ticket:
                 self._account_first_block()
 

@@ -50,7 +50,9 @@ from .read_guard import ReadGuard
 logger = logging.getLogger("stronghold_hf")
 
 _version = operator.attrgetter("_version")
+_is_grad_enabled = torch.is_grad_enabled
 _grad = operator.attrgetter("grad")
+_first = operator.itemgetter(0)
 _second = operator.itemgetter(1)
 
 
@@ -142,14 +144,16 @@ class UnitGrads:
         nothing is exposed and the engine's own flags stand. Remembers what the host gradient
         holds now, for a pass that raises (`roll_back_pass`)."""
         if not self.taken_grads:
-            self._check_not_poisoned()
+            if self.grads_poisoned:
+                self._check_not_poisoned()
             self.taken_grads = True
             if self.exposes_grads:
                 grads = list(map(_grad, self._lp))
-                if _all_are(grads, self._lg):  # the exposed host gradients, untouched: accumulate onto them
-                    self._set_valid(True)
-                elif _all_are(grads, itertools.repeat(None)):  # zeroed (set to None)
+                if _all_are(grads, itertools.repeat(None)):  # zeroed (set to None): nothing to take
                     self._set_valid(False)
+                elif _all_are(grads, self._lg):  # the exposed host gradients, untouched: accumulate onto them
+                    self._set_valid(True)
+                    _set_grads(self._lp, itertools.repeat(None))
                 else:
                     with no_grad():
                         for k, gv, g in zip(self._local, self._lg, grads):
@@ -160,7 +164,7 @@ class UnitGrads:
                             else:
                                 self._host_grad_for(k, g).copy_(g)
                                 self.grad_valid[k] = True
-                _set_grads(self._lp, itertools.repeat(None))
+                    _set_grads(self._lp, itertools.repeat(None))
             if not any(self.grad_valid):
                 self.flushes = 0
                 self.device_norm = None
@@ -252,9 +256,13 @@ class UnitGrads:
         if not self._lane_accumulates and all(map(operator.is_not, grads, itertools.repeat(None))):
             # The usual case, every trainable parameter got a gradient: no loop in Python.
             views = self._lane_views
-            with no_grad():
-                torch._foreach_copy_(views if len(views) == len(grads) else [views[k] for k in self._trainable_indices],
-                                     grads)
+            if len(views) != len(grads):
+                views = [views[k] for k in self._trainable_indices]
+            if _is_grad_enabled():  # a backward with create_graph=True: the copy is not part of it
+                with no_grad():
+                    torch._foreach_copy_(views, grads)
+            else:
+                torch._foreach_copy_(views, grads)
             _set_grads(tparams, itertools.repeat(None))
             self._lane_views = None
             return self._trainable_indices
@@ -360,7 +368,8 @@ class UnitGrads:
     def zero_grads(self, set_to_none: bool = True) -> None:
         """``optimizer.zero_grad()``: forget (or zero) the accumulated gradients of this block."""
         if self.exposes_grads and set_to_none:
-            _set_grads(self._lp, itertools.repeat(None))
+            if not _all_are(map(_grad, self._lp), itertools.repeat(None)):  # (the step let go of them already)
+                _set_grads(self._lp, itertools.repeat(None))
             return
         for k, (p, gv) in enumerate(zip(self.params, self.grad_views)):
             if gv is None:
@@ -417,6 +426,9 @@ class UnitGrads:
     def grads_match(self, grads: list[tuple[int, torch.Tensor | None]], used: list[tuple[int, torch.Tensor]]) -> bool:
         """Whether ``grads`` (from `step_grads`) are exactly the host gradients a speculative
         update ``used``, untouched since the end of backward (version counters)."""
+        if (len(grads) == len(used) and _all_are(map(_second, grads), map(_second, used))
+                and all(map(operator.eq, map(_first, grads), map(_first, used)))):
+            return self._exposed_unchanged()  # the usual case, in C: the very tensors it read
         present = [(k, g) for k, g in grads if g is not None]
         if len(present) != len(used) or any(k != j for (k, _), (j, _) in zip(present, used)):
             return False

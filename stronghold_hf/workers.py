@@ -217,6 +217,17 @@ class HostWorker:
             ticket.finished_at = time.perf_counter()
             return ticket
         ticket = Ticket(label)
+        queue = self._queue
+        if queue is None:
+            queue = self._start()
+        deferred = self._deferred
+        queue.put(_Task(fn, ticket, unit, urgent), wake=not deferred)
+        if deferred:
+            self._wake_pending = True
+        return ticket
+
+    def _start(self) -> _TaskQueue:
+        """Starts the thread (at the first task, or the first after `shutdown`); returns its queue."""
         with self._lock:
             if self._thread is None:
                 self._queue = _TaskQueue()
@@ -226,9 +237,7 @@ class HostWorker:
                                                 name="stronghold-host-worker", daemon=True)
                 self._thread.start()
                 self._finalizer = weakref.finalize(self, self._queue.stop)
-            self._queue.put(_Task(fn, ticket, unit, urgent), wake=not self._deferred)
-            self._wake_pending |= bool(self._deferred)
-        return ticket
+            return self._queue
 
     def shutdown(self) -> None:
         """Runs what was submitted, then joins the thread; a later `submit` starts a new one."""

@@ -258,6 +258,37 @@ def test_a_missed_speculation_leaves_no_image_to_refresh():
     assert stats["image_refreshes"] == 0
 
 
+
+def test_a_tensor_learning_rate_filled_in_place_reaches_every_block_and_misses_the_guess():
+    """A scheduler that fills a tensor lr in place (the user's group keeps the same tensor):
+    the step sees the new value, every block is updated with it, and a speculative update made
+    with the old one is not taken for a hit; matches torch's AdamW stepping the same lrs."""
+    model = tiny_model("llama", num_hidden_layers=3)
+    ref = copy.deepcopy(model)
+    engine = offload_model(model, StrongholdConfig(window_size=1, speculative_step="on"), device="cpu")
+    opt = engine.build_optimizer(lr=torch.tensor(LR))
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=LR, foreach=False)
+    misses = 0
+    for step in range(3):
+        for m in (model, ref):
+            m(**batch("llama", seed=step)).loss.backward()
+        lr = LR / (step + 2)
+        for group in opt.param_groups:
+            group["lr"].fill_(lr)
+        for group in opt_ref.param_groups:
+            group["lr"] = lr
+        engine.clip_grad_norm_(1e6)
+        opt.step()
+        opt_ref.step()
+        opt.zero_grad()
+        opt_ref.zero_grad()
+        misses = engine.stats.as_dict()["speculation_misses"]
+    engine.synchronize()
+    assert all(float(g["lr"]) == pytest.approx(LR / 4) for g in opt.cpu_optimizer.param_groups)
+    assert misses >= 1
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-4, atol=SLACK, msg=lambda m: f"{k}: {m}")
+
 def test_auto_speculates_only_with_a_margin_below_the_clip_norm():
     policy = SpeculationPolicy("auto")
     policy.record_step(clean=True, speculated=False, hit=False, norm_ratio=0.95)

@@ -93,6 +93,7 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         # scheduler saved by one rank, or a checkpoint written by another world size, fits.
         # Inner groups (one per block and user group, and the resident ones) follow them.
         self._inner_user = list(inner_user)
+        self._pushed: list[dict[str, Any]] | None = None  # see _push_hyperparameters
         super().__init__([dict(g) for g in user_groups], defaults)
         self.last_step_skipped = False
         #: The NVMe tier holding the CPU Adam moments (``nvme.NvmeTier``), or None: in RAM.
@@ -111,6 +112,10 @@ class StrongholdOptimizer(torch.optim.Optimizer):
             for key, value in self.param_groups[u].items():
                 if key != "params":
                     inner[key] = value.clone() if isinstance(value, torch.Tensor) else value
+        # What the inner groups hold now, per user group: `_hyperparameters_changed` compares
+        # the few user groups with it instead of every inner group (one or two per block).
+        self._pushed = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in g.items() if k in _HYPER_KEYS}
+                        for g in self.param_groups]
 
     # ------------------------------------------------------------------ stepping
     @torch.no_grad()
@@ -149,16 +154,17 @@ class StrongholdOptimizer(torch.optim.Optimizer):
                 continue
             grads = block.grads.step_grads()
             if record is not None:
-                if block.grads.grads_modified_in_place():
+                modified = block.grads.grads_modified_in_place()
+                if modified:
                     coordinator.wait_update(block, forward=False)  # did the speculative update run?
-                if record.applied and block.grads.grads_modified_in_place():
+                if record.applied and modified:
                     raise RuntimeError(
                         f"stronghold: the gradients of {block.fqn} were changed in place between backward and "
                         "optimizer.step() after the engine had updated the block speculatively with them, so the "
                         "update can no longer be undone exactly. Clip with engine.clip_grad_norm_ (or the Trainer's "
                         "max_grad_norm), or set StrongholdConfig(speculative_step='off')."
                     )
-                if guess_holds and block.grads.grads_match(grads, record.grads):
+                if guess_holds and not modified and block.grads.grads_match(grads, record.grads):
                     hits += 1
                     # Updated during backward, unless the pass stopped speculating before this
                     # block's turn: then the worker applies the update now (same coefficient).
@@ -167,7 +173,7 @@ class StrongholdOptimizer(torch.optim.Optimizer):
                     self._release_grads(block)
                     continue
                 misses += 1
-                if (not found_inf and self.updates.fuses_redo and any(g is not None for _, g in grads)
+                if (not found_inf and not modified and self.updates.fuses_redo and any(g is not None for _, g in grads)
                         and block.grads.grads_match(grads, record.grads)):
                     # The usual miss (the step clipped): the rollback and the redo read the same
                     # gradients, so they run as one pass over the block's state (unit_update.py).
@@ -230,6 +236,11 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         return isinstance(self.cpu_optimizer, CPUAdam) and self.cpu_optimizer.state_bits == 32
 
     def _hyperparameters_changed(self) -> bool:
+        pushed = self._pushed
+        if pushed is not None:
+            return any(bool(group.get(k) != values.get(k)) for group, values in zip(self.param_groups, pushed)
+                       for k in _HYPER_KEYS)
+        # Nothing pushed since the inner groups were made or loaded: compare each of them.
         return any(bool(self.param_groups[u][k] != inner[k]) for inner, u in zip(self._inner_groups, self._inner_user)
                    for k in _HYPER_KEYS)
 
@@ -329,6 +340,7 @@ class StrongholdOptimizer(torch.optim.Optimizer):
             )
         for public, saved in zip(self.param_groups, saved_public):
             public.update(saved)
+        self._pushed = None  # the inner groups hold what was loaded
 
     # ------------------------------------------------------------------ state by parameter name
     def _parameter_names(self) -> dict[int, str]:
