@@ -25,7 +25,11 @@ Variants, interleaved in one process (rounds rotate the order; medians):
 ``ratio_paired``: the median over rounds of the same ratio computed within each round, which
 drift between rounds does not move. ``extra_ops_per_block``: top-level aten ops
 per block the training thread dispatches beyond plain's (counted with a dispatch mode over
-one step at each depth, fitted the same way).
+one step at each depth, fitted the same way). ``engine_calls_per_block``: the engine's Python
+functions called per block on the training thread, and the C functions they call (counted
+with ``sys.setprofile`` over one step at each depth, fitted the same way; on CUDA the
+backward's hooks run on autograd's device thread and are not in it): unlike the times, the
+same in every run, so a change to the hot path shows in it at once.
 
 On CUDA (``--device cuda``) it also times the step on the GPU and reports
 ``gpu_idle_fraction``: the share of the step's wall time the GPU had nothing to run
@@ -54,6 +58,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import transformers as T  # noqa: E402
 
+import stronghold_hf  # noqa: E402
 from stronghold_hf import StrongholdConfig, offload_model  # noqa: E402
 
 VARIANTS = {
@@ -138,9 +143,32 @@ class Runner:
         self.settle()
         return counter.count
 
+    def engine_calls_per_step(self) -> int:
+        """Python functions of the engine called on this thread over one step, and C functions
+        they call (``sys.setprofile``): a count that, unlike time, does not move from run to run.
+        On a CPU device the backward's hooks run on this thread too."""
+        count = 0
+
+        def profile(frame, event, arg) -> None:
+            nonlocal count
+            if (event == "call" or event == "c_call") and _ENGINE_DIR in frame.f_code.co_filename:
+                count += 1
+
+        sys.setprofile(profile)
+        try:
+            self.step()
+        finally:
+            sys.setprofile(None)
+        self.settle()
+        return count
+
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
+
+
+#: Where the engine's code lives: calls into (or made by) files under it are the engine's.
+_ENGINE_DIR = os.path.dirname(os.path.abspath(stronghold_hf.__file__)) + os.sep
 
 
 def slope(xs: list[int], ys: list[float]) -> float:
@@ -211,6 +239,7 @@ def main(argv=None) -> int:
             this_round[key] = statistics.median(steps)
         round_medians.append(this_round)
     ops = {key: r.ops_per_step() for key, r in runners.items()}
+    calls = {key: r.engine_calls_per_step() for key, r in runners.items() if key[0] != "plain"}
 
     med = {k: statistics.median(v) for k, v in times.items()}
     per_block = {n: slope(depths, [med[(n, d)] for d in depths]) * 1e6 for n in names}
@@ -233,6 +262,7 @@ def main(argv=None) -> int:
         row = {"variant": n, "us_per_block": round(per_block[n], 1), "extra_us_per_block": round(extra, 1),
                "ratio": round(extra / plain, 3), "ratio_paired": round(paired_ratio(n), 3),
                "extra_ops_per_block": round(ops_per_block[n] - ops_per_block["plain"], 1),
+               "engine_calls_per_block": round(slope(depths, [calls[(n, d)] for d in depths]), 1),
                "step_ms_by_depth": {d: round(med[(n, d)] * 1e3, 3) for d in depths}}
         if device.type == "cuda":
             idle = gpu_idle_fraction(runners[(n, depths[-1])])
@@ -243,6 +273,7 @@ def main(argv=None) -> int:
         summary[f"{n}_ratio"] = row["ratio"]
         summary[f"{n}_ratio_paired"] = row["ratio_paired"]
         summary[f"{n}_extra_ops_per_block"] = row["extra_ops_per_block"]
+        summary[f"{n}_engine_calls_per_block"] = row["engine_calls_per_block"]
     if device.type == "cuda":
         idle = gpu_idle_fraction(runners[("plain", depths[-1])])
         summary["plain_gpu_idle_fraction"] = round(idle, 3)

@@ -225,10 +225,14 @@ def test_gpu_summary_judges_the_split_targets(tmp_path):
     assert verdict("#35 bench_step quarter budget: tokens/s vs Twin-Flow").startswith("unmet (not run: ")
 
 
+#: The engine's Python calls per block on the training thread, `bench_host --smoke` (see below).
+HOST_CALLS_BUDGET = {"gpu_config": 290, "cpu_default": 375}
+
+
 def test_bench_host_smoke(tmp_path):
     """The host-work benchmark: plain's CPU time per block, the engine's extra in the GPU
-    configuration (speculation forced on), the GPU default and the CPU default, their ratios
-    and the extra aten ops, as numbers; and gpu_check's summary reads its line as the #41
+    configuration (speculation forced on), the GPU default and the CPU default, their ratios,
+    the extra aten ops and the engine's Python calls per block, as numbers; and gpu_check's summary reads its line as the #41
     target's value (it used to say "printed no summary line")."""
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_host.py"), "--smoke"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -248,6 +252,11 @@ def test_bench_host_smoke(tmp_path):
             assert isinstance(summary[f"{variant}_{key}"], (int, float)), (variant, key)
     # The engine's own ops per block on the training thread: a handful, not one per parameter.
     assert summary["gpu_config_extra_ops_per_block"] < 12, summary
+    # The engine's Python per block, counted (the same in every run, unlike its time): a budget
+    # a change that adds per-block work must argue for. At afbba47: 280 calls in the GPU
+    # configuration, 364 in the CPU default (304 and 387 before it).
+    assert summary["gpu_config_engine_calls_per_block"] <= HOST_CALLS_BUDGET["gpu_config"], summary
+    assert summary["cpu_default_engine_calls_per_block"] <= HOST_CALLS_BUDGET["cpu_default"], summary
 
 
 @pytest.mark.slow  # six children: about 35 s
