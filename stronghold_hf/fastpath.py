@@ -67,10 +67,10 @@ def profiled(label, *parts):
     return _NOTHING
 
 
-def engine_access():
-    """The engine's own reads and writes of parameters: a guarded parameter (read_guard.py)
-    does not run its read barrier for them."""
-    return _DisableSubclass()
+#: ``with engine_access():`` the engine's own reads and writes of parameters: a guarded
+#: parameter (read_guard.py) does not run its read barrier for them. The C context manager
+#: itself, made without a Python call.
+engine_access = _DisableSubclass
 
 
 def engine_method(fn):

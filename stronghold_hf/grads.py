@@ -191,7 +191,7 @@ class GradientQueue:
         self._host = host
         self._lanes: list[GradLane] = []
         self._num_lanes = num_lanes
-        self._free = threading.Condition(threading.Lock())
+        self._free = threading.Lock()  # guards the lanes' states (a backward waits for a lane on its ticket)
         self._allocated = False  # the lanes' device storage holds bytes (during a backward pass)
         self._busy = 0  # lanes not FREE (changed under ``_free``)
         self.peak_in_flight = 0
@@ -305,7 +305,6 @@ class GradientQueue:
             lane.state = LaneState.FREE
             lane.ticket = None
             self._busy -= 1
-            self._free.notify_all()
 
     def discard(self, lane: GradLane) -> None:
         """Gives a FILLING lane back without copying (its gradients are dropped)."""
@@ -314,7 +313,6 @@ class GradientQueue:
             lane.device_buffer = None
             lane.state = LaneState.FREE
             self._busy -= 1
-            self._free.notify_all()
 
     def _wait(self, ticket: Ticket) -> None:
         if not ticket.done():

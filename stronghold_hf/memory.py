@@ -404,6 +404,7 @@ class DeviceSlotPool:
         self.capacity = capacity
         self._in_use: set[int] = set()
         self.peak_in_use = 0
+        self.full = False  # every slot is in use (kept with the set: read per block)
 
     def acquire(self, block_index: int) -> None:
         assert block_index not in self._in_use, f"block {block_index} already holds a slot"
@@ -414,11 +415,15 @@ class DeviceSlotPool:
                 "please report it with the model class."
             )
         self._in_use.add(block_index)
-        self.peak_in_use = max(self.peak_in_use, len(self._in_use))
+        n = len(self._in_use)
+        if n > self.peak_in_use:
+            self.peak_in_use = n
+        self.full = n >= self.capacity
 
     def release(self, block_index: int) -> None:
         assert block_index in self._in_use, f"block {block_index} holds no slot"
         self._in_use.discard(block_index)
+        self.full = False
 
     @property
     def in_use(self) -> frozenset[int]:
@@ -428,11 +433,8 @@ class DeviceSlotPool:
         """The units holding a slot, in index order (a copy: the caller may release them)."""
         return sorted(self._in_use)
 
-    @property
-    def full(self) -> bool:
-        return len(self._in_use) >= self.capacity
-
     def resize(self, capacity: int) -> None:
         """Changes the capacity (after the auto window size is chosen); only while idle."""
         assert not self._in_use, "resize the slot pool only while no block is resident"
         self.capacity = capacity
+        self.full = False

@@ -136,7 +136,8 @@ class Unit:
     def begin_fetch(self) -> None:
         assert self.state is Residency.ON_HOST, f"{self.fqn}: begin_fetch from {self.state}"
         with profiled("stronghold.fetch:", self.fqn), _engine_access():
-            self.read_guard.unguard()  # the schedule waited for its update: the parameters are read freely now
+            if self.read_guard.guarded:  # the schedule waited for its update: the parameters are read freely now
+                self.read_guard.unguard()
             host = self.host
             host.adopt_host_writes()
             host.refresh_image()

@@ -88,7 +88,7 @@ class WindowEngine:
         specs = list(plan.units)
         block_specs = [s for s in specs if s.kind == "block"]
         self.ledger = MemoryLedger()
-        self.stats = EngineStats()
+        self.stats = EngineStats(traffic=self.ledger)  # traffic: read from the ledger, booked once
         self.transfer = TransferContext(device, self.ledger, self.stats)
         self.host = HostAllocator(self.ledger, pin=config.pin_memory, pinning=_simulated_pinning,
                                   max_pinned_bytes=config.max_pinned_bytes)

@@ -121,20 +121,21 @@ class _TaskQueue:
     ([Note: urgent tasks])."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()  # held through the condition, or directly (no Python call)
+        self._cond = threading.Condition(self._lock)
         self._tasks: list[_Task] = []
         self._urgent = 0  # urgent tasks among them
 
     def put(self, task: _Task, wake: bool = True) -> None:
         """Queues ``task``; ``wake=False`` leaves an idle worker asleep until the next `wake`."""
-        with self._cond:
+        with self._lock:
             self._tasks.append(task)
             self._urgent += task.urgent
             if wake:
                 self._cond.notify()
 
     def wake(self) -> None:
-        with self._cond:
+        with self._lock:
             self._cond.notify()
 
     def stop(self) -> None:

@@ -226,7 +226,7 @@ def test_gpu_summary_judges_the_split_targets(tmp_path):
 
 
 #: The engine's Python calls per block on the training thread, `bench_host --smoke` (see below).
-HOST_CALLS_BUDGET = {"gpu_config": 290, "cpu_default": 375}
+HOST_CALLS_BUDGET = {"cpu_default": 345, "gpu_default": 290}
 
 
 def test_bench_host_smoke(tmp_path):
@@ -252,11 +252,14 @@ def test_bench_host_smoke(tmp_path):
             assert isinstance(summary[f"{variant}_{key}"], (int, float)), (variant, key)
     # The engine's own ops per block on the training thread: a handful, not one per parameter.
     assert summary["gpu_config_extra_ops_per_block"] < 12, summary
-    # The engine's Python per block, counted (the same in every run, unlike its time): a budget
-    # a change that adds per-block work must argue for. At afbba47: 280 calls in the GPU
-    # configuration, 364 in the CPU default (304 and 387 before it).
-    assert summary["gpu_config_engine_calls_per_block"] <= HOST_CALLS_BUDGET["gpu_config"], summary
+    # The engine's Python per block, counted: a budget a change that adds per-block work must
+    # argue for. The CPU default runs everything on this thread, so its count is the same in
+    # every run (387 before this round's trims, 330 after); with the worker thread a task still
+    # running adds a few calls (a wait), so the GPU default's budget has room for that (303
+    # before, 246 after). The GPU configuration's count also depends on how many blocks a pass
+    # speculated before its norm crossed the clip, which the worker's pace decides: not held.
     assert summary["cpu_default_engine_calls_per_block"] <= HOST_CALLS_BUDGET["cpu_default"], summary
+    assert summary["gpu_default_engine_calls_per_block"] <= HOST_CALLS_BUDGET["gpu_default"], summary
 
 
 @pytest.mark.slow  # six children: about 35 s

@@ -35,7 +35,9 @@ runs inside ``nvme.bound(unit)``, which brings the unit's moments into a ring bu
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
+import operator
 from functools import partial
 from typing import Any, Callable, Iterable
 
@@ -51,6 +53,12 @@ from .unit_update import UnitUpdates
 logger = logging.getLogger("stronghold_hf")
 
 _HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
+_second = operator.itemgetter(1)
+
+
+def _any_grad(grads: list[tuple[int, torch.Tensor | None]]) -> bool:
+    """Whether any ``(index, gradient)`` pair has a gradient (the loop in C)."""
+    return any(map(operator.is_not, map(_second, grads), itertools.repeat(None)))
 
 
 def _normalise_groups(params: Any, defaults: dict[str, Any], model: nn.Module) -> list[dict[str, Any]]:
@@ -94,6 +102,7 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         # Inner groups (one per block and user group, and the resident ones) follow them.
         self._inner_user = list(inner_user)
         self._pushed: list[dict[str, Any]] | None = None  # see _push_hyperparameters
+        self._speculation_hyper: list[dict[str, Any]] | None = None  # see prepare_speculation
         super().__init__([dict(g) for g in user_groups], defaults)
         self.last_step_skipped = False
         #: The NVMe tier holding the CPU Adam moments (``nvme.NvmeTier``), or None: in RAM.
@@ -116,6 +125,7 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         # the few user groups with it instead of every inner group (one or two per block).
         self._pushed = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in g.items() if k in _HYPER_KEYS}
                         for g in self.param_groups]
+        self._speculation_hyper = None  # taken again at the next speculating pass
 
     # ------------------------------------------------------------------ stepping
     @torch.no_grad()
@@ -135,7 +145,8 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         hyper_changed = self._hyperparameters_changed()
         if hyper_changed or not speculated:
             coordinator.synchronize()  # running updates read the groups we are about to write
-            self._push_hyperparameters()
+            if hyper_changed:
+                self._push_hyperparameters()
         # [Note: validating speculation] A speculative update applied grad * inv_scale with the
         # hyperparameters of its pass. It stands when the step neither skips nor clips, the
         # scale and hyperparameters are those it used, and each block's gradient is exactly the
@@ -173,7 +184,7 @@ class StrongholdOptimizer(torch.optim.Optimizer):
                     self._release_grads(block)
                     continue
                 misses += 1
-                if (not found_inf and not modified and self.updates.fuses_redo and any(g is not None for _, g in grads)
+                if (not found_inf and not modified and self.updates.fuses_redo and _any_grad(grads)
                         and block.grads.grads_match(grads, record.grads)):
                     # The usual miss (the step clipped): the rollback and the redo read the same
                     # gradients, so they run as one pass over the block's state (unit_update.py).
@@ -186,7 +197,7 @@ class StrongholdOptimizer(torch.optim.Optimizer):
                 plan.append((block, "the rollback of a speculative update", partial(self.updates.undo, block, record),
                              "rollback_s"))
                 state_order.append(block.index)
-            if found_inf or all(g is None for _, g in grads):
+            if found_inf or not _any_grad(grads):
                 continue
             plan.append((block, "the CPU optimizer update",
                          partial(self.updates.update, block, groups, grads, clip_coef * inv_scale), "cpu_adam_s"))
@@ -237,20 +248,23 @@ class StrongholdOptimizer(torch.optim.Optimizer):
 
     def _hyperparameters_changed(self) -> bool:
         pushed = self._pushed
-        if pushed is not None:
-            return any(bool(group.get(k) != values.get(k)) for group, values in zip(self.param_groups, pushed)
-                       for k in _HYPER_KEYS)
-        # Nothing pushed since the inner groups were made or loaded: compare each of them.
-        return any(bool(self.param_groups[u][k] != inner[k]) for inner, u in zip(self._inner_groups, self._inner_user)
+        if pushed is None:
+            # Nothing pushed since the inner groups were made or loaded: they may even share a
+            # tensor lr with ours (filled in place, it would compare equal), so push.
+            return True
+        return any(bool(group.get(k) != values.get(k)) for group, values in zip(self.param_groups, pushed)
                    for k in _HYPER_KEYS)
 
     def prepare_speculation(self) -> None:
         """At the start of a speculating backward (no update running): the groups hold this step's
         hyperparameters, and the loss scale of this step is the one speculation applies."""
-        self._push_hyperparameters()
+        if self._hyperparameters_changed():  # (what the inner groups hold is what their updates read)
+            self._push_hyperparameters()
         self._speculation_scale = 1.0 if self.scaler is None else self.scaler.inv_scale
-        # What each group's update will read in this pass, taken once (records share them, read only).
-        self._speculation_hyper = [{k: group[k] for k in _HYPER_KEYS} for group in self.cpu_optimizer.param_groups]
+        # What each group's update will read in this pass, taken once per push (records share
+        # them, read only).
+        if self._speculation_hyper is None:
+            self._speculation_hyper = [{k: group[k] for k in _HYPER_KEYS} for group in self.cpu_optimizer.param_groups]
         return self._speculation_scale
 
     def speculation_record(self, block) -> SpecRecord | None:
@@ -340,7 +354,7 @@ class StrongholdOptimizer(torch.optim.Optimizer):
             )
         for public, saved in zip(self.param_groups, saved_public):
             public.update(saved)
-        self._pushed = None  # the inner groups hold what was loaded
+        self._pushed = self._speculation_hyper = None  # the inner groups hold what was loaded
 
     # ------------------------------------------------------------------ state by parameter name
     def _parameter_names(self) -> dict[int, str]:
