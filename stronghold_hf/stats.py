@@ -41,10 +41,6 @@ _FIELDS = (
 ENGINE_THREAD_PREFIX = "stronghold-"
 
 
-#: Read from the ledger (``traffic``) when there is one; counted here otherwise.
-_TRAFFIC = ("h2d_bytes", "d2h_bytes")
-
-
 class EngineStats:
     __slots__ = ("_lock", "_traffic", "_traffic_base", "counts_traffic", *_FIELDS)
 
@@ -61,7 +57,6 @@ class EngineStats:
                 setattr(self, name, 0.0 if name.endswith("_s") else 0)
             traffic = self._traffic
             self._traffic_base = (0, 0) if traffic is None else (traffic.h2d_bytes, traffic.d2h_bytes)
-
 
     def add(self, name: str, value: float) -> None:
         with self._lock:

@@ -108,6 +108,26 @@ def test_each_block_crosses_once_per_direction_and_the_turn_is_free(window_size,
     assert grad_bytes <= stats["d2h_bytes"] <= grad_bytes + 3 * (layers + 1) * 4
 
 
+
+def test_the_per_period_traffic_is_the_ledgers_since_the_last_reset():
+    """``engine.stats`` (what the Trainer logs every ``logging_steps`` and resets) reads its
+    traffic from the ledger: after a reset it is 0, and over a step it is exactly the bytes the
+    ledger booked in that step, in both directions."""
+    layers = 4
+    model = _gpt2(layers)
+    engine = offload_model(model, StrongholdConfig(window_size=1), device="cpu")
+    opt = engine.build_optimizer(lr=1e-3)
+    for step in range(2):
+        engine.stats.reset()
+        assert engine.stats.as_dict()["h2d_bytes"] == 0 and engine.stats.as_dict()["d2h_bytes"] == 0
+        before = engine.memory_stats()
+        model(**batch("gpt2", seed=step, seq=16)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        after, period = engine.memory_stats(), engine.stats.as_dict()
+        assert period["h2d_bytes"] == after["h2d_bytes"] - before["h2d_bytes"] > 0
+        assert period["d2h_bytes"] == after["d2h_bytes"] - before["d2h_bytes"] > 0
+
 def test_frozen_blocks_move_no_gradients():
     model = _gpt2(4)
     for p in model.transformer.h.parameters():
