@@ -5,7 +5,7 @@ step. They are written from the training thread and from the CPU worker, so ever
 goes through one lock (a float ``+=`` from two threads can lose an update). Byte totals
 since the engine started live in the memory ledger; these are the resettable view: the traffic
 counters (``h2d_bytes``, ``d2h_bytes``) are read from the ledger given as ``traffic``, less
-what it held at the last `reset`, so a fetch or a flush books its bytes once, not twice.
+what it held at the last `reset`, so a fetch or a flush books its bytes once, in the ledger.
 """
 
 from __future__ import annotations
@@ -42,21 +42,18 @@ ENGINE_THREAD_PREFIX = "stronghold-"
 
 
 class EngineStats:
-    __slots__ = ("_lock", "_traffic", "_traffic_base", "counts_traffic", *_FIELDS)
+    __slots__ = ("_lock", "_traffic", "_traffic_base", *_FIELDS)
 
-    def __init__(self, traffic=None) -> None:
+    def __init__(self, traffic) -> None:
         self._lock = threading.Lock()
-        self._traffic = traffic  # a MemoryLedger (its h2d_bytes and d2h_bytes), or None
-        #: Whether the transfers must `add` their bytes here (no ledger to read them from).
-        self.counts_traffic = traffic is None
+        self._traffic = traffic  # the engine's MemoryLedger: its h2d_bytes and d2h_bytes
         self.reset()
 
     def reset(self) -> None:
         with self._lock:
             for name in _FIELDS:
                 setattr(self, name, 0.0 if name.endswith("_s") else 0)
-            traffic = self._traffic
-            self._traffic_base = (0, 0) if traffic is None else (traffic.h2d_bytes, traffic.d2h_bytes)
+            self._traffic_base = (self._traffic.h2d_bytes, self._traffic.d2h_bytes)
 
     def add(self, name: str, value: float) -> None:
         with self._lock:
@@ -72,8 +69,6 @@ class EngineStats:
     def as_dict(self) -> dict[str, float]:
         with self._lock:
             out = {name: getattr(self, name) for name in _FIELDS}
-            traffic = self._traffic
-            if traffic is not None:
-                out["h2d_bytes"] = traffic.h2d_bytes - self._traffic_base[0]
-                out["d2h_bytes"] = traffic.d2h_bytes - self._traffic_base[1]
+            out["h2d_bytes"] = self._traffic.h2d_bytes - self._traffic_base[0]
+            out["d2h_bytes"] = self._traffic.d2h_bytes - self._traffic_base[1]
             return out

@@ -365,8 +365,6 @@ class TransferContext:
         training thread earlier (a copy issued by another thread); by default the compute queued
         now."""
         self.ledger.count_h2d(src.numel() * src.element_size(), fetch=fetch)
-        if self.stats.counts_traffic:
-            self.stats.add("h2d_bytes", src.numel() * src.element_size())
         if self.mode == "sync":
             t0 = time.perf_counter()
             dst.copy_(src)
@@ -407,8 +405,6 @@ class TransferContext:
         before from the same source (any thread may issue it): it follows that copy on the copy
         stream, which already waited for the compute that wrote ``src``, and is not timed."""
         self.ledger.count_d2h(src.numel() * src.element_size())
-        if self.stats.counts_traffic:
-            self.stats.add("d2h_bytes", src.numel() * src.element_size())
         if self.mode == "sync":
             t0 = time.perf_counter()
             dst.copy_(src)
@@ -455,16 +451,12 @@ class TransferContext:
         device]): the bytes a fetch would copy are booked as crossed."""
         assert self.mode == "sync"
         self.ledger.count_h2d(nbytes, fetch=fetch)
-        if self.stats.counts_traffic:
-            self.stats.add("h2d_bytes", nbytes)
 
     def book_d2h(self, nbytes: int):
         """The ``"sync"`` mode's zero-copy device-to-host transfer: the bytes are host memory
         already; they are booked as crossed, and the returned event is complete."""
         assert self.mode == "sync"
         self.ledger.count_d2h(nbytes)
-        if self.stats.counts_traffic:
-            self.stats.add("d2h_bytes", nbytes)
         return _DONE
 
     def host_wait(self, event) -> None:

@@ -50,7 +50,6 @@ from .read_guard import ReadGuard
 logger = logging.getLogger("stronghold_hf")
 
 _version = operator.attrgetter("_version")
-_is_grad_enabled = torch.is_grad_enabled
 _grad = operator.attrgetter("grad")
 _first = operator.itemgetter(0)
 _second = operator.itemgetter(1)
@@ -258,10 +257,7 @@ class UnitGrads:
             views = self._lane_views
             if len(views) != len(grads):
                 views = [views[k] for k in self._trainable_indices]
-            if _is_grad_enabled():  # a backward with create_graph=True: the copy is not part of it
-                with no_grad():
-                    torch._foreach_copy_(views, grads)
-            else:
+            with no_grad():
                 torch._foreach_copy_(views, grads)
             _set_grads(tparams, itertools.repeat(None))
             self._lane_views = None

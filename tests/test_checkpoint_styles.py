@@ -209,7 +209,7 @@ def test_the_device_keeps_one_input_per_checkpointed_block_in_either_style(style
 
 def test_the_host_buffer_pool_reuses_buffers_of_several_sizes():
     ledger = MemoryLedger()
-    pool = _HostBuffers(HostAllocator(ledger, pin=False), ledger, TransferContext(torch.device("cpu"), ledger, EngineStats()))
+    pool = _HostBuffers(HostAllocator(ledger, pin=False), ledger, TransferContext(torch.device("cpu"), ledger, EngineStats(ledger)))
     sizes = [4096, 12288, 6144, 16384]
     first = [pool.acquire(n) for n in sizes]
     for buf in first:
