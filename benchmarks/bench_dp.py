@@ -99,6 +99,30 @@ def worker(opts) -> None:
     os._exit(0)
 
 
+def _run_world(opts, world: int, out: str) -> dict | None:
+    """One world size under torchrun; the ranks write their JSON into ``out``. None: it failed
+    (the error is printed)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", f"--master_port={_port()}",
+           os.path.abspath(__file__), "--_worker", "--out", out]
+    for key in ("n_embd", "n_layer", "vocab", "seq", "batch", "rounds", "steps"):
+        cmd += [f"--{key}", str(getattr(opts, key))]
+    if opts.replicated:
+        cmd.append("--replicated")
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // world)))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    if proc.returncode != 0:
+        print(json.dumps({"world": world, "error": proc.stderr[-1500:]}), flush=True)
+        return None
+    ranks = [json.load(open(os.path.join(out, f"rank{r}.json"), encoding="utf-8")) for r in range(world)]
+    med = {k: max(r["median_step_s"][k] for r in ranks) for k in ranks[0]["median_step_s"]}
+    row = {"world": world, "median_step_s": {k: round(v, 4) for k, v in med.items()},
+           "step_ratio_vs_ddp": {k: round(med["ddp"] / v, 3) for k, v in med.items() if k != "ddp"},
+           "offloaded_params": ranks[0]["offloaded_params"]}
+    for key in [k for k in ranks[0] if k.endswith("_host_bytes") or k.endswith("_without_staging")]:
+        row[key + "_per_rank"] = max(r[key] for r in ranks)
+    return row
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worlds", default="1,2,3")
@@ -120,25 +144,10 @@ def main(argv=None) -> int:
 
     rows = []
     for world in [int(w) for w in opts.worlds.split(",")]:
-        out = tempfile.mkdtemp(prefix=f"bench-dp-{world}-")
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", f"--master_port={_port()}",
-               os.path.abspath(__file__), "--_worker", "--out", out]
-        for key in ("n_embd", "n_layer", "vocab", "seq", "batch", "rounds", "steps"):
-            cmd += [f"--{key}", str(getattr(opts, key))]
-        if opts.replicated:
-            cmd.append("--replicated")
-        env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // world)))
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-        if proc.returncode != 0:
-            print(json.dumps({"world": world, "error": proc.stderr[-1500:]}), flush=True)
+        with tempfile.TemporaryDirectory(prefix=f"bench-dp-{world}-") as out:
+            row = _run_world(opts, world, out)
+        if row is None:
             return 1
-        ranks = [json.load(open(os.path.join(out, f"rank{r}.json"), encoding="utf-8")) for r in range(world)]
-        med = {k: max(r["median_step_s"][k] for r in ranks) for k in ranks[0]["median_step_s"]}
-        row = {"world": world, "median_step_s": {k: round(v, 4) for k, v in med.items()},
-               "step_ratio_vs_ddp": {k: round(med["ddp"] / v, 3) for k, v in med.items() if k != "ddp"},
-               "offloaded_params": ranks[0]["offloaded_params"]}
-        for key in [k for k in ranks[0] if k.endswith("_host_bytes") or k.endswith("_without_staging")]:
-            row[key + "_per_rank"] = max(r[key] for r in ranks)
         print(json.dumps(row), flush=True)
         rows.append(row)
     base = rows[0]

@@ -47,6 +47,7 @@ import copy
 import gc
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -100,6 +101,8 @@ class Runner:
         self.ids = ids
         self.device = device
         self.engine = None
+        self.kernel_s: list[float] = []  # per timed batch: the thread's system CPU time per step
+        self.switches: list[float] = []  # per timed batch: its voluntary context switches per step
         if name == "plain":
             self.model = model.to(device)
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
@@ -129,10 +132,15 @@ class Runner:
         """Training-thread CPU time of each of ``n`` steps (s); the worker is drained untimed
         after them, so each counted step carries one step's CPU updates as in steady state."""
         out = []
+        before = _thread_usage()
         for _ in range(n):
             t0 = time.thread_time()
             self.step()
             out.append(time.thread_time() - t0)
+        after = _thread_usage()
+        if before is not None:
+            self.kernel_s.append((after.ru_stime - before.ru_stime) / n)
+            self.switches.append((after.ru_nvcsw - before.ru_nvcsw) / n)
         self.settle()
         return out
 
@@ -165,6 +173,12 @@ class Runner:
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
+
+
+def _thread_usage():
+    """This thread's resource usage (Linux), or None where the OS does not give it per thread."""
+    who = getattr(resource, "RUSAGE_THREAD", None)
+    return None if who is None else resource.getrusage(who)
 
 
 #: Where the engine's code lives: calls into (or made by) files under it are the engine's.
@@ -252,6 +266,18 @@ def main(argv=None) -> int:
             ratios.append((slope(depths, [rm[(n, d)] for d in depths]) - p) / p)
         return statistics.median(ratios)
     ops_per_block = {n: slope(depths, [ops[(n, d)] for d in depths]) for n in names}
+
+    def thread_waits(n: str) -> dict:
+        """The training thread's system CPU time and voluntary context switches per block beyond
+        plain's (fitted the same way): what handing work to and from the worker costs it in the
+        kernel (the GIL's and the tickets' futexes), part of ``extra_us_per_block``."""
+        if not runners[(n, depths[0])].kernel_s:
+            return {}
+
+        def per_block(name: str, attr: str) -> float:
+            return slope(depths, [statistics.median(getattr(runners[(name, d)], attr)) for d in depths])
+        return {"extra_kernel_us_per_block": round((per_block(n, "kernel_s") - per_block("plain", "kernel_s")) * 1e6, 1),
+                "extra_switches_per_block": round(per_block(n, "switches") - per_block("plain", "switches"), 2)}
     plain = per_block["plain"]
     summary = {"bench": "host", "summary": True, "device": str(device), "width": args.width, "seq": args.seq, "depths": depths,
                "max_grad_norm": args.max_grad_norm,
@@ -263,6 +289,7 @@ def main(argv=None) -> int:
                "ratio": round(extra / plain, 3), "ratio_paired": round(paired_ratio(n), 3),
                "extra_ops_per_block": round(ops_per_block[n] - ops_per_block["plain"], 1),
                "engine_calls_per_block": round(slope(depths, [calls[(n, d)] for d in depths]), 1),
+               **thread_waits(n),
                "step_ms_by_depth": {d: round(med[(n, d)] * 1e3, 3) for d in depths}}
         if device.type == "cuda":
             idle = gpu_idle_fraction(runners[(n, depths[-1])])

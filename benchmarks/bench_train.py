@@ -254,7 +254,10 @@ def run_variant(variant: str, base, opts, steps: int) -> dict:
     device = opts.device
     model = copy.deepcopy(base)
     data = RandomTokens(opts.shape["vocab_size"], opts.shape["seq"], n=opts.shape["batch"] * steps)
-    out_dir = tempfile.mkdtemp(prefix=f"bench_train_{variant}_")
+    # Checkpoints are off; the Trainer still writes its output directory. Removed at the end (or
+    # when the object is collected, if training raises).
+    scratch = tempfile.TemporaryDirectory(prefix=f"bench_train_{variant}_")
+    out_dir = scratch.name
     common = _common_args(opts, out_dir, steps)
     if device.type == "cuda":
         gc.collect()
@@ -324,6 +327,7 @@ def run_variant(variant: str, base, opts, steps: int) -> dict:
         result["peak_memory_kind"] = "cuda_max_memory_allocated"
     del trainer, model
     gc.collect()
+    scratch.cleanup()
     return result
 
 
