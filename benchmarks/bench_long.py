@@ -11,7 +11,7 @@ Each (variant, length) runs in a child process of its own, which warms up at 256
 resets its peak and reports the growth of that one step: the peak RSS (VmHWM, KiB; on the CPU
 device every activation is host memory) and, on CUDA, ``max_memory_allocated`` and the
 engine's ledger (``device_peak_bytes``). The summary fits bytes per token over the sweep for
-each variant. Then, in one process, the step time at ``--time_tokens`` (4096) tiled against
+each variant (with one length, as ``--smoke`` runs, the growth over that length). Then, in one process, the step time at ``--time_tokens`` (4096) tiled against
 untiled, interleaved (the paired ratio: tiling's cost where it is not needed), and whether
 ``sequence_tiling="auto"`` tiled anything at that length (it must not).
 
@@ -233,7 +233,9 @@ def main(argv=None) -> int:
                           "layers": args.layers, **longest_run(args)}), flush=True)
         return 0
     if args.smoke:
-        args.lengths, args.time_tokens, args.rounds, args.steps, args.tile_tokens = "512,1024", 512, 1, 1, 128
+        # One length: three children (they run one after another, never side by side), the plumbing
+        # of every variant; the fit over lengths is the full run's.
+        args.lengths, args.time_tokens, args.rounds, args.steps, args.tile_tokens = "1024", 512, 1, 1, 128
     default = "2048,4096,8192,16384,32768,65536" if args.device == "cuda" else "2048,4096,8192,16384"
     lengths = [int(x) for x in (args.lengths or default).split(",")]
     per_token = {}
@@ -245,7 +247,10 @@ def main(argv=None) -> int:
             if "error" not in r:
                 rows.append((n, r))
         key = "cuda_peak_growth_bytes" if args.device == "cuda" else "rss_growth_bytes"
-        fitted = slope([n for n, _ in rows], [r[key] for _, r in rows])
+        if len(rows) == 1:
+            fitted = rows[0][1][key] / rows[0][0]
+        else:
+            fitted = slope([n for n, _ in rows], [r[key] for _, r in rows])
         per_token[variant] = None if fitted is None else round(fitted, 1)
     summary = {"bench": "long", "device": args.device, "lengths": lengths, "hidden": args.hidden, "ffn": args.ffn,
                "layers": args.layers, "tile_tokens": args.tile_tokens, "bytes_per_token": per_token,

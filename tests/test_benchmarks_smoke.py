@@ -262,7 +262,7 @@ def test_bench_host_smoke(tmp_path):
     assert summary["gpu_default_engine_calls_per_block"] <= HOST_CALLS_BUDGET["gpu_default"], summary
 
 
-@pytest.mark.slow  # six children: about 35 s
+@pytest.mark.slow  # three children, one after another
 def test_bench_long_smoke():
     """The long-context benchmark: bytes per token of each variant over the sweep, the tiled
     step's cost, and that "auto" tiles nothing at a short length."""
