@@ -1,11 +1,12 @@
 """Long context: memory per token with and without sequence tiling, and what tiling costs.
 
 A Llama of tiny width but a realistic MLP (``ffn / h = 3.5``, gated), gradient checkpointing
-on, trained one step at each length of a sweep, three ways:
+on, trained one step at each length of a sweep, four ways:
 
 * ``plain``: the untouched model and AdamW;
 * ``untiled``: offloaded (window 1), ``sequence_tiling=False``;
-* ``tiled``: offloaded, ``sequence_tiling=True``, ``tile_tokens=1024`` (``--tile_tokens``).
+* ``tiled``: offloaded, ``sequence_tiling=True``, ``tile_tokens=1024`` (``--tile_tokens``);
+* ``attention``: ``tiled``, and ``attention_tiling=True`` (each block in query tiles of the same size).
 
 Each (variant, length) runs in a child process of its own, which warms up at 256 tokens,
 resets its peak and reports the growth of that one step: the peak RSS (VmHWM, KiB; on the CPU
@@ -55,8 +56,9 @@ if args["variant"] == "plain":
 else:
     from stronghold_hf import StrongholdConfig, offload_model
 
-    tiling = args["variant"] == "tiled"
+    tiling = args["variant"] in ("tiled", "attention")
     engine = offload_model(model, StrongholdConfig(window_size=1, resident=False, sequence_tiling=tiling,
+                                                   attention_tiling=args["variant"] == "attention",
                                                    tile_tokens=args["tile_tokens"],
                                                    param_dtype=torch.bfloat16 if args["bf16"] else None),
                            device=device)
@@ -224,6 +226,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--child_timeout", type=int, default=900)
+    p.add_argument("--variants", default="plain,untiled,tiled,attention",
+                   help="which of plain, untiled, tiled, attention (sequence and attention tiling) to sweep")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--longest", action="store_true",
                    help="instead of the sweep: one tiled step at the longest length the estimator says fits")
@@ -233,13 +237,13 @@ def main(argv=None) -> int:
                           "layers": args.layers, **longest_run(args)}), flush=True)
         return 0
     if args.smoke:
-        # One length: three children (they run one after another, never side by side), the plumbing
+        # One length: a child per variant (they run one after another, never side by side), the plumbing
         # of every variant; the fit over lengths is the full run's.
         args.lengths, args.time_tokens, args.rounds, args.steps, args.tile_tokens = "1024", 512, 1, 1, 128
     default = "2048,4096,8192,16384,32768,65536" if args.device == "cuda" else "2048,4096,8192,16384"
     lengths = [int(x) for x in (args.lengths or default).split(",")]
     per_token = {}
-    for variant in ("plain", "untiled", "tiled"):
+    for variant in args.variants.split(","):
         rows = []
         for n in lengths:
             r = child(variant, n, args)

@@ -253,13 +253,24 @@ class StrongholdConfig:
     intermediates) in tiles of ``tile_tokens`` tokens, forward and backward; each tile is
     recomputed in backward, so what such a module holds is ``O(tile)``, not ``O(sequence)``
     (ALST's TiledMLP; ``tiling.py``). Per-token is proven by a probe at each block's first
-    long forward, not guessed from class names; attention is never tiled. Exact to fp32
+    long forward, not guessed from class names; attention is not (``attention_tiling`` tiles the
+    whole block by queries). Exact to fp32
     rounding; with dropout active a tile draws its own mask (the same in distribution).
     ``"auto"``: only calls whose sequence is longer than 16384 tokens
     (``tiling.AUTO_MIN_SEQUENCE``); ``True``: every call longer than one tile; ``False``: never."""
 
+    attention_tiling: bool = False
+    """Also tile the attention block: each causal block (decoders: Llama, Qwen2, Mistral,
+    Gemma2, GPT-2, ...) runs whole, norms, projections, attention and MLP, in tiles of
+    ``tile_tokens`` queries, against the keys and values of the tokens before them, as chunked
+    prefill does through the block's own cache; its backward runs the tiles again in reverse
+    order (``query_tiling.py``). A layer then holds, per token, only its input, keys, values and
+    their gradients: the longest contexts. Proven per block by a probe at its first call longer
+    than one tile (a bidirectional block, BERT's or T5's encoder's, fails it and runs whole).
+    Exact to fp32 rounding. ``tile_tokens="auto"`` is 8192 here (``query_tiling.AUTO_QUERY_TILE``)."""
+
     tile_tokens: int | Literal["auto"] = "auto"
-    """Tokens per tile of ``sequence_tiling``. ``"auto"``: per module, the tokens whose saved
+    """Tokens per tile of ``sequence_tiling`` (and of ``attention_tiling``). ``"auto"``: per module, the tokens whose saved
     intermediates (as the probe measured them, times the batch) cost about 256 MiB, at least
     256 and at most 16384 (about 2300 for Llama-3-8B's MLP in bf16 at batch 1). A call no
     longer than one tile runs untiled."""
@@ -371,6 +382,9 @@ class StrongholdConfig:
                 isinstance(self.sequence_tiling, int) and not isinstance(self.sequence_tiling, bool)):
             raise ValueError(f"StrongholdConfig.sequence_tiling={self.sequence_tiling!r}; use \"auto\" (tile sequences "
                              "longer than 16384 tokens), True (always) or False (never).")
+        if not isinstance(self.attention_tiling, bool):
+            raise ValueError(f"StrongholdConfig.attention_tiling={self.attention_tiling!r}; use True (tile causal blocks "
+                             "by query tiles) or False.")
         tile = self.tile_tokens
         if tile != "auto" and (isinstance(tile, bool) or not isinstance(tile, int) or tile < 1):
             raise ValueError(

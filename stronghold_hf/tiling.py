@@ -133,6 +133,30 @@ def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+class ParameterGradSums:
+    """The parameters' gradients over the tiles of a backward: each tile's added to a sum kept
+    in fp32 for a 16-bit parameter and rounded once at the end ([Note: fp32 parameter sums])."""
+
+    def __init__(self, count: int) -> None:
+        self.sums: list[Tensor | None] = [None] * count
+
+    def add(self, grads) -> None:
+        for i, g in enumerate(grads):
+            if g is None:
+                continue
+            if self.sums[i] is None:
+                self.sums[i] = g.to(_sum_dtype(g.dtype), copy=True)
+            else:
+                self.sums[i] += g
+
+    def result(self, params: tuple, wanted: list[int]) -> list[Tensor | None]:
+        """One entry per parameter of ``params`` (None where not wanted or never reached)."""
+        out: list[Tensor | None] = [None] * len(params)
+        for k, total in zip(wanted, self.sums):
+            out[k] = None if total is None else total.to(params[k].dtype)
+        return out
+
+
 class TiledForward(torch.autograd.Function):
     """``run(x)`` over tiles of ``tile_tokens`` along dim -2 of ``x``, keeping only ``x``.
 
@@ -164,7 +188,7 @@ class TiledForward(torch.autograd.Function):
         # [Note: fp32 parameter sums] Each tile's parameter gradient is summed in fp32 for a
         # 16-bit parameter, rounded once at the end: the untiled matmul sums over all tokens
         # in fp32 and rounds once; a 16-bit running sum would round once per tile.
-        sums: list[Tensor | None] = [None] * len(params)
+        sums = ParameterGradSums(len(params))
         s, tokens = x.shape[-2], ctx.tile_tokens
         with torch.enable_grad(), torch.autocast(**ctx.autocast), _replayed_rng(ctx.rng):
             for start in range(0, s, tokens):
@@ -181,17 +205,8 @@ class TiledForward(torch.autograd.Function):
                 if need_x:
                     gx, grads = grads[0], grads[1:]
                     grad_x[..., start:start + tokens, :] = 0 if gx is None else gx
-                for i, g in enumerate(grads):
-                    if g is None:
-                        continue
-                    if sums[i] is None:
-                        sums[i] = g.to(_sum_dtype(g.dtype), copy=True)
-                    else:
-                        sums[i] += g
-        out = [None] * len(ctx.params)
-        for k, p, total in zip(wanted, params, sums):
-            out[k] = None if total is None else total.to(p.dtype)
-        return None, None, None, grad_x, *out
+                sums.add(grads)
+        return None, None, None, grad_x, *sums.result(ctx.params, wanted)
 
 
 # --------------------------------------------------------------------------------------------
@@ -480,6 +495,15 @@ class SequenceTiling:
         rows = x.shape[:-2].numel()
         tokens = resolve_tile_tokens(self.tile_tokens, saved_bytes_per_token * rows)
         return tokens if s > tokens else None
+
+    @contextlib.contextmanager
+    def probing(self):
+        """Inside: the modules being judged run as they are, undecided (another probe calls them)."""
+        self._probing += 1
+        try:
+            yield
+        finally:
+            self._probing -= 1
 
     # ------------------------------------------------------------------ the first long forward
     def _block_pre(self, block: nn.Module, args: tuple, kwargs: dict) -> None:

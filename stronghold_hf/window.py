@@ -48,6 +48,7 @@ from .split import split_for_model
 from .state_dict import install_state_dict_hooks
 from .stats import EngineStats
 from .stepping import StepCoordinator
+from .query_tiling import QueryTiling
 from .tiling import SequenceTiling
 from .transfer import FetchStaging, TransferContext
 from .unit import Unit
@@ -488,7 +489,13 @@ def offload_model(model: nn.Module, config: StrongholdConfig | dict | None = Non
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"offload_model: device {device} is not supported; use 'cuda' or 'cpu'.")
     engine = WindowEngine(model, config, device)
-    engine._handles.append(SequenceTiling.install(model, config.sequence_tiling, config.tile_tokens, config.block_classes))
+    tiling = SequenceTiling.install(model, config.sequence_tiling, config.tile_tokens, config.block_classes)
+    engine._handles.append(tiling)
+    if config.attention_tiling:
+        # Its probe runs the block whole on a few tokens: the sequence tiling's own probes, which
+        # judge the block's submodules at their first long call, must not take it for that call.
+        engine._handles.append(QueryTiling.install(model, config.tile_tokens, config.block_classes,
+                                                   around_probe=tiling.probing))
     return engine
 
 

@@ -139,7 +139,11 @@ model = T.AutoModelForCausalLM.from_config(activation_config(family))
 model.train()
 if ckpt:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-engine = offload_model(model, StrongholdConfig(window_size=1, host_worker="inline", resident=False), device="cpu")
+import json
+
+extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+engine = offload_model(model, StrongholdConfig(window_size=1, host_worker="inline", resident=False, **extra),
+                       device="cpu")
 opt = engine.build_optimizer(lr=1e-4)
 
 
@@ -177,8 +181,9 @@ def activation_config(family: str):
     raise ValueError(family)
 
 
-def activation_peak_kib(family: str, lengths, checkpointing: bool) -> dict[int, int]:
-    """Runs ACTIVATION_PEAK_CHILD: the peak-RSS growth (KiB) of a step at each of ``lengths``."""
+def activation_peak_kib(family: str, lengths, checkpointing: bool, config: str = "{}") -> dict[int, int]:
+    """Runs ACTIVATION_PEAK_CHILD: the peak-RSS growth (KiB) of a step at each of ``lengths``;
+    ``config``: more `StrongholdConfig` keys, as JSON."""
     import inspect
 
     code = inspect.getsource(activation_config) + ACTIVATION_PEAK_CHILD
@@ -186,7 +191,7 @@ def activation_peak_kib(family: str, lengths, checkpointing: bool) -> dict[int, 
     # follows the live tensors, not the heap's history (glibc raises its threshold otherwise).
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
     proc = subprocess.run([sys.executable, "-c", code, ",".join(map(str, lengths)), "1" if checkpointing else "0",
-                           family], capture_output=True, text=True, timeout=600, env=env)
+                           family, config], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line.split() for line in proc.stdout.strip().splitlines() if line.strip()]
     return {int(n): int(kib) for n, kib in rows[-len(lengths):]}

@@ -262,7 +262,7 @@ def test_bench_host_smoke(tmp_path):
     assert summary["gpu_default_engine_calls_per_block"] <= HOST_CALLS_BUDGET["gpu_default"], summary
 
 
-@pytest.mark.slow  # three children, one after another
+@pytest.mark.slow  # four children, one after another
 def test_bench_long_smoke():
     """The long-context benchmark: bytes per token of each variant over the sweep, the tiled
     step's cost, and that "auto" tiles nothing at a short length."""
@@ -270,7 +270,7 @@ def test_bench_long_smoke():
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert summary["bench"] == "long" and set(summary["bytes_per_token"]) == {"plain", "untiled", "tiled"}
+    assert summary["bench"] == "long" and set(summary["bytes_per_token"]) == {"plain", "untiled", "tiled", "attention"}
     assert all(isinstance(v, float) and v > 0 for v in summary["bytes_per_token"].values()), summary
     assert summary["tiled_calls"] > 0 and summary["auto_tiled_calls"] == 0
     assert summary["tiled_over_untiled_paired"] > 0

@@ -87,14 +87,14 @@ def batch(family: str, seed: int, batch_size: int = 2, seq: int = 12) -> dict:
 
 
 def engine_losses(model, engine, family: str, *, lr: float, steps: int = 2, seq: int = 12,
-                  bf16: bool = False) -> list[float]:
-    """``steps`` steps of the engine's optimizer on `batch`es (clipping at 1.0, bf16 autocast on
-    request), then a synchronize; the losses."""
+                  bf16: bool = False, batches=None) -> list[float]:
+    """``steps`` steps of the engine's optimizer on `batch`es (``batches(step)``: others; clipping
+    at 1.0, bf16 autocast on request), then a synchronize; the losses."""
     opt = engine.build_optimizer(lr=lr)
     losses = []
     for step in range(steps):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss = model(**batch(family, seed=step, seq=seq)).loss
+            loss = model(**(batch(family, seed=step, seq=seq) if batches is None else batches(step))).loss
         loss.backward()
         losses.append(loss.item())
         engine.clip_grad_norm_(1.0)

@@ -73,7 +73,7 @@ def estimate(
     nvme_memory_bytes: int | str | None = None, nvme: bool | str = "auto", nvme_masters: bool | str = "auto",
     resident: int | bool | str = False, resident_budget_bytes: int | str | None = None,
     attn_implementation: str | None = None, sequence_tiling: bool | str = "auto", tile_tokens: int | str = "auto",
-    attention_tiled: bool = False, cpu_reserve: int | str = "auto", gpu_reserve: int | str = "auto",
+    attention_tiling: bool = False, cpu_reserve: int | str = "auto", gpu_reserve: int | str = "auto",
     nvme_activations: bool | str = "auto",
 ) -> Estimate:
     """Estimates STRONGHOLD and plain-training memory for a config (built on the meta device).
@@ -103,7 +103,7 @@ def estimate(
     the attention that runs (``None``: what transformers picks for the model class; eager
     attention stores ``s x s`` scores, SDPA and flash attention do not). ``sequence_tiling``,
     ``tile_tokens``: `StrongholdConfig`'s (the MLP in tiles of ``T`` tokens).
-    ``attention_tiled``: a projection, not an engine feature (counts.layer_memory).
+    ``attention_tiling``: `StrongholdConfig`'s (each causal block in query tiles, counts.layer_memory).
     ``cpu_reserve``, ``gpu_reserve``: `StrongholdConfig`'s headroom ("fits" keeps them free).
     """
     model = build_meta_model(model_config, auto_class)
@@ -116,7 +116,7 @@ def estimate(
         offload_non_block=offload_non_block, resident=resident,
         resident_budget_bytes=None if resident_budget_bytes is None else parse_memory(resident_budget_bytes),
         attn_implementation=attn_implementation, sequence_tiling=sequence_tiling, tile_tokens=tile_tokens,
-        attention_tiled=attention_tiled, cpu_reserve=cpu_reserve, gpu_reserve=gpu_reserve, seq_len=seq_len, batch_size=batch_size, gradient_checkpointing=gradient_checkpointing,
+        attention_tiling=attention_tiling, cpu_reserve=cpu_reserve, gpu_reserve=gpu_reserve, seq_len=seq_len, batch_size=batch_size, gradient_checkpointing=gradient_checkpointing,
         cpu_memory_bytes=parse_memory(cpu_memory_bytes), decoder_seq_len=decoder_seq_len, chunked_loss=chunked_loss,
         offload_activations=offload_activations, loss_chunk_tokens=loss_chunk_tokens, host_memory=host_memory,
         host_image=host_image, host_grads=host_grads, gradient_accumulation_steps=gradient_accumulation_steps,
@@ -136,7 +136,8 @@ def estimate_for_model(
     nvme_memory_bytes: int | None = None, nvme: bool | str = "auto", nvme_ring_buffers: int = 3,
     nvme_masters: bool | str = "auto", resident: int | bool | str = False, resident_budget_bytes: int | None = None,
     attn_implementation: str | None = None, sequence_tiling: bool | str = "auto", tile_tokens: int | str = "auto",
-    cpu_reserve: int | str = "auto", gpu_reserve: int | str = "auto", nvme_activations: bool | str = "auto",
+    attention_tiling: bool = False, cpu_reserve: int | str = "auto", gpu_reserve: int | str = "auto",
+    nvme_activations: bool | str = "auto",
 ) -> Estimate:
     """The same estimate from a live, already built model (call before moving it to the GPU).
 
@@ -173,8 +174,8 @@ def estimate_for_model(
         model, config, label, block_classes, window_size=window_size, gpu_memory_bytes=gpu_memory_bytes,
         grad_buffers=grad_buffers, offload_non_block=offload_non_block, resident=resident,
         resident_budget_bytes=resident_budget_bytes, notes=notes, attn_implementation=attn_implementation,
-        sequence_tiling=sequence_tiling, tile_tokens=tile_tokens, cpu_reserve=cpu_reserve, gpu_reserve=gpu_reserve,
-        seq_len=seq_len, batch_size=batch_size,
+        sequence_tiling=sequence_tiling, tile_tokens=tile_tokens, attention_tiling=attention_tiling,
+        cpu_reserve=cpu_reserve, gpu_reserve=gpu_reserve, seq_len=seq_len, batch_size=batch_size,
         gradient_checkpointing=gradient_checkpointing, cpu_memory_bytes=cpu_memory_bytes,
         decoder_seq_len=decoder_seq_len, chunked_loss=chunked_loss, offload_activations=offload_activations,
         loss_chunk_tokens=loss_chunk_tokens, host_memory=host_memory, host_image=host_image, host_grads=host_grads,

@@ -59,7 +59,7 @@ from ..discovery import find_block_stacks
 from ..transfer import FETCH_STAGING_BUFFERS  # host_image=False: the ring that replaces the image
 from .counts import (
     ADAM_STATE_BYTES, CPU_PROCESS_BYTES, GPU_WORKSPACE_PERCENT, LOGIT_BYTES, _NBYTES,
-    _Counts, _gib, activation_saves, layer_memory, mlp_tile_tokens, uses_rotary,
+    _Counts, _gib, activation_saves, layer_memory, mlp_tile_tokens, query_tile_tokens, uses_rotary,
 )
 from .report import Estimate
 
@@ -104,7 +104,7 @@ def _assemble(
     host_grads: str = "auto", gradient_accumulation_steps: int = 1, nvme_memory_bytes: int | None = None,
     nvme: bool | str = "auto", nvme_ring_buffers: int = 3, nvme_masters: bool | str = "auto", split: Any = None,
     attention: str = "eager", sequence_tiling: bool | str = "auto", tile_tokens: int | str = "auto",
-    attention_tiled: bool = False, cpu_reserve: int | str = "auto", gpu_reserve: int | str = "auto",
+    attention_tiling: bool = False, cpu_reserve: int | str = "auto", gpu_reserve: int | str = "auto",
     nvme_activations: bool | str = "auto",
 ) -> Estimate:
     if nvme not in (True, False, "auto"):
@@ -179,13 +179,15 @@ def _assemble(
             saves = activation_saves(config)
             tile = mlp_tile_tokens(sequence_tiling, tile_tokens, s, batch_size,
                                    ((4 if layer.gated_mlp else 2) + saves) * (ffn or 4 * h) * c)
+            if attention_tiling:  # the whole block in query tiles (the MLP runs inside one)
+                tile = query_tile_tokens(tile_tokens, s)
             tiles.append(tile)
             layers.append(layer_memory(
                 s, batch_size, h, a, nbytes=c, ffn=ffn, head_dim=_cfg(config, "head_dim", "d_kv"),
                 kv_heads=_cfg(config, "num_key_value_heads"), gated_mlp=layer.gated_mlp,
                 cross_attention=layer.cross_attention, s_kv=seq_len, attention=attention,
                 dropout=_has_dropout(config), tile_tokens=tile, rotary=uses_rotary(config), activation_saves=saves,
-                attention_tiled=attention_tiled,
+                attention_tiling=attention_tiling,
             ))
             inputs.append(s * batch_size * h * c)
         worst = max(layers, key=lambda m: m.peak)
@@ -204,9 +206,8 @@ def _assemble(
         input_largest = max(inputs)
         s_out = s_dec if any(layer.cross_attention for layer in counts.layers) else seq_len
         tokens = s_out * batch_size
-        # The final norm's input and output (a projection with the attention tiled: one of them,
-        # the norm folded into the chunked loss).
-        head = (1 if attention_tiled else 2) * tokens * (counts.hidden or h) * c
+        # The final norm's input and output.
+        head = 2 * tokens * (counts.hidden or h) * c
         whole_resident = not counts.units and split is not None  # the split keeps the model on the GPU
         use_chunks = (chunked_loss is True or (chunked_loss == "auto" and not whole_resident)) and (
             counts.chunked and counts.logits_width)

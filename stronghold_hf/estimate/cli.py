@@ -124,6 +124,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"(default: above {AUTO_MIN_SEQUENCE} tokens), true or false")
     parser.add_argument("--tile_tokens", type=_arg_type(_parse_tile, "auto or an int >= 1"), default="auto",
                         help=f"tokens per tile (default auto: tiles that save about {AUTO_TILE_BYTES >> 20} MiB)")
+    parser.add_argument("--attention_tiling", type=_arg_type(_parse_bool, "true or false"), default=False,
+                        help="each causal block in query tiles of --tile_tokens against the keys and values before "
+                        "them (StrongholdConfig.attention_tiling; default false)")
     reserve = _arg_type(lambda v: v if v == "auto" else parse_memory(v), "auto or a memory size")
     parser.add_argument("--cpu_reserve", type=reserve, default="auto",
                         help="host RAM left free for the rest of the machine (default auto: the larger of 4 GiB and "
@@ -150,7 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             gradient_accumulation_steps=args.gradient_accumulation_steps, nvme_memory_bytes=args.nvme_memory,
             nvme_masters=args.nvme_masters, nvme_activations=args.nvme_activations, resident=args.resident, resident_budget_bytes=args.resident_budget,
             attn_implementation=args.attn_implementation, sequence_tiling=args.sequence_tiling,
-            tile_tokens=args.tile_tokens, cpu_reserve=args.cpu_reserve, gpu_reserve=args.gpu_reserve,
+            tile_tokens=args.tile_tokens, attention_tiling=args.attention_tiling, cpu_reserve=args.cpu_reserve,
+            gpu_reserve=args.gpu_reserve,
         )
     except (ValueError, OSError, KeyError) as err:
         parser.error(str(err))

@@ -184,6 +184,14 @@ def mlp_tile_tokens(sequence_tiling: bool | str, tile_tokens: int | str, seq_len
     return tile if tile < seq_len else None
 
 
+def query_tile_tokens(tile_tokens: int | str, seq_len: int) -> int | None:
+    """The query tile query_tiling.py gives a run of ``seq_len`` tokens (None: one tile, untiled)."""
+    from ..query_tiling import AUTO_QUERY_TILE
+
+    tile = AUTO_QUERY_TILE if tile_tokens == "auto" else int(tile_tokens)
+    return tile if tile < seq_len else None
+
+
 #: Activation functions transformers writes as several ops, and the ffn-wide tensors each saves
 #: for backward beyond its input (``gelu_new``: tanh's output, ``0.5 * x`` and ``1 + tanh``).
 _ACTIVATION_SAVES = {"gelu_new": 3, "gelu_fast": 3, "quick_gelu": 1, "gelu_python": 2}
@@ -233,7 +241,7 @@ def layer_memory(
     s: int, b: int, h: int, a: int, *, nbytes: int, ffn: int | None = None, head_dim: int | None = None,
     kv_heads: int | None = None, gated_mlp: bool = False, cross_attention: bool = False, s_kv: int | None = None,
     attention: str = "eager", dropout: bool = True, tile_tokens: int | None = None, rotary: bool = False,
-    activation_saves: int = 0, attention_tiled: bool = False,
+    activation_saves: int = 0, attention_tiling: bool = False,
 ) -> LayerMemory:
     """One transformer layer's activations (Korthikanti et al. 2022, generalised; see the
     module docstring). ``attention``: one of `ATTENTION_KINDS`; ``tile_tokens``: the MLP runs
@@ -241,11 +249,12 @@ def layer_memory(
     embeddings (RoPE keeps Q and K before rotation and their rotated halves: ``2q + 2kv``);
     ``activation_saves``: the ``ffn``-wide tensors an activation function written as several
     ops saves beyond its input (`activation_saves`: 3 for ``gelu_new``, 0 for native ones).
-    ``attention_tiled`` is a projection of what no engine builds yet (scripts/long_context.py
-    uses it to say what would reach longer contexts): the attention block's per-token parts (its
-    norm, the Q/K/V/O projections, the rotary embedding) in tiles of ``tile_tokens`` and the
-    SDPA/flash core over query tiles against whole K and V, so that per token only K, V, their
-    gradients, the log-sum-exp and the residual stream stay whole.
+    ``attention_tiling``: the whole causal block in query tiles of ``tile_tokens`` against the
+    keys and values of the tokens before (``StrongholdConfig.attention_tiling``,
+    query_tiling.py): per token only the block's input, K and V stay between its forward and
+    backward; its backward adds the output and input gradients, fp32 sums of K's and V's
+    gradients, and, per tile, the prefix of K and V joined to the tile's (a copy) and its
+    gradient.
 
     With ``nbytes=2``, ``ffn=4h``, plain MHA, eager attention and dropout, ``saved`` is exactly
     ``s*b*h*(34 + 5*a*s/h)``."""
@@ -287,15 +296,20 @@ def layer_memory(
         else:
             x["cross-attention kernel output"] = sb * (q * c + 4 * a)
         groups.update(x)
-    if attention_tiled and tile_tokens is not None and tile_tokens < s and not eager and not cross_attention:
+    if attention_tiling and tile_tokens is not None and tile_tokens < s and not eager and not cross_attention:
         t = tile_tokens * b
         groups = {
-            "K, V and the log-sum-exp (whole), the residual after attention": sb * (2 * kv * c + 4 * a + h * c),
-            "one tile of the attention block and of the MLP": t * (4 * h + 3 * q + 2 * kv + wide) * c,
+            "the block input, K and V (whole)": sb * (h + 2 * kv) * c,
+            "one query tile of the block": t * (4 * h + 3 * q + 2 * kv + wide) * c,
         }
         saved = sum(groups.values())
-        transient = 2 * sb * h * c + sb * 2 * kv * c + t * max(2 * q, (2 if gated_mlp else 1) * ffn) * c
+        # dY and dX; fp32 sums of dK, dV; a tile's copy of the K, V prefix and its gradient; the
+        # tile's own backward (its attention core's, or its MLP's ffn-wide gradients).
+        transient = (2 * sb * h * c + sb * 2 * kv * (4 + 2 * c)
+                     + t * max(2 * q + 2 * kv, (2 if gated_mlp else 1) * ffn) * c)
         name, largest = max(groups.items(), key=lambda kv_: kv_[1])
+        if transient > largest:
+            name, largest = "the backward's gradients of the block input and output, K and V (whole)", transient
         return LayerMemory(saved=saved, transient=transient, largest=(name, largest))
     saved = sum(groups.values())
     # The backward's working set beyond the saved tensors: the layer's output gradient and its

@@ -1,0 +1,244 @@
+"""Attention tiling (``query_tiling.py``): each causal block runs whole in query tiles, against
+the keys and values of the tokens before, through its own cache; on the CPU path.
+
+Parity is against the same training with ``attention_tiling=False``, to fp32 rounding, with and
+without checkpointing, with the mask the model builds (padding) and with none (the tiles then
+get a lower-right causal one). Blocks that are not causal, or whose calls this cannot cut (T5's
+position bias and cross-attention), run whole and say why. Then the config, the Trainer route,
+``close()``, and the memory of a wide block, measured from outside.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import pickle
+
+import pytest
+import torch
+from transformers import DynamicCache, HfArgumentParser, Trainer, TrainingArguments
+
+from stronghold_hf import StrongholdConfig, StrongholdTrainer, StrongholdTrainingArguments, offload_model
+from stronghold_hf.query_tiling import QueryTiling, installed
+from tiny_models import batch, engine_losses, tiny_model
+
+LR = 1e-2
+ADAM_SLACK = 0.02 * LR * 4  # test_trainer.py: Adam turns rounding noise of ~0 gradients into lr-sized steps
+SEQ = 16
+
+
+def _unpadded(family: str, seed: int) -> dict:
+    b = batch(family, seed=seed, seq=SEQ)
+    b["attention_mask"] = torch.ones_like(b["input_ids"])
+    b["labels"] = b["input_ids"].clone()
+    return b
+
+
+def _train(model, family, *, padded: bool, steps: int = 2, **config):
+    """Losses of ``steps`` steps with the engine's optimizer, and the tiled calls."""
+    engine = offload_model(model, StrongholdConfig(window_size=1, **config), device="cpu")
+    losses = engine_losses(model, engine, family, lr=LR, steps=steps, seq=SEQ,
+                           batches=None if padded else (lambda step: _unpadded(family, step)))
+    tiling = installed(model)
+    calls, verdicts = (0, {}) if tiling is None else (tiling.calls, dict(tiling.verdicts))
+    engine.close()
+    return losses, calls, verdicts
+
+
+CAUSAL = [("llama", False, False), ("llama", True, True), ("qwen2", True, False), ("mistral", False, True),
+          ("gemma2", True, True), ("gpt2", False, True), ("gpt2", True, False)]
+
+
+@pytest.mark.parametrize("family, checkpointing, padded", CAUSAL,
+                         ids=[f"{f}-{'ckpt' if c else 'plain'}-{'padded' if p else 'unpadded'}" for f, c, p in CAUSAL])
+def test_causal_blocks_in_query_tiles_match_them_whole(family, checkpointing, padded):
+    base = tiny_model(family)
+    if checkpointing:
+        base.gradient_checkpointing_enable()
+    reference = copy.deepcopy(base)
+    want, calls, _ = _train(reference, family, padded=padded, attention_tiling=False)
+    assert calls == 0
+    for tiles in (3, 5):  # 5 does not divide 16
+        model = copy.deepcopy(base)
+        got, calls, verdicts = _train(model, family, padded=padded, attention_tiling=True, tile_tokens=tiles)
+        blocks = len(verdicts)
+        assert blocks == 3 and set(verdicts.values()) == {None}, verdicts  # every block proven causal
+        # Each block's call in tiles, each step (and again in each recompute when checkpointed).
+        assert calls == 2 * blocks * (2 if checkpointing else 1)
+        assert got == pytest.approx(want, rel=1e-5), tiles
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=ADAM_SLACK,
+                                       msg=lambda m: f"tile_tokens={tiles} {name}: {m}")
+
+
+@pytest.mark.parametrize("family", ["bert", "t5"])
+def test_blocks_that_are_not_causal_or_cannot_be_cut_run_whole(family, caplog):
+    base = tiny_model(family)
+    want, _, _ = _train(copy.deepcopy(base), family, padded=True, attention_tiling=False)
+    with caplog.at_level(logging.INFO, logger="stronghold_hf"):
+        got, calls, verdicts = _train(copy.deepcopy(base), family, padded=True, attention_tiling=True, tile_tokens=4)
+    assert calls == 0 and verdicts and all(isinstance(v, str) for v in verdicts.values())
+    assert got == pytest.approx(want, rel=1e-6)
+    said = [r.getMessage() for r in caplog.records if "attention tiling" in r.getMessage()]
+    assert said and all("runs whole" in line for line in said)
+    if family == "bert":  # bidirectional: its first tile would see the later tokens
+        assert "not causal" in " ".join(said)
+    else:  # T5: its first block returns its position bias too; the others take it, per token
+        assert "position_bias" in " ".join(said) and "returned tuple" in " ".join(said)
+
+
+def test_a_cache_the_model_passes_is_filled_as_without_tiling():
+    """use_cache in training (the model makes a cache and fills it): the tiled blocks leave each
+    layer's whole keys and values in it, and the loss and gradients are the untiled ones."""
+    base = tiny_model("llama")
+    ids = _unpadded("llama", 0)
+
+    def run(model):
+        out = model(input_ids=ids["input_ids"], labels=ids["labels"], use_cache=True)
+        out.loss.backward()
+        return out
+
+    reference = copy.deepcopy(base)
+    want = run(reference)
+    model = copy.deepcopy(base)
+    tiling = QueryTiling.install(model, 5)
+    got = run(model)
+    assert tiling.calls == 3 and set(tiling.verdicts.values()) == {None}
+    assert got.loss.item() == pytest.approx(want.loss.item(), rel=1e-6)
+    assert isinstance(got.past_key_values, DynamicCache) and got.past_key_values.get_seq_length() == SEQ
+    for layer in range(3):
+        for mine, theirs in zip(_kv(got.past_key_values, layer), _kv(want.past_key_values, layer)):
+            torch.testing.assert_close(mine, theirs.detach())
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def _kv(cache, layer: int):
+    entry = cache.layers[layer]
+    return entry.keys, entry.values
+
+
+def test_config_validation_close_and_copies():
+    with pytest.raises(ValueError, match="attention_tiling='yes'; use True"):
+        StrongholdConfig(attention_tiling="yes")
+    with pytest.raises(ValueError, match="tile_tokens=0"):
+        QueryTiling(0)
+    model = tiny_model("llama")
+    plain_class = type(model.model.layers[0])
+    engine = offload_model(model, StrongholdConfig(window_size=1, attention_tiling=True, tile_tokens=4), device="cpu")
+    assert installed(model) is not None and type(model.model.layers[0]) is not plain_class
+    assert type(model.model.layers[0]).__name__ == plain_class.__name__  # the same name in reprs and logs
+    engine.close()
+    assert installed(model) is None and type(model.model.layers[0]) is plain_class
+    # Copies and pickles are of the plain class.
+    tiling = QueryTiling.install(model, 4)
+    assert installed(model) is tiling
+    clone = copy.deepcopy(model)
+    assert type(clone.model.layers[0]) is plain_class and installed(clone) is None
+    assert type(pickle.loads(pickle.dumps(model)).model.layers[1]) is plain_class
+    tiling.remove()
+    tiling.remove()  # idempotent
+    assert installed(model) is None and type(model.model.layers[2]) is plain_class
+
+
+class _Data(torch.utils.data.Dataset):
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        return {k: v[0] for k, v in _unpadded("llama", i).items()}
+
+
+_ARGS = ["--per_device_train_batch_size", "2", "--max_steps", "3", "--learning_rate", "1e-3", "--use_cpu",
+         "--report_to", "none", "--save_strategy", "no", "--logging_steps", "1", "--disable_tqdm", "true",
+         "--seed", "0", "--dataloader_num_workers", "0"]
+
+
+def test_trainer_through_hf_argument_parser(tmp_path):
+    (args,) = HfArgumentParser(StrongholdTrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path / "sh"), "--stronghold", "--stronghold_config",
+         '{"attention_tiling": true, "tile_tokens": 6}', *_ARGS])
+    assert args.stronghold_config_resolved.attention_tiling is True
+    (plain_args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path / "plain"), *_ARGS])
+    reference = tiny_model("llama")
+    model = copy.deepcopy(reference)
+    plain = Trainer(model=reference, args=plain_args, train_dataset=_Data())
+    plain.train()
+    plain_losses = [h["loss"] for h in plain.state.log_history if "loss" in h]
+    trainer = StrongholdTrainer(model=model, args=args, train_dataset=_Data())
+    trainer.train()
+    tiling = installed(model)
+    assert tiling is not None and tiling.calls == 3 * 3, tiling.verdicts  # three blocks, three steps
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 3 and losses == pytest.approx(plain_losses, rel=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory, measured from outside
+# ---------------------------------------------------------------------------------------------
+
+S, HIDDEN, HEADS = 8192, 1024, 16
+
+#: One forward and backward of a wide Llama layer at S tokens (fp32, GQA 4:1), its peak RSS
+#: (VmHWM) reset to the resident memory first.
+_CHILD = rf"""
+import ctypes, json, sys
+import torch
+from transformers import LlamaConfig, LlamaModel
+from stronghold_hf.query_tiling import QueryTiling
+
+torch.manual_seed(0)
+cfg = LlamaConfig(vocab_size=16, hidden_size={HIDDEN}, intermediate_size={HIDDEN}, num_hidden_layers=1,
+                  num_attention_heads={HEADS}, num_key_value_heads={HEADS // 4}, max_position_embeddings={S})
+model = LlamaModel(cfg)
+if json.loads(sys.argv[1])["attention_tiling"]:
+    QueryTiling.install(model, 1024)
+
+
+def step(n):
+    x = torch.randn(1, n, {HIDDEN}, requires_grad=True)
+    model(inputs_embeds=x).last_hidden_state.sum().backward()
+
+
+def kib(field):
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field + ":"))
+
+
+step(2048)  # lazy initialisation, outside the measurement
+ctypes.CDLL("libc.so.6").malloc_trim(0)
+open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS
+before = kib("VmRSS")
+step({S})
+print(0, kib("VmHWM") - before)
+"""
+
+
+@pytest.mark.slow  # two children of a 1024-wide layer at 8192 tokens: about 40 s
+def test_peak_rss_of_a_wide_block_in_query_tiles():
+    from child_rss import peak_rss_growth
+
+    _, growth = peak_rss_growth(_CHILD, ('{"attention_tiling": false}', '{"attention_tiling": true}'),
+                                env={"MALLOC_MMAP_THRESHOLD_": "65536"})
+    whole, tiled = growth.values()
+    # Whole, the layer keeps for backward its norms' outputs, Q, K, V and their rotated copies,
+    # the attention output and the MLP's four tensors, then their gradients (about 80 KB a
+    # token here, fp32, width 1024, the test's input and output included); in query tiles the
+    # block's input, K, V and their gradients stay whole (about 52 KB a token, measured).
+    print(f"peak RSS growth of one step of a {HIDDEN}-wide layer at {S} tokens: whole {whole / 2**20:.0f} MiB, "
+          f"in query tiles {tiled / 2**20:.0f} MiB ({tiled / whole:.2f}x)")
+    assert tiled <= 0.75 * whole, (whole, tiled)
+
+
+def test_bf16_autocast_with_checkpointing_stays_within_bf16s_error():
+    base = tiny_model("llama")
+    base.gradient_checkpointing_enable()
+    runs = {}
+    for tiled in (False, True):
+        model = copy.deepcopy(base)
+        engine = offload_model(model, StrongholdConfig(window_size=1, attention_tiling=tiled, tile_tokens=5), device="cpu")
+        runs[tiled] = engine_losses(model, engine, "llama", lr=LR, steps=2, seq=SEQ, bf16=True)
+        if tiled:
+            assert installed(model).calls == 2 * 3 * 2
+        engine.close()
+    assert runs[True] == pytest.approx(runs[False], rel=1e-2)
