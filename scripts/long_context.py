@@ -66,7 +66,15 @@ def main() -> int:
                               "fits": (p := run(config, target, gpu, ram, attention_tiling=True)).fits,
                               "gpu_needed_gib": round(p.gpu_bytes_needed / GIB, 1),
                               "bounded_by": p.gpu_bounded_by, "layer_largest_tensor": p.layer_largest_tensor,
-                              "longest_that_fits_tokens": longest(config, gpu, ram, attention_tiling=True)}}))
+                              "longest_that_fits_tokens": longest(config, gpu, ram, attention_tiling=True)},
+                          # And no checkpointed input kept on the device at the turn.
+                          "with_attention_tiling_no_device_checkpoints": {
+                              "fits": (q := run(config, target, gpu, ram, attention_tiling=True,
+                                                device_checkpoints=0)).fits,
+                              "gpu_needed_gib": round(q.gpu_bytes_needed / GIB, 1),
+                              "bounded_by": q.gpu_bounded_by,
+                              "longest_that_fits_tokens": longest(config, gpu, ram, attention_tiling=True,
+                                                                  device_checkpoints=0)}}))
     return 0
 
 

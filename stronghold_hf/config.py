@@ -289,6 +289,13 @@ class StrongholdConfig:
     quarter of the free device memory; never on a CPU device. Without gradient checkpointing
     it does nothing."""
 
+    device_checkpoints: int | Literal["auto"] = "auto"
+    """With ``offload_activations``, how many checkpointed block inputs at the end of the
+    forward stay on the device for the start of the backward (the turn); the backward brings
+    each other one back a block ahead. ``"auto"``: the window size ``W``. ``0``: all leave; at
+    the longest contexts each is GiBs (8 GiB a layer at 1M tokens of Llama-3-8B in bf16), and
+    the first block's backward then waits for its input once."""
+
     host_memory: Literal["exact", "lean"] = "exact"
     """What the host keeps per trainable parameter. ``"exact"``: fp32 masters, gradients and
     Adam moments (``torch.optim.AdamW``'s state, bit for bit). ``"lean"``: the two Adam moments
@@ -382,6 +389,10 @@ class StrongholdConfig:
                 isinstance(self.sequence_tiling, int) and not isinstance(self.sequence_tiling, bool)):
             raise ValueError(f"StrongholdConfig.sequence_tiling={self.sequence_tiling!r}; use \"auto\" (tile sequences "
                              "longer than 16384 tokens), True (always) or False (never).")
+        kept = self.device_checkpoints
+        if kept != "auto" and (isinstance(kept, bool) or not isinstance(kept, int) or kept < 0):
+            raise ValueError(f"StrongholdConfig.device_checkpoints={kept!r}; use \"auto\" (the window size) or an "
+                             "int >= 0 (checkpointed inputs kept on the device at the turn).")
         if not isinstance(self.attention_tiling, bool):
             raise ValueError(f"StrongholdConfig.attention_tiling={self.attention_tiling!r}; use True (tile causal blocks "
                              "by query tiles) or False.")

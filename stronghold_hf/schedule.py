@@ -229,7 +229,8 @@ class WindowSchedule:
             position = top.position  # the block's hooks run outside the checkpoint: its use is open
         else:
             position = self._position(u, self.plan.entry_positions.get(id(u.module)))
-        keep = position >= len(self.sequence) - self.slots.window_size  # the tail the turn keeps stays
+        tail = self.activations.device_tail
+        keep = position >= len(self.sequence) - (self.slots.window_size if tail is None else tail)  # the turn's tail stays
         record = self.checkpoint_watch.enter(u, position, not keep)
         saving = self.activations.begin_block(position, not keep, self.num_blocks)
         output = None

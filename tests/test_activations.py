@@ -108,9 +108,10 @@ def test_offloaded_checkpoints_under_delayed_copies():
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=4e-4, msg=lambda m: f"{name}: {m}")
 
 
-def _activation_peak(layers, offload):
+def _activation_peak(layers, offload, window_size=2, **config):
     model = _checkpointed("llama", num_hidden_layers=layers, hidden_size=64, intermediate_size=128)
-    engine = offload_model(model, StrongholdConfig(window_size=2, offload_activations=offload), device="cpu")
+    engine = offload_model(model, StrongholdConfig(window_size=window_size, offload_activations=offload, **config),
+                           device="cpu")
     _train(model, engine, "llama", steps=2, seq=32)
     stats = engine.memory_stats()
     return stats["activation_device_peak_bytes"], stats
@@ -123,6 +124,26 @@ def test_the_activation_device_peak_is_flat_with_depth_when_offloaded():
     one = 2 * 32 * 64 * 4  # one checkpointed input: batch 2 x 32 tokens x hidden 64, fp32
     assert deep <= (2 + 2) * one  # the W kept at the turn, plus one on its way back
     assert stats16["activation_host_bytes"] >= (16 - 2) * one
+
+
+def test_no_device_checkpoints_keeps_none_at_the_turn_and_trains_the_same():
+    """device_checkpoints=0: the inputs at the end of the forward leave too (the longest
+    contexts: GiBs each); at most the one being recomputed and the one on its way back are on
+    the device, against the window's four at the turn by default, and the training is the same."""
+    one = 2 * 32 * 64 * 4  # one checkpointed input: batch 2 x 32 tokens x hidden 64, fp32
+    default, stats = _activation_peak(8, True, window_size=4)
+    none_kept, stats0 = _activation_peak(8, True, window_size=4, device_checkpoints=0)
+    assert none_kept <= 2 * one < default, (none_kept, default)
+    assert stats0["activation_host_bytes"] == 8 * one and stats["activation_host_bytes"] == (8 - 4) * one
+    ref = _checkpointed("llama")
+    model = copy.deepcopy(ref)
+    engine = offload_model(model, StrongholdConfig(window_size=1, offload_activations=True, device_checkpoints=0),
+                           device="cpu")
+    assert _train(model, engine, "llama") == pytest.approx(_train_ref(ref, "llama"), rel=1e-5)
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=4e-4, msg=lambda m: f"{name}: {m}")
+    with pytest.raises(ValueError, match="device_checkpoints=-1"):
+        StrongholdConfig(device_checkpoints=-1)
 
 
 def test_without_offload_the_ledger_shows_the_peak_growing_with_depth():

@@ -242,3 +242,37 @@ def test_bf16_autocast_with_checkpointing_stays_within_bf16s_error():
             assert installed(model).calls == 2 * 3 * 2
         engine.close()
     assert runs[True] == pytest.approx(runs[False], rel=1e-2)
+
+
+def test_the_estimator_counts_query_tiles_and_the_checkpoints_kept(capsys):
+    """Llama-3-8B at 256k tokens on 24 GB (#42's first target): attention tiling and no
+    checkpointed input kept at the turn each lower the GPU need, the second by exactly the
+    inputs the turn no longer keeps; the CLI takes both."""
+    import json
+
+    import transformers
+
+    from stronghold_hf.estimate import estimate, main
+
+    shape = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, max_position_embeddings=1 << 20)
+    config = transformers.AutoConfig.for_model("llama", **shape)
+    seq = 256 * 1024
+
+    def run(**kw):
+        return estimate(config, seq_len=seq, batch_size=1, dtype="bf16", gpu_memory_bytes=24 << 30,
+                        cpu_memory_bytes=192 << 30, gradient_checkpointing=True, host_memory="lean",
+                        auto_class="causal_lm", window_size=2, offload_activations=True, **kw)
+
+    plain, tiled, lean = run(), run(attention_tiling=True), run(attention_tiling=True, device_checkpoints=0)
+    assert tiled.gpu_bytes_needed < 0.7 * plain.gpu_bytes_needed
+    assert "K and V" in tiled.gpu_bounded_by and "Q, K, V" in plain.gpu_bounded_by
+    one_input = seq * 4096 * 2  # a checkpointed input: bf16, hidden 4096
+    assert tiled.gpu_activation_peak_bytes - lean.gpu_activation_peak_bytes == 2 * one_input  # the W = 2 at the turn
+    assert lean.gpu_fits and not plain.gpu_fits
+    main(["--model_type", "llama", "--config_overrides", ",".join(f"{k}={v}" for k, v in shape.items()),
+          "--seq_len", str(seq), "--batch_size", "1", "--dtype", "bf16", "--gpu_memory", "24GB", "--cpu_memory",
+          "192GB", "--gradient_checkpointing", "--host_memory", "lean", "--window_size", "2",
+          "--attention_tiling", "true", "--device_checkpoints", "0"])
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["gpu_bytes_needed"] == lean.gpu_bytes_needed

@@ -74,7 +74,7 @@ def estimate(
     resident: int | bool | str = False, resident_budget_bytes: int | str | None = None,
     attn_implementation: str | None = None, sequence_tiling: bool | str = "auto", tile_tokens: int | str = "auto",
     attention_tiling: bool = False, cpu_reserve: int | str = "auto", gpu_reserve: int | str = "auto",
-    nvme_activations: bool | str = "auto",
+    nvme_activations: bool | str = "auto", device_checkpoints: int | str = "auto",
 ) -> Estimate:
     """Estimates STRONGHOLD and plain-training memory for a config (built on the meta device).
 
@@ -103,7 +103,8 @@ def estimate(
     the attention that runs (``None``: what transformers picks for the model class; eager
     attention stores ``s x s`` scores, SDPA and flash attention do not). ``sequence_tiling``,
     ``tile_tokens``: `StrongholdConfig`'s (the MLP in tiles of ``T`` tokens).
-    ``attention_tiling``: `StrongholdConfig`'s (each causal block in query tiles, counts.layer_memory).
+    ``attention_tiling``: `StrongholdConfig`'s (each causal block in query tiles, counts.layer_memory);
+    ``device_checkpoints``: `StrongholdConfig`'s (offloaded checkpointed inputs kept at the turn).
     ``cpu_reserve``, ``gpu_reserve``: `StrongholdConfig`'s headroom ("fits" keeps them free).
     """
     model = build_meta_model(model_config, auto_class)
@@ -116,7 +117,8 @@ def estimate(
         offload_non_block=offload_non_block, resident=resident,
         resident_budget_bytes=None if resident_budget_bytes is None else parse_memory(resident_budget_bytes),
         attn_implementation=attn_implementation, sequence_tiling=sequence_tiling, tile_tokens=tile_tokens,
-        attention_tiling=attention_tiling, cpu_reserve=cpu_reserve, gpu_reserve=gpu_reserve, seq_len=seq_len, batch_size=batch_size, gradient_checkpointing=gradient_checkpointing,
+        attention_tiling=attention_tiling, device_checkpoints=device_checkpoints, cpu_reserve=cpu_reserve,
+        gpu_reserve=gpu_reserve, seq_len=seq_len, batch_size=batch_size, gradient_checkpointing=gradient_checkpointing,
         cpu_memory_bytes=parse_memory(cpu_memory_bytes), decoder_seq_len=decoder_seq_len, chunked_loss=chunked_loss,
         offload_activations=offload_activations, loss_chunk_tokens=loss_chunk_tokens, host_memory=host_memory,
         host_image=host_image, host_grads=host_grads, gradient_accumulation_steps=gradient_accumulation_steps,
@@ -137,7 +139,7 @@ def estimate_for_model(
     nvme_masters: bool | str = "auto", resident: int | bool | str = False, resident_budget_bytes: int | None = None,
     attn_implementation: str | None = None, sequence_tiling: bool | str = "auto", tile_tokens: int | str = "auto",
     attention_tiling: bool = False, cpu_reserve: int | str = "auto", gpu_reserve: int | str = "auto",
-    nvme_activations: bool | str = "auto",
+    nvme_activations: bool | str = "auto", device_checkpoints: int | str = "auto",
 ) -> Estimate:
     """The same estimate from a live, already built model (call before moving it to the GPU).
 
@@ -175,7 +177,7 @@ def estimate_for_model(
         grad_buffers=grad_buffers, offload_non_block=offload_non_block, resident=resident,
         resident_budget_bytes=resident_budget_bytes, notes=notes, attn_implementation=attn_implementation,
         sequence_tiling=sequence_tiling, tile_tokens=tile_tokens, attention_tiling=attention_tiling,
-        cpu_reserve=cpu_reserve, gpu_reserve=gpu_reserve, seq_len=seq_len, batch_size=batch_size,
+        device_checkpoints=device_checkpoints, cpu_reserve=cpu_reserve, gpu_reserve=gpu_reserve, seq_len=seq_len, batch_size=batch_size,
         gradient_checkpointing=gradient_checkpointing, cpu_memory_bytes=cpu_memory_bytes,
         decoder_seq_len=decoder_seq_len, chunked_loss=chunked_loss, offload_activations=offload_activations,
         loss_chunk_tokens=loss_chunk_tokens, host_memory=host_memory, host_image=host_image, host_grads=host_grads,

@@ -104,7 +104,7 @@ def _assemble(
     host_grads: str = "auto", gradient_accumulation_steps: int = 1, nvme_memory_bytes: int | None = None,
     nvme: bool | str = "auto", nvme_ring_buffers: int = 3, nvme_masters: bool | str = "auto", split: Any = None,
     attention: str = "eager", sequence_tiling: bool | str = "auto", tile_tokens: int | str = "auto",
-    attention_tiling: bool = False, cpu_reserve: int | str = "auto", gpu_reserve: int | str = "auto",
+    attention_tiling: bool = False, device_checkpoints: int | str = "auto", cpu_reserve: int | str = "auto", gpu_reserve: int | str = "auto",
     nvme_activations: bool | str = "auto",
 ) -> Estimate:
     if nvme not in (True, False, "auto"):
@@ -198,11 +198,12 @@ def _assemble(
         full = sum(m.saved for m in layers) + max(m.transient for m in layers)
         # Checkpointing keeps each layer's input; one layer is recomputed and backpropagated at
         # a time (its saved tensors and its transient). With the inputs offloaded, the last W
-        # stay and two more are on their way.
+        # (device_checkpoints) stay and two more are on their way.
         ckpt = sum(inputs) + layer_peak
-        kept = sorted(inputs, reverse=True)[: min(n, w + 2)]
+        tail = w if device_checkpoints == "auto" else int(device_checkpoints)
+        kept = sorted(inputs, reverse=True)[: min(n, tail + 2)]
         ckpt_offloaded = sum(kept) + layer_peak
-        inputs_host = sum(inputs) - sum(inputs[-w:]) if n > w else 0
+        inputs_host = sum(inputs[: max(n - tail, 0)])  # the offloaded ones: all but the tail kept on the device
         input_largest = max(inputs)
         s_out = s_dec if any(layer.cross_attention for layer in counts.layers) else seq_len
         tokens = s_out * batch_size

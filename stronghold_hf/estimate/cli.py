@@ -49,6 +49,13 @@ def _parse_tile(text: str) -> int | str:
     return value
 
 
+def _nonneg(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(text)
+    return value
+
+
 def _arg_type(parse: Any, name: str) -> Any:
     def convert(text: str) -> Any:
         try:
@@ -127,6 +134,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--attention_tiling", type=_arg_type(_parse_bool, "true or false"), default=False,
                         help="each causal block in query tiles of --tile_tokens against the keys and values before "
                         "them (StrongholdConfig.attention_tiling; default false)")
+    parser.add_argument("--device_checkpoints", type=_arg_type(lambda v: v if v == "auto" else _nonneg(v),
+                                                                 "auto or an int >= 0"), default="auto",
+                        help="offloaded checkpointed inputs kept on the device at the turn (StrongholdConfig."
+                        "device_checkpoints; default auto: the window size)")
     reserve = _arg_type(lambda v: v if v == "auto" else parse_memory(v), "auto or a memory size")
     parser.add_argument("--cpu_reserve", type=reserve, default="auto",
                         help="host RAM left free for the rest of the machine (default auto: the larger of 4 GiB and "
@@ -153,7 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             gradient_accumulation_steps=args.gradient_accumulation_steps, nvme_memory_bytes=args.nvme_memory,
             nvme_masters=args.nvme_masters, nvme_activations=args.nvme_activations, resident=args.resident, resident_budget_bytes=args.resident_budget,
             attn_implementation=args.attn_implementation, sequence_tiling=args.sequence_tiling,
-            tile_tokens=args.tile_tokens, attention_tiling=args.attention_tiling, cpu_reserve=args.cpu_reserve,
+            tile_tokens=args.tile_tokens, attention_tiling=args.attention_tiling,
+            device_checkpoints=args.device_checkpoints, cpu_reserve=args.cpu_reserve,
             gpu_reserve=args.gpu_reserve,
         )
     except (ValueError, OSError, KeyError) as err:
