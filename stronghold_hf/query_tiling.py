@@ -183,6 +183,8 @@ def cut_call(forward: Callable, module: nn.Module, named: dict[str, Any]) -> Cut
         get_length = getattr(model_cache, "get_seq_length", None)
         if layer_idx is None or get_length is None or get_length(layer_idx) != 0 or not hasattr(model_cache, "update"):
             return "it was called with a cache that holds tokens already"
+    if named.get("output_attentions"):
+        return "it is asked for its attention weights (whole [tokens, tokens] maps)"
     slicers: dict[str, Callable] = {}
     causal_mask = None
     if "attention_mask" in params and named.get("attention_mask") is None:
