@@ -104,9 +104,9 @@ def _causal_tile_mask(kind: str, t0: int, t1: int, device: torch.device):
     """The mask of query tile ``[t0, t1)`` against keys ``[0, t1)``: query ``i`` is token
     ``t0 + i`` and sees keys ``[0, t0 + i]`` (causal, aligned bottom-right; SDPA's own
     ``is_causal`` aligns top-left, wrong once there are fewer queries than keys). For SDPA,
-    torch's lower-right causal bias, which its memory-efficient kernel applies without a dense
-    mask ([T, t1] booleans would be 16 GB for a tile of 8k queries at 2M tokens); a dense
-    boolean mask for any other attention."""
+    torch's lower-right causal bias, which on CUDA its flash kernel applies without a dense
+    mask ([T, t1] booleans would be 16 GiB for a tile of 8k queries at 2M tokens; on the CPU
+    torch builds that mask); a dense boolean mask for any other attention that needs one."""
     if kind == "sdpa":
         from torch.nn.attention.bias import causal_lower_right
 
