@@ -77,23 +77,35 @@ def _compare(family: str, tmp_path, stronghold_argv: list[str], dataset, collato
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_long_sequences_through_the_trainer_match_plain_with_tiling(family, tmp_path):
-    config = json.dumps({"sequence_tiling": True, "tile_tokens": 512})
+@pytest.mark.parametrize("attention", [False, True], ids=["mlp-tiles", "query-tiles"])
+def test_long_sequences_through_the_trainer_match_plain_with_tiling(family, attention, tmp_path):
+    config = json.dumps({"sequence_tiling": True, "tile_tokens": 512, "attention_tiling": attention})
     ours = _compare(family, tmp_path, ["--stronghold_config", config], Documents(SEQ), _collate_whole)
+    from stronghold_hf.query_tiling import installed
     from stronghold_hf.tiling import tiled_modules
 
-    tiled = tiled_modules(ours.model)
-    assert tiled and sum(site.calls for site in tiled.values()) > 0  # the MLPs did run in tiles
+    if attention:  # every block ran whole in query tiles, each step (its MLP inside a tile)
+        assert installed(ours.model).calls == 2 * len(list(ours.stronghold_engine.blocks))
+    else:
+        tiled = tiled_modules(ours.model)
+        assert tiled and sum(site.calls for site in tiled.values()) > 0  # the MLPs did run in tiles
 
 
-def test_packed_documents_keep_their_positions_tiled_or_not(tmp_path):
+@pytest.mark.parametrize("attention", [False, True], ids=["mlp-tiles", "query-tiles"])
+def test_packed_documents_keep_their_positions_tiled_or_not(attention, tmp_path):
     """DataCollatorWithFlattening packs a batch into one row and restarts ``position_ids`` at each
     document; the engine (and tiling, whose tiles cut across documents) must not change what
     the model computes from them."""
     docs = Documents(SEQ, n=4, lengths=[1200, 700, 1600, 500])
     collator = DataCollatorWithFlattening()
-    argv = ["--stronghold_config", json.dumps({"sequence_tiling": True, "tile_tokens": 300})]
+    argv = ["--stronghold_config", json.dumps({"sequence_tiling": True, "tile_tokens": 300,
+                                               "attention_tiling": attention})]
     ours = _compare("llama", tmp_path, argv, docs, collator, both=("--per_device_train_batch_size", "2"))
+    if attention:  # the packed sequence's mask (a document may not see the one before) cut into tiles
+        from stronghold_hf.query_tiling import installed
+
+        tiling = installed(ours.model)
+        assert set(tiling.verdicts.values()) == {None} and tiling.calls > 0, tiling.verdicts
     batch = collator([docs[0], docs[1]])
     assert batch["input_ids"].shape[0] == 1 and int(batch["position_ids"][0, 1200]) == 0  # packed, restarted
     assert _losses(ours)
