@@ -123,8 +123,8 @@ def slope(xs: list[int], ys: list[float]) -> float | None:
 
 
 def timing(args) -> dict:
-    """Step time at ``args.time_tokens``, tiled against untiled, interleaved; and whether "auto"
-    tiled anything there."""
+    """Step time at ``args.time_tokens``, tiled (and with attention tiling too) against untiled,
+    interleaved; and whether "auto" tiled anything there."""
     import torch
     import transformers as T
 
@@ -137,11 +137,12 @@ def timing(args) -> dict:
                         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=1,
                         max_position_embeddings=args.time_tokens, tie_word_embeddings=False)
     runs = {}
-    for name, tiling in (("untiled", False), ("tiled", True), ("auto", "auto")):
+    for name, tiling in (("untiled", False), ("tiled", True), ("attention", True), ("auto", "auto")):
         torch.manual_seed(0)
         model = T.LlamaForCausalLM(cfg)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         engine = offload_model(model, StrongholdConfig(window_size=1, resident=False, sequence_tiling=tiling,
+                                                       attention_tiling=name == "attention",
                                                        tile_tokens=args.tile_tokens), device=device)
         runs[name] = (model, engine, engine.build_optimizer(lr=1e-4), [])
     ids = torch.randint(0, args.vocab, (1, args.time_tokens), device=device)
@@ -158,15 +159,16 @@ def timing(args) -> dict:
 
     for model, engine, opt, _ in runs.values():
         step(model, engine, opt)  # warm-up (and the probe, for the tiled engine)
-    ratios = []
+    ratios, attention_ratios = [], []
     for rnd in range(args.rounds):
-        order = ["untiled", "tiled"] if rnd % 2 == 0 else ["tiled", "untiled"]
+        order = ["untiled", "tiled", "attention"] if rnd % 2 == 0 else ["attention", "tiled", "untiled"]
         this = {}
         for name in order:
             model, engine, opt, times = runs[name]
             this[name] = statistics.median(step(model, engine, opt) for _ in range(args.steps))
             times.append(this[name])
         ratios.append(this["tiled"] / this["untiled"])
+        attention_ratios.append(this["attention"] / this["untiled"])
     model, engine, opt, _ = runs["auto"]
     step(model, engine, opt)
     auto_calls = sum(site.calls for site in tiled_modules(model).values())
@@ -176,6 +178,7 @@ def timing(args) -> dict:
     return {"time_tokens": args.time_tokens, "untiled_step_s": round(statistics.median(runs["untiled"][3]), 4),
             "tiled_step_s": round(statistics.median(runs["tiled"][3]), 4),
             "tiled_over_untiled_paired": round(statistics.median(ratios), 3),
+            "attention_over_untiled_paired": round(statistics.median(attention_ratios), 3),
             "tiled_calls": tiled_calls, "auto_tiled_calls": auto_calls}
 
 
