@@ -211,9 +211,8 @@ class ActivationStore:
 
     def __init__(self, *, transfer: TransferContext, ledger: MemoryLedger, host: HostAllocator, device: torch.device,
                  offload: OffloadActivations, on_disk: bool | Literal["auto"] = False, nvme_path: str | None = None,
-                 io_threads: int = 4, host_reserve: int = 0, device_tail: int | None = None) -> None:
+                 io_threads: int = 4, host_reserve: int = 0) -> None:
         self.transfer = transfer
-        self.device_tail = device_tail  # inputs at the end of the forward kept on the device (None: the window's)
         self.ledger = ledger
         self.device = device
         self.requested = offload  # what the config asked for

@@ -441,6 +441,24 @@ def _query_class(cls: type) -> type:
     return sub
 
 
+def resolve_query_tile_tokens(tile_tokens: int | str) -> int:
+    """Queries per tile: ``tile_tokens`` itself, or `AUTO_QUERY_TILE` for ``"auto"``."""
+    if tile_tokens == "auto":
+        return AUTO_QUERY_TILE
+    if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int) or tile_tokens < 1:
+        raise ValueError(f"tile_tokens={tile_tokens!r}: pass an int >= 1 or 'auto'.")
+    return tile_tokens
+
+
+def causal_attention(model: nn.Module) -> bool:
+    """Whether every attention module of ``model`` says it is causal (``is_causal``, which
+    transformers' attention classes set): what the estimator takes for the probe's verdict,
+    which needs real inputs. BERT's and T5's encoders are not; a model that says nothing is
+    not taken for causal."""
+    flags = [m.is_causal for m in model.modules() if isinstance(getattr(m, "is_causal", None), bool)]
+    return bool(flags) and all(flags)
+
+
 class QueryTiling:
     """Query tiling installed on a model's blocks (`install`); `remove` undoes it.
 
@@ -450,9 +468,7 @@ class QueryTiling:
     whole, and one log line per block class and reason says so. ``calls`` counts the tiled calls."""
 
     def __init__(self, tile_tokens: int | str, around_probe: Callable | None = None) -> None:
-        if tile_tokens != "auto" and (isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int) or tile_tokens < 1):
-            raise ValueError(f"tile_tokens={tile_tokens!r}: pass an int >= 1 or 'auto'.")
-        self.tile_tokens = AUTO_QUERY_TILE if tile_tokens == "auto" else tile_tokens
+        self.tile_tokens = resolve_query_tile_tokens(tile_tokens)
         self.blocks: list[nn.Module] = []
         self.verdicts: dict[int, str | None] = {}  # id(block) -> None (tiled) or why not
         self.calls = 0
@@ -520,5 +536,5 @@ def installed(model: nn.Module) -> QueryTiling | None:
     return next((m.__dict__[_QT] for m in model.modules() if _QT in m.__dict__), None)
 
 
-__all__ = ["AUTO_QUERY_TILE", "QueryTiledBlock", "QueryTiling", "bind_call", "cut_call", "installed", "probe",
-           "run_query_tiled"]
+__all__ = ["AUTO_QUERY_TILE", "QueryTiledBlock", "QueryTiling", "bind_call", "causal_attention", "cut_call",
+           "installed", "probe", "resolve_query_tile_tokens", "run_query_tiled"]

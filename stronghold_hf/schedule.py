@@ -121,6 +121,9 @@ class WindowSchedule:
         self.probe = None  # auto_window.AutoWindowProbe during the first step of window_size="auto"
         self.window_choice = None  # planner.WindowChoice: why W is what it is
         self.activations = None  # activations.ActivationStore when checkpointed inputs are offloaded
+        # Checkpointed inputs at the end of the forward that stay on the device for the turn
+        # (StrongholdConfig.device_checkpoints; None: the window's W).
+        self.checkpoint_tail: int | None = None
         self.checkpoint_watch = None  # checkpointing.CheckpointWatch: the model's checkpoint calls
         # Data parallel: called when a backward reaches the model's outputs, it averages the
         # gradients of the parameters left on the device at that backward's end (distributed.py).
@@ -229,8 +232,8 @@ class WindowSchedule:
             position = top.position  # the block's hooks run outside the checkpoint: its use is open
         else:
             position = self._position(u, self.plan.entry_positions.get(id(u.module)))
-        tail = self.activations.device_tail
-        keep = position >= len(self.sequence) - (self.slots.window_size if tail is None else tail)  # the turn's tail stays
+        tail = self.slots.window_size if self.checkpoint_tail is None else self.checkpoint_tail
+        keep = position >= len(self.sequence) - tail  # the tail the turn keeps stays
         record = self.checkpoint_watch.enter(u, position, not keep)
         saving = self.activations.begin_block(position, not keep, self.num_blocks)
         output = None

@@ -166,8 +166,8 @@ class WindowEngine:
         self.schedule.activations = ActivationStore(
             transfer=self.transfer, ledger=self.ledger, host=self.host, device=device,
             offload=config.offload_activations, on_disk=config.nvme_activations, nvme_path=config.nvme_path,
-            io_threads=config.nvme_io_threads, host_reserve=host_reserve_bytes(config.cpu_reserve, total_host_bytes()),
-            device_tail=None if config.device_checkpoints == "auto" else config.device_checkpoints)
+            io_threads=config.nvme_io_threads, host_reserve=host_reserve_bytes(config.cpu_reserve, total_host_bytes()))
+        self.schedule.checkpoint_tail = None if config.device_checkpoints == "auto" else config.device_checkpoints
         self.promises = Promises()
         self.schedule.checkpoint_watch = CheckpointWatch(model, {id(u.module): u for u in self.blocks}, self.promises)
         first_position = {u: min(ps) for u, ps in self.schedule.positions_of.items()}

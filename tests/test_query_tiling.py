@@ -271,6 +271,12 @@ def test_the_estimator_counts_query_tiles_and_the_checkpoints_kept(capsys):
     one_input = seq * 4096 * 2  # a checkpointed input: bf16, hidden 4096
     assert tiled.gpu_activation_peak_bytes - lean.gpu_activation_peak_bytes == 2 * one_input  # the W = 2 at the turn
     assert lean.gpu_fits and not plain.gpu_fits
+    # An encoder's blocks are not causal: the engine's probe leaves them whole, and so does the count.
+    bert = transformers.BertConfig(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, intermediate_size=1024)
+    whole, asked = (estimate(bert, seq_len=512, batch_size=1, gpu_memory_bytes=8 << 30, cpu_memory_bytes=64 << 30,
+                             auto_class="masked_lm", tile_tokens=64, attention_tiling=on) for on in (False, True))
+    assert asked.gpu_bytes_needed == whole.gpu_bytes_needed
+    assert any("not causal" in note for note in asked.notes)
     main(["--model_type", "llama", "--config_overrides", ",".join(f"{k}={v}" for k, v in shape.items()),
           "--seq_len", str(seq), "--batch_size", "1", "--dtype", "bf16", "--gpu_memory", "24GB", "--cpu_memory",
           "192GB", "--gradient_checkpointing", "--host_memory", "lean", "--window_size", "2",

@@ -50,6 +50,13 @@ def _estimate_built(
                          "model's own).")
     attention = attention_kind(attn_implementation or getattr(config, "_attn_implementation", None))
     options.update(attention=attention, sequence_tiling=sequence_tiling, tile_tokens=tile_tokens)
+    notes = list(notes)
+    if options.get("attention_tiling"):
+        from ..query_tiling import causal_attention
+
+        if not causal_attention(model):  # the engine's probe would leave these blocks whole
+            options["attention_tiling"] = False
+            notes.append("attention_tiling: the blocks' attention is not causal; counted whole, as the engine runs them")
 
     def assemble(split):
         counts = _count(model, classes, encoder_decoder, _NBYTES[label], offload_non_block,

@@ -186,9 +186,9 @@ def mlp_tile_tokens(sequence_tiling: bool | str, tile_tokens: int | str, seq_len
 
 def query_tile_tokens(tile_tokens: int | str, seq_len: int) -> int | None:
     """The query tile query_tiling.py gives a run of ``seq_len`` tokens (None: one tile, untiled)."""
-    from ..query_tiling import AUTO_QUERY_TILE
+    from ..query_tiling import resolve_query_tile_tokens
 
-    tile = AUTO_QUERY_TILE if tile_tokens == "auto" else int(tile_tokens)
+    tile = resolve_query_tile_tokens(tile_tokens)
     return tile if tile < seq_len else None
 
 
