@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import re
+import typing
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
@@ -26,6 +27,13 @@ WindowSize = int | Literal["auto"]
 #: or the planner is told not to probe). Two blocks is the smallest window that overlaps
 #: the next block's transfer with the current block's compute.
 DEFAULT_WINDOW_SIZE = 2
+
+
+class ConfigError(ValueError, TypeError):
+    """A value `StrongholdConfig` does not take. Both a ValueError and a TypeError: a wrong
+    value and a value of the wrong type are one mistake to the user, and callers that catch
+    either (``HfArgumentParser``, a launcher) see it."""
+
 
 _DTYPE_NAMES = {
     "float32": torch.float32,
@@ -41,11 +49,11 @@ def parse_dtype(value: str | torch.dtype | None, *, field_name: str = "param_dty
     """Turns ``"bf16"``/``"bfloat16"``/``torch.bfloat16`` into a float dtype; ``None`` stays ``None``."""
     if value is None or isinstance(value, torch.dtype):
         if value is not None and value not in _DTYPE_NAMES.values():
-            raise ValueError(f"StrongholdConfig.{field_name}={value} is not a float dtype; use float32, bfloat16 or float16.")
+            raise ConfigError(f"StrongholdConfig.{field_name}={value} is not a float dtype; use float32, bfloat16 or float16.")
         return value
     if isinstance(value, str) and value.lower() in _DTYPE_NAMES:
         return _DTYPE_NAMES[value.lower()]
-    raise ValueError(
+    raise ConfigError(
         f"StrongholdConfig.{field_name}={value!r} is not understood; use one of "
         f"{sorted(_DTYPE_NAMES)} or leave it unset to keep the model's dtype."
     )
@@ -105,6 +113,55 @@ def device_reserve_bytes(setting: int | str, device_bytes: int | None) -> int:
     if device_bytes is None:
         return DEVICE_RESERVE_FLOOR
     return max(DEVICE_RESERVE_FLOOR, int(device_bytes * DEVICE_RESERVE_FRACTION))
+
+
+#: The least int an int field takes (a field not named here takes none: see its annotation).
+_LEAST_INT = {"window_size": 1, "loss_chunk_tokens": 1, "tile_tokens": 1, "device_checkpoints": 0,
+              "cpu_threads": 1, "grad_buffers": 1, "nvme_ring_buffers": 2, "nvme_io_threads": 1, "resident": 0}
+
+
+def _annotation_rules() -> dict[str, tuple[tuple, int | None]]:
+    """For each field annotated only with bools, ints, None and ``Literal`` values: the values
+    it takes and the least int it takes (None: no ints). Worked out once from the annotations,
+    so a new field of that kind is checked without code of its own."""
+    global _RULES
+    if _RULES is None:
+        rules = {}
+        for name, hint in typing.get_type_hints(StrongholdConfig).items():
+            values: list = []
+            takes_int = False
+            for part in (hint,) if typing.get_origin(hint) is Literal else typing.get_args(hint) or (hint,):
+                if part is bool:
+                    values += [True, False]
+                elif part is int:
+                    takes_int = True
+                elif part is type(None):
+                    values.append(None)
+                elif typing.get_origin(part) is Literal:
+                    values += typing.get_args(part)
+                else:
+                    break  # a str, a dtype, a tuple: parsed by __post_init__ itself
+            else:
+                rules[name] = (tuple(values), _LEAST_INT[name] if takes_int else None)
+        _RULES = rules
+    return _RULES
+
+
+_RULES: dict[str, tuple[tuple, int | None]] | None = None
+
+
+def _check_annotated(name: str, value: Any, values: tuple, least: int | None) -> None:
+    """Raises `ConfigError` unless ``value`` is one of ``values`` (a bool only as a bool: ``1``
+    is not True) or an int >= ``least``."""
+    if any(value is v if isinstance(v, bool) or v is None else (type(value) is type(v) and value == v) for v in values):
+        return
+    if least is not None and type(value) is int and value >= least:
+        return
+    allowed = [json.dumps(v) if isinstance(v, str) else repr(v) for v in values]
+    if least is not None:
+        allowed.append(f"an int >= {least}")
+    use = allowed[0] if len(allowed) == 1 else ", ".join(allowed[:-1]) + " or " + allowed[-1]
+    raise ConfigError(f"StrongholdConfig.{name}={value!r}; use {use} (docs/config.md says what each means).")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -370,159 +427,67 @@ class StrongholdConfig:
     NVMe drive needs to reach its bandwidth)."""
 
     def __post_init__(self) -> None:
-        ws = self.window_size
-        if isinstance(ws, bool) or not (ws == "auto" or isinstance(ws, int)):
-            raise TypeError(
-                f"StrongholdConfig.window_size={ws!r} is not allowed; use \"auto\" or an int >= 1."
-            )
-        if isinstance(ws, int) and ws < 1:
-            raise ValueError(
-                f"StrongholdConfig.window_size={ws} is not allowed; use \"auto\" or an int >= 1 "
-                "(the number of blocks kept on the device)."
-            )
-        chunk = self.loss_chunk_tokens
-        if chunk != "auto" and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-            raise ValueError(
-                f"StrongholdConfig.loss_chunk_tokens={chunk!r}; use \"auto\" or an int >= 1 (tokens per chunk)."
-            )
-        if self.sequence_tiling not in (True, False, "auto") or (
-                isinstance(self.sequence_tiling, int) and not isinstance(self.sequence_tiling, bool)):
-            raise ValueError(f"StrongholdConfig.sequence_tiling={self.sequence_tiling!r}; use \"auto\" (tile sequences "
-                             "longer than 16384 tokens), True (always) or False (never).")
-        kept = self.device_checkpoints
-        if kept != "auto" and (isinstance(kept, bool) or not isinstance(kept, int) or kept < 0):
-            raise ValueError(f"StrongholdConfig.device_checkpoints={kept!r}; use \"auto\" (the window size) or an "
-                             "int >= 0 (checkpointed inputs kept on the device at the turn).")
-        if not isinstance(self.attention_tiling, bool):
-            raise ValueError(f"StrongholdConfig.attention_tiling={self.attention_tiling!r}; use True (tile causal blocks "
-                             "by query tiles) or False.")
-        tile = self.tile_tokens
-        if tile != "auto" and (isinstance(tile, bool) or not isinstance(tile, int) or tile < 1):
-            raise ValueError(
-                f"StrongholdConfig.tile_tokens={tile!r}; use \"auto\" or an int >= 1 (tokens per tile)."
-            )
-        if self.cpu_threads is not None and (
-            isinstance(self.cpu_threads, bool) or not isinstance(self.cpu_threads, int) or self.cpu_threads < 1
-        ):
-            raise ValueError(f"StrongholdConfig.cpu_threads={self.cpu_threads!r}; use None (auto) or an int >= 1.")
-        if self.host_memory not in ("exact", "lean"):
-            raise ValueError(
-                f"StrongholdConfig.host_memory={self.host_memory!r}; use \"exact\" (fp32 Adam state) or \"lean\" "
-                "(8-bit Adam moments)."
-            )
-        if self.host_memory == "lean" and self.speculative_step == "on":
-            raise ValueError(
-                "StrongholdConfig(host_memory=\"lean\", speculative_step=\"on\"): a speculative update is rolled back "
-                "by inverting AdamW exactly, which 8-bit moments do not allow. Use speculative_step=\"auto\" or \"off\" "
-                "(lean never speculates), or host_memory=\"exact\"."
-            )
-        if self.host_memory == "lean" and self.offload_optimizer is False:
-            raise ValueError(
-                "StrongholdConfig(host_memory=\"lean\") keeps 8-bit Adam moments, which only the engine's CPU Adam "
-                "updates; offload_optimizer=False asks for torch's AdamW instead. Drop one of the two."
-            )
-        if self.host_worker not in ("auto", "thread", "inline"):
-            raise ValueError(
-                f"StrongholdConfig.host_worker={self.host_worker!r}; use \"auto\", \"thread\" or \"inline\"."
-            )
-        if self.speculative_step not in ("auto", "on", "off"):
-            raise ValueError(
-                f"StrongholdConfig.speculative_step={self.speculative_step!r}; use \"auto\", \"on\" or \"off\"."
-            )
-        if self.shard_cpu_state is not None and not isinstance(self.shard_cpu_state, bool):
-            raise TypeError(f"StrongholdConfig.shard_cpu_state={self.shard_cpu_state!r} must be None, True or False.")
-        if self.chunked_loss not in (True, False, "auto") or (
-                isinstance(self.chunked_loss, int) and not isinstance(self.chunked_loss, bool)):
-            raise ValueError(f"StrongholdConfig.chunked_loss={self.chunked_loss!r}; use \"auto\", True or False.")
-        for name in ("offload_optimizer", "offload_non_block", "pin_memory", "check_fit"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"StrongholdConfig.{name}={getattr(self, name)!r} must be a bool.")
+        # Each field whose annotation is made of bools, ints, None and Literal values is checked
+        # against it (`_check_annotated`); the rest are parsed here, then the combinations.
+        for name, rule in _annotation_rules().items():
+            _check_annotated(name, getattr(self, name), *rule)
+        if self.resident is True:
+            raise ConfigError("StrongholdConfig.resident=True; use \"auto\" (the split chosen within gpu_memory), an "
+                              "int >= 0 (that many blocks stay on the device) or False (everything streams).")
         if self.block_classes is not None:
             classes = (self.block_classes,) if isinstance(self.block_classes, str) else tuple(self.block_classes)
             if not classes or not all(isinstance(c, str) and c for c in classes):
-                raise ValueError(
+                raise ConfigError(
                     f"StrongholdConfig.block_classes={self.block_classes!r}; give a non-empty list of class "
                     "names such as [\"GPT2Block\"], or None to discover them."
                 )
             object.__setattr__(self, "block_classes", classes)
         object.__setattr__(self, "param_dtype", parse_dtype(self.param_dtype))
-        if isinstance(self.grad_buffers, bool) or not isinstance(self.grad_buffers, int) or self.grad_buffers < 1:
-            raise ValueError(
-                f"StrongholdConfig.grad_buffers={self.grad_buffers!r}; use an int >= 1 (gradient buffers in flight "
-                "to the host at once; 2 is the default)."
-            )
-        res = self.resident
-        if not (res == "auto" or res is False or (isinstance(res, int) and not isinstance(res, bool) and res >= 0)):
-            raise ValueError(
-                f"StrongholdConfig.resident={res!r}; use \"auto\" (the split chosen within gpu_memory), an int >= 0 "
-                "(that many blocks stay on the device) or False (everything streams)."
-            )
-        if self.gpu_memory is not None:
-            try:
-                budget = parse_memory(self.gpu_memory)
-            except ValueError as err:
-                raise ValueError(f"StrongholdConfig.gpu_memory: {err}") from None
-            if budget <= 0:
-                raise ValueError(f"StrongholdConfig.gpu_memory={self.gpu_memory!r}; use a positive size such as \"20GB\".")
-            object.__setattr__(self, "gpu_memory", budget)
-        if self.log_metrics not in ("brief", "all"):
-            raise ValueError(f"StrongholdConfig.log_metrics={self.log_metrics!r}; use \"brief\" (four keys per "
-                             "logging step) or \"all\" (every counter).")
-        for name in ("cpu_reserve", "gpu_reserve"):
+        for name in ("gpu_memory", "max_pinned_bytes", "cpu_reserve", "gpu_reserve"):
             value = getattr(self, name)
-            if value != "auto":
-                try:
-                    nbytes = parse_memory(value)
-                except (ValueError, TypeError) as err:
-                    raise ValueError(f"StrongholdConfig.{name}={value!r}: {err}; use \"auto\" or a size such as "
-                                     "\"8GB\".") from None
-                if nbytes < 0:
-                    raise ValueError(f"StrongholdConfig.{name}={value!r}; use \"auto\" or a size >= 0.")
-                object.__setattr__(self, name, nbytes)
-        if self.max_pinned_bytes is not None:
+            if value is None or value == "auto":
+                continue
             try:
-                limit = parse_memory(self.max_pinned_bytes)
-            except ValueError as err:
-                raise ValueError(f"StrongholdConfig.max_pinned_bytes: {err}") from None
-            object.__setattr__(self, "max_pinned_bytes", limit)
-        if self.offload_activations not in (True, False, "auto") or (
-                isinstance(self.offload_activations, int) and not isinstance(self.offload_activations, bool)):
-            raise ValueError(
-                f"StrongholdConfig.offload_activations={self.offload_activations!r}; use \"auto\", True or False."
-            )
-        if self.host_image not in (True, False, "auto") or (
-                isinstance(self.host_image, int) and not isinstance(self.host_image, bool)):
-            raise ValueError(f"StrongholdConfig.host_image={self.host_image!r}; use \"auto\", True or False.")
-        if self.host_grads not in ("auto", "fp32", "compute"):
-            raise ValueError(f"StrongholdConfig.host_grads={self.host_grads!r}; use \"auto\", \"fp32\" or \"compute\".")
+                nbytes = parse_memory(value)
+            except (ValueError, TypeError) as err:
+                raise ConfigError(f"StrongholdConfig.{name}={value!r}: {err}") from None
+            if name == "gpu_memory" and nbytes <= 0:
+                raise ConfigError(f"StrongholdConfig.gpu_memory={value!r}; use a positive size such as \"20GB\".")
+            object.__setattr__(self, name, nbytes)
         if self.nvme_path is not None:
             if not isinstance(self.nvme_path, (str, os.PathLike)) or not str(self.nvme_path):
-                raise ValueError(f"StrongholdConfig.nvme_path={self.nvme_path!r}; use a directory path or None.")
+                raise ConfigError(f"StrongholdConfig.nvme_path={self.nvme_path!r}; use a directory path or None.")
             object.__setattr__(self, "nvme_path", os.fspath(self.nvme_path))
-            if not self.offload_optimizer:
-                raise ValueError("StrongholdConfig.nvme_path needs offload_optimizer=True: the NVMe tier holds the "
-                                 "state of the engine's CPU Adam.")
-        if not isinstance(self.nvme_masters, bool):
-            raise ValueError(f"StrongholdConfig.nvme_masters={self.nvme_masters!r}; use True or False.")
-        if self.nvme_activations not in (True, False, "auto") or (
-                isinstance(self.nvme_activations, int) and not isinstance(self.nvme_activations, bool)):
-            raise ValueError(f"StrongholdConfig.nvme_activations={self.nvme_activations!r}; use \"auto\", True or False.")
+        self._check_combinations()
+
+    def _check_combinations(self) -> None:
+        """Values each allowed alone that do not go together."""
+        if self.host_memory == "lean" and self.speculative_step == "on":
+            raise ConfigError(
+                "StrongholdConfig(host_memory=\"lean\", speculative_step=\"on\"): a speculative update is rolled back "
+                "by inverting AdamW exactly, which 8-bit moments do not allow. Use speculative_step=\"auto\" or \"off\" "
+                "(lean never speculates), or host_memory=\"exact\"."
+            )
+        if self.host_memory == "lean" and self.offload_optimizer is False:
+            raise ConfigError(
+                "StrongholdConfig(host_memory=\"lean\") keeps 8-bit Adam moments, which only the engine's CPU Adam "
+                "updates; offload_optimizer=False asks for torch's AdamW instead. Drop one of the two."
+            )
+        if self.nvme_path is not None and not self.offload_optimizer:
+            raise ConfigError("StrongholdConfig.nvme_path needs offload_optimizer=True: the NVMe tier holds the "
+                              "state of the engine's CPU Adam.")
         if self.nvme_activations is True and self.nvme_path is None:
-            raise ValueError("StrongholdConfig.nvme_activations=True needs nvme_path: a directory on a fast local disk "
-                             "for the checkpointed activations' file (or use nvme_activations=\"auto\").")
+            raise ConfigError("StrongholdConfig.nvme_activations=True needs nvme_path: a directory on a fast local disk "
+                              "for the checkpointed activations' file (or use nvme_activations=\"auto\").")
         if self.nvme_activations is True and self.offload_activations is False:
-            raise ValueError("StrongholdConfig.nvme_activations=True with offload_activations=False: only inputs "
-                             "offloaded to the host go on to the file. Set offload_activations=True (or \"auto\").")
+            raise ConfigError("StrongholdConfig.nvme_activations=True with offload_activations=False: only inputs "
+                              "offloaded to the host go on to the file. Set offload_activations=True (or \"auto\").")
         if self.nvme_masters and self.nvme_path is None:
-            raise ValueError("StrongholdConfig.nvme_masters=True needs nvme_path: a directory on a fast local disk "
-                             "to hold the masters.")
+            raise ConfigError("StrongholdConfig.nvme_masters=True needs nvme_path: a directory on a fast local disk "
+                              "to hold the masters.")
         if self.nvme_masters and self.host_image is True:
-            raise ValueError("StrongholdConfig.nvme_masters=True keeps no compute-dtype image in RAM (fetches read the "
-                             "masters from disk); leave host_image at \"auto\" or set it to False.")
-        for name, least in (("nvme_ring_buffers", 2), ("nvme_io_threads", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"StrongholdConfig.{name}={value!r}; use an int >= {least}.")
+            raise ConfigError("StrongholdConfig.nvme_masters=True keeps no compute-dtype image in RAM (fetches read the "
+                              "masters from disk); leave host_image at \"auto\" or set it to False.")
 
     # ------------------------------------------------------------------ construction
     @classmethod

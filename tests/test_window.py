@@ -241,6 +241,27 @@ def test_unknown_config_key():
         StrongholdConfig.from_dict({"windw": 2})
 
 
+def test_every_field_refuses_a_value_it_does_not_take():
+    """Each field, given a value outside what it takes (a word it does not know, an int where a
+    bool is meant, a size that does not parse), fails at construction naming the field: a
+    ValueError and a TypeError both, so a caller catching either sees it."""
+    from stronghold_hf.config import ConfigError
+
+    special = {"block_classes": [], "param_dtype": "int8", "gpu_memory": "lots", "cpu_reserve": "lots",
+               "gpu_reserve": "lots", "max_pinned_bytes": "lots", "nvme_path": ""}
+    for name in StrongholdConfig.field_names():
+        for bad in ([special[name]] if name in special else ["no-such-value", 2.5, -1]):
+            with pytest.raises(ConfigError, match=f"{name}=") as err:
+                StrongholdConfig(**{name: bad})
+            assert isinstance(err.value, ValueError) and isinstance(err.value, TypeError)
+    for name in ("check_fit", "attention_tiling", "pin_memory", "nvme_masters"):  # 1 is not True
+        with pytest.raises(ConfigError, match=f"{name}=1; use True or False"):
+            StrongholdConfig(**{name: 1})
+    for good in (dict(window_size=3, resident=0, device_checkpoints=0, cpu_threads=None, shard_cpu_state=None),
+                 dict(host_worker="inline", speculative_step="off", log_metrics="all", host_grads="compute")):
+        StrongholdConfig(**good)
+
+
 def test_double_offload_refused():
     model = tiny_model("gpt2")
     offload_model(model, StrongholdConfig(window_size=1), device="cpu")
