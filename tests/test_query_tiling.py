@@ -283,3 +283,50 @@ def test_the_estimator_counts_query_tiles_and_the_checkpoints_kept(capsys):
           "--attention_tiling", "true", "--device_checkpoints", "0"])
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert printed["gpu_bytes_needed"] == lean.gpu_bytes_needed
+
+
+def test_the_estimator_counts_the_causal_mask_where_torch_materializes_it():
+    """A query tile's lower-right causal mask costs nothing where a kernel takes it as a flag
+    (CUDA's flash attention in bf16) and ``tile x s`` bytes of a bool mask and its float copy
+    where torch builds it (the CPU: the float copy is what SDPA saves for backward, checked here
+    on the op itself)."""
+    import torch.nn.functional as F
+    import transformers
+    from torch.nn.attention.bias import causal_lower_right
+
+    from stronghold_hf.estimate import estimate
+    from stronghold_hf.estimate.counts import lower_right_mask_bytes
+
+    t, s = 64, 256
+    q = torch.randn(1, 2, t, 32, requires_grad=True)
+    kv = [torch.randn(1, 1, s, 32, requires_grad=True) for _ in range(2)]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
+        F.scaled_dot_product_attention(q, *kv, attn_mask=causal_lower_right(t, s), enable_gqa=True)
+    assert any(x.shape == (t, s) and x.dtype == torch.float32 for x in saved)  # the CPU's mask, materialized
+
+    assert lower_right_mask_bytes("cpu", 4, 2, 1, 32) == 5 and lower_right_mask_bytes("cpu", 2, 32, 8, 128) == 3
+    assert lower_right_mask_bytes("cuda", 2, 32, 8, 128) == 0  # flash, grouped heads and all
+    assert lower_right_mask_bytes("cuda", 4, 32, 32, 128) == 0  # memory-efficient, no grouped heads
+    assert lower_right_mask_bytes("cuda", 4, 32, 8, 128) == 5 + 2 * 32 * 4  # the math kernel's scores too
+
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1 << 15)
+    seq, tile = 16384, 1024
+
+    def layer_peak(device):
+        return estimate(config, seq_len=seq, batch_size=1, dtype="fp32", gpu_memory_bytes=1 << 40,
+                        cpu_memory_bytes=1 << 40, gradient_checkpointing=True, auto_class="causal_lm",
+                        attention_tiling=True, tile_tokens=tile, device=device).gpu_layer_peak_bytes
+
+    # fp32 with grouped heads on CUDA is the math kernel's too: compare the CPU with the same
+    # model whose heads are not grouped on CUDA (no mask).
+    assert layer_peak("cpu") - layer_peak("cuda") == tile * seq * (5 - (5 + 2 * 2 * 4))
+    ungrouped = transformers.LlamaConfig(**{**config.to_diff_dict(), "num_key_value_heads": 2})
+    cpu, cuda = (estimate(ungrouped, seq_len=seq, batch_size=1, dtype="fp32", gpu_memory_bytes=1 << 40,
+                          cpu_memory_bytes=1 << 40, gradient_checkpointing=True, auto_class="causal_lm",
+                          attention_tiling=True, tile_tokens=tile, device=d).gpu_layer_peak_bytes for d in ("cpu", "cuda"))
+    assert cpu - cuda == tile * seq * 5
+    with pytest.raises(ValueError, match="device='tpu'"):
+        estimate(config, seq_len=seq, batch_size=1, gpu_memory_bytes=1 << 40, cpu_memory_bytes=1 << 40,
+                 auto_class="causal_lm", device="tpu")

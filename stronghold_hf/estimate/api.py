@@ -81,7 +81,7 @@ def estimate(
     resident: int | bool | str = False, resident_budget_bytes: int | str | None = None,
     attn_implementation: str | None = None, sequence_tiling: bool | str = "auto", tile_tokens: int | str = "auto",
     attention_tiling: bool = False, cpu_reserve: int | str = "auto", gpu_reserve: int | str = "auto",
-    nvme_activations: bool | str = "auto", device_checkpoints: int | str = "auto",
+    nvme_activations: bool | str = "auto", device_checkpoints: int | str = "auto", device: str = "cuda",
 ) -> Estimate:
     """Estimates STRONGHOLD and plain-training memory for a config (built on the meta device).
 
@@ -113,7 +113,12 @@ def estimate(
     ``attention_tiling``: `StrongholdConfig`'s (each causal block in query tiles, counts.layer_memory);
     ``device_checkpoints``: `StrongholdConfig`'s (offloaded checkpointed inputs kept at the turn).
     ``cpu_reserve``, ``gpu_reserve``: `StrongholdConfig`'s headroom ("fits" keeps them free).
+    ``device``: the type of device the engine computes on, ``"cuda"`` or ``"cpu"``: which
+    attention kernels run there (a query tile's causal mask is materialized on the CPU,
+    counts.lower_right_mask_bytes).
     """
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device={device!r}; use \"cuda\" or \"cpu\" (the type of device the engine computes on).")
     model = build_meta_model(model_config, auto_class)
     label = _dtype_label(dtype)
     if label != "fp32":
@@ -130,7 +135,7 @@ def estimate(
         offload_activations=offload_activations, loss_chunk_tokens=loss_chunk_tokens, host_memory=host_memory,
         host_image=host_image, host_grads=host_grads, gradient_accumulation_steps=gradient_accumulation_steps,
         nvme_memory_bytes=None if nvme_memory_bytes is None else parse_memory(nvme_memory_bytes),
-        nvme=nvme, nvme_masters=nvme_masters, nvme_activations=nvme_activations,
+        nvme=nvme, nvme_masters=nvme_masters, nvme_activations=nvme_activations, device_type=device,
     )
 
 
@@ -190,4 +195,6 @@ def estimate_for_model(
         loss_chunk_tokens=loss_chunk_tokens, host_memory=host_memory, host_image=host_image, host_grads=host_grads,
         gradient_accumulation_steps=gradient_accumulation_steps, nvme_memory_bytes=nvme_memory_bytes, nvme=nvme,
         nvme_ring_buffers=nvme_ring_buffers, nvme_masters=nvme_masters, nvme_activations=nvme_activations,
+        device_type=torch.device(device).type if device is not None and not isinstance(device, int) else (
+            "cuda" if isinstance(device, int) or torch.cuda.is_available() else "cpu"),
     )

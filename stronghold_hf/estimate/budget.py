@@ -59,7 +59,7 @@ from ..discovery import find_block_stacks
 from ..transfer import FETCH_STAGING_BUFFERS  # host_image=False: the ring that replaces the image
 from .counts import (
     ADAM_STATE_BYTES, CPU_PROCESS_BYTES, GPU_WORKSPACE_PERCENT, LOGIT_BYTES, _NBYTES,
-    _Counts, _gib, activation_saves, layer_memory, mlp_tile_tokens, query_tile_tokens, uses_rotary,
+    _Counts, _gib, activation_saves, layer_memory, lower_right_mask_bytes, mlp_tile_tokens, query_tile_tokens, uses_rotary,
 )
 from .report import Estimate
 
@@ -105,7 +105,7 @@ def _assemble(
     nvme: bool | str = "auto", nvme_ring_buffers: int = 3, nvme_masters: bool | str = "auto", split: Any = None,
     attention: str = "eager", sequence_tiling: bool | str = "auto", tile_tokens: int | str = "auto",
     attention_tiling: bool = False, device_checkpoints: int | str = "auto", cpu_reserve: int | str = "auto", gpu_reserve: int | str = "auto",
-    nvme_activations: bool | str = "auto",
+    nvme_activations: bool | str = "auto", device_type: str = "cuda",
 ) -> Estimate:
     if nvme not in (True, False, "auto"):
         raise ValueError(f"nvme={nvme!r}; use \"auto\", True or False.")
@@ -179,15 +179,19 @@ def _assemble(
             saves = activation_saves(config)
             tile = mlp_tile_tokens(sequence_tiling, tile_tokens, s, batch_size,
                                    ((4 if layer.gated_mlp else 2) + saves) * (ffn or 4 * h) * c)
+            mask_pair = 0
             if attention_tiling:  # the whole block in query tiles (the MLP runs inside one)
                 tile = query_tile_tokens(tile_tokens, s)
+                if attention == "sdpa":  # flash implementations take no mask; eager is not tiled
+                    mask_pair = lower_right_mask_bytes(device_type, c, a, _cfg(config, "num_key_value_heads"),
+                                                       _cfg(config, "head_dim", "d_kv") or h // a)
             tiles.append(tile)
             layers.append(layer_memory(
                 s, batch_size, h, a, nbytes=c, ffn=ffn, head_dim=_cfg(config, "head_dim", "d_kv"),
                 kv_heads=_cfg(config, "num_key_value_heads"), gated_mlp=layer.gated_mlp,
                 cross_attention=layer.cross_attention, s_kv=seq_len, attention=attention,
                 dropout=_has_dropout(config), tile_tokens=tile, rotary=uses_rotary(config), activation_saves=saves,
-                attention_tiling=attention_tiling,
+                attention_tiling=attention_tiling, mask_pair_bytes=mask_pair,
             ))
             inputs.append(s * batch_size * h * c)
         worst = max(layers, key=lambda m: m.peak)

@@ -192,6 +192,24 @@ def query_tile_tokens(tile_tokens: int | str, seq_len: int) -> int | None:
     return tile if tile < seq_len else None
 
 
+def lower_right_mask_bytes(device_type: str, nbytes: int, heads: int, kv_heads: int | None, head_dim: int) -> int:
+    """Bytes per (query, key) pair one query tile's attention materializes for its causal mask.
+
+    query_tiling.py hands SDPA torch's lower-right `CausalBias` (a tile's queries are the last
+    of the keys). torch runs it without a mask where a kernel takes the alignment as a flag:
+    CUDA's flash attention (16-bit, heads up to 256 wide, grouped heads too) and its
+    memory-efficient kernel (not with grouped heads). Elsewhere (the CPU; CUDA in fp32 with
+    grouped heads) it builds the bool mask, ``tile x keys``, which SDPA turns into an additive
+    mask of the query's dtype: ``1 + nbytes``. On CUDA that fallback is also the math kernel,
+    which holds the scores and their softmax (``2 x heads x nbytes`` more; not yet measured)."""
+    grouped = (kv_heads or heads) != heads
+    if device_type == "cuda":
+        if (nbytes == 2 and head_dim <= 256) or not grouped:
+            return 0
+        return 1 + nbytes + 2 * heads * nbytes
+    return 1 + nbytes
+
+
 #: Activation functions transformers writes as several ops, and the ffn-wide tensors each saves
 #: for backward beyond its input (``gelu_new``: tanh's output, ``0.5 * x`` and ``1 + tanh``).
 _ACTIVATION_SAVES = {"gelu_new": 3, "gelu_fast": 3, "quick_gelu": 1, "gelu_python": 2}
@@ -241,7 +259,7 @@ def layer_memory(
     s: int, b: int, h: int, a: int, *, nbytes: int, ffn: int | None = None, head_dim: int | None = None,
     kv_heads: int | None = None, gated_mlp: bool = False, cross_attention: bool = False, s_kv: int | None = None,
     attention: str = "eager", dropout: bool = True, tile_tokens: int | None = None, rotary: bool = False,
-    activation_saves: int = 0, attention_tiling: bool = False,
+    activation_saves: int = 0, attention_tiling: bool = False, mask_pair_bytes: int = 0,
 ) -> LayerMemory:
     """One transformer layer's activations (Korthikanti et al. 2022, generalised; see the
     module docstring). ``attention``: one of `ATTENTION_KINDS`; ``tile_tokens``: the MLP runs
@@ -254,7 +272,8 @@ def layer_memory(
     query_tiling.py): per token only the block's input, K and V stay between its forward and
     backward; its backward adds the output and input gradients, fp32 sums of K's and V's
     gradients, and, per tile, the prefix of K and V joined to the tile's (a copy) and its
-    gradient.
+    gradient; ``mask_pair_bytes``: what a tile's attention materializes per (query, key) pair
+    for its causal mask (`lower_right_mask_bytes`), at its height the last tile's, ``tile x s``.
 
     With ``nbytes=2``, ``ffn=4h``, plain MHA, eager attention and dropout, ``saved`` is exactly
     ``s*b*h*(34 + 5*a*s/h)``."""
@@ -305,10 +324,13 @@ def layer_memory(
         saved = sum(groups.values())
         # dY and dX; fp32 sums of dK, dV; a tile's copy of the K, V prefix and its gradient; the
         # tile's own backward (its attention core's, or its MLP's ffn-wide gradients).
+        mask = t * s * mask_pair_bytes
         transient = (2 * sb * h * c + sb * 2 * kv * (4 + 2 * c)
-                     + t * max(2 * q + 2 * kv, (2 if gated_mlp else 1) * ffn) * c)
+                     + t * max(2 * q + 2 * kv, (2 if gated_mlp else 1) * ffn) * c) + mask
         name, largest = max(groups.items(), key=lambda kv_: kv_[1])
-        if transient > largest:
+        if mask > max(largest, transient - mask):
+            name, largest = "a query tile's materialized causal mask (tile x s)", mask
+        elif transient > largest:
             name, largest = "the backward's gradients of the block input and output, K and V (whole)", transient
         return LayerMemory(saved=saved, transient=transient, largest=(name, largest))
     saved = sum(groups.values())
