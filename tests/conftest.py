@@ -39,9 +39,14 @@ RSS_TESTS = (
 def pytest_collection_modifyitems(config, items):
     # Parallel workers (pytest-xdist, --dist loadgroup): a module's tests stay on one worker, so
     # its module-scoped fixtures (a launch several tests read) run once; the RSS tests form one
-    # group of their own.
+    # group of their own. A test that shares no fixture with its module may name a group of its
+    # own (``@pytest.mark.xdist_group``), so that a long module can be spread over both workers.
     for item in items:
-        group = "rss" if any(name in item.name for name in RSS_TESTS) else item.module.__name__
+        if any(name in item.name for name in RSS_TESTS):
+            group = "rss"
+        else:
+            own = item.get_closest_marker("xdist_group")
+            group = own.args[0] if own is not None else item.module.__name__
         item.add_marker(pytest.mark.xdist_group(group))
     if torch.cuda.is_available():
         return

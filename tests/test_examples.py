@@ -355,16 +355,25 @@ MISSING_MODEL_BOUND_S = 15.0
 SCRIPTS = ["run_clm.py", "run_mlm.py", "run_t5_mlm.py", "run_glue.py", "run_clm_no_trainer.py", "run_seq2seq.py"]
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_missing_model_path_fails_fast_offline(example_env, tmp_path, script):
-    """A wrong --model_name_or_path fails at once, naming the path and why it cannot be downloaded."""
-    start = time.perf_counter()
-    proc = run_failing(example_env, script, "--model_name_or_path", "outputs/no_such_model",
-                       "--output_dir", str(tmp_path / "out"), cwd=tmp_path)
-    elapsed = time.perf_counter() - start
-    assert elapsed < MISSING_MODEL_BOUND_S, f"{script} took {elapsed:.1f} s to fail"
-    assert "--model_name_or_path 'outputs/no_such_model' is not a local directory" in proc.stderr, proc.stderr[-3000:]
-    assert "the hub is offline (HF_HUB_OFFLINE=1)" in proc.stderr
+def test_missing_model_path_fails_fast_offline(example_env, tmp_path):
+    """A wrong --model_name_or_path fails at once in every script, naming the path and why it
+    cannot be downloaded. The scripts run one after another in one process (each as ``__main__``
+    with its own argv), so the imports are paid once; each must fail within the bound after
+    them. (The test below times a whole subprocess, imports included.)"""
+    runs = [[script, ["--model_name_or_path", "outputs/no_such_model", "--output_dir", str(tmp_path / script)]]
+            for script in SCRIPTS]
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "scripts" / "run_each_failing.py"),
+                           json.dumps(runs)], env=example_env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=SCRIPT_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert list(results) == SCRIPTS
+    for script, r in results.items():
+        assert r["failed"], f"{script} did not fail"
+        assert r["seconds"] < MISSING_MODEL_BOUND_S, f"{script} took {r['seconds']:.1f} s to fail"
+        assert "--model_name_or_path 'outputs/no_such_model' is not a local directory" in r["stderr"], (
+            script, r["stderr"][-3000:])
+        assert "the hub is offline (HF_HUB_OFFLINE=1)" in r["stderr"], script
 
 
 def test_missing_model_path_fails_fast_when_the_hub_is_unreachable(example_env, tmp_path):
