@@ -36,17 +36,30 @@ RSS_TESTS = (
 )
 
 
+def _shares_a_module_fixture(item) -> bool:
+    """Whether ``item`` uses a fixture made once per module (a launch several tests read)."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    return any(d.scope in ("module", "package", "class") for defs in info.name2fixturedefs.values() for d in defs)
+
+
 def pytest_collection_modifyitems(config, items):
-    # Parallel workers (pytest-xdist, --dist loadgroup): a module's tests stay on one worker, so
-    # its module-scoped fixtures (a launch several tests read) run once; the RSS tests form one
-    # group of their own. A test that shares no fixture with its module may name a group of its
-    # own (``@pytest.mark.xdist_group``), so that a long module can be spread over both workers.
+    # Parallel workers (pytest-xdist, --dist loadgroup): the tests of a module that share a
+    # module-scoped fixture stay on one worker, so the fixture runs once; the RSS tests form one
+    # group of their own; every other test is a unit of its own, so the two workers balance by
+    # test, not by module. A test may also name its group (``@pytest.mark.xdist_group``).
     for item in items:
         if any(name in item.name for name in RSS_TESTS):
             group = "rss"
         else:
             own = item.get_closest_marker("xdist_group")
-            group = own.args[0] if own is not None else item.module.__name__
+            if own is not None:
+                group = own.args[0]
+            elif _shares_a_module_fixture(item):
+                group = item.module.__name__
+            else:
+                continue
         item.add_marker(pytest.mark.xdist_group(group))
     if torch.cuda.is_available():
         return
