@@ -17,6 +17,8 @@ tile's own keys and values must receive the gradients of every later tile's atte
 those tiles came first, so their contributions wait in ``dK``/``dV``; the earlier tiles' keys
 and values are leaves whose gradients join ``dK``/``dV`` for the tiles still to come. What a
 tile holds is ``O(T)`` beyond the keys, values and their gradients, whatever the length.
+The tiles write their own keys and values into the whole-length buffers and attend to a view
+of the buffers' first ``t1`` tokens (`_JoinInPlace`): the prefix is never copied.
 
 Nothing is chosen by class name. A block is tiled only if `probe` shows, on a prefix of its
 real input, that running it in tiles gives the rows of running it whole: a bidirectional block
@@ -50,13 +52,19 @@ CACHE_ARGS = ("cache", "past_key_values", "past_key_value")
 
 
 class _TileCache:
-    """What a block's attention sees as ``past_key_values`` for one tile: the keys and values of
-    the tiles before (``prefix_k``/``prefix_v``, ``[b, heads, t0, d]``, or None for the first),
-    and, after the call, the tile's own (``new_k``/``new_v``, as its attention made them)."""
+    """What a block's attention sees as ``past_key_values`` for one tile ``[t0, t1)``: its
+    `update` writes the tile's keys and values into whole-sequence buffers (``keys``/``values``,
+    ``[b, heads, s, d]``, made at the first tile's call when None) and returns the buffers' first
+    ``t1`` tokens, the tiles before included: the prefix is joined in place, never copied (a
+    copy of it was ``s`` tokens of K and V per call). It keeps the tile's own keys and values as
+    the attention made them (``new_k``/``new_v``). ``prefix_k``/``prefix_v``: in a pass with
+    grad, the buffers' first ``t0`` tokens as leaves, whose gradients the join gives back."""
 
     is_compileable = False
 
-    def __init__(self, prefix_k: Tensor | None, prefix_v: Tensor | None) -> None:
+    def __init__(self, keys: Tensor | None, values: Tensor | None, t0: int, length: int,
+                 prefix_k: Tensor | None = None, prefix_v: Tensor | None = None) -> None:
+        self.keys, self.values, self.t0, self.length = keys, values, t0, length
         self.prefix_k, self.prefix_v = prefix_k, prefix_v
         self.new_k: Tensor | None = None
         self.new_v: Tensor | None = None
@@ -65,12 +73,40 @@ class _TileCache:
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int = 0, *args, **kwargs) -> tuple[Tensor, Tensor]:
         self.calls += 1
         self.new_k, self.new_v = key_states, value_states
-        if self.prefix_k is None:
-            return key_states, value_states
-        return torch.cat([self.prefix_k, key_states], dim=-2), torch.cat([self.prefix_v, value_states], dim=-2)
+        if self.keys is None:
+            self.keys = key_states.new_empty((*key_states.shape[:-2], self.length, key_states.shape[-1]))
+            self.values = value_states.new_empty((*value_states.shape[:-2], self.length, value_states.shape[-1]))
+        if self.prefix_k is not None and torch.is_grad_enabled():
+            return (_JoinInPlace.apply(self.keys, self.prefix_k, key_states),
+                    _JoinInPlace.apply(self.values, self.prefix_v, value_states))
+        t0, t1 = self.t0, self.t0 + key_states.shape[-2]
+        with torch.no_grad():
+            self.keys[..., t0:t1, :].copy_(key_states)
+            self.values[..., t0:t1, :].copy_(value_states)
+        if not torch.is_grad_enabled() or not (key_states.requires_grad or value_states.requires_grad):
+            return self.keys[..., :t1, :], self.values[..., :t1, :]
+        return key_states, value_states  # the first tile, with grad: its own keys are the whole prefix
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0 if self.prefix_k is None else self.prefix_k.shape[-2]
+        return self.t0
+
+
+class _JoinInPlace(torch.autograd.Function):
+    """``cat([prefix, new], -2)`` without the copy: ``prefix`` is ``buffer[..., :t0, :]`` (a leaf
+    view), ``new`` is written into ``buffer[..., t0:t1, :]``, and the result is
+    ``buffer[..., :t1, :]``. Its gradient splits into the two parts as views."""
+
+    @staticmethod
+    def forward(ctx, buffer: Tensor, prefix: Tensor, new: Tensor) -> Tensor:
+        t0, t1 = prefix.shape[-2], prefix.shape[-2] + new.shape[-2]
+        buffer[..., t0:t1, :].copy_(new)
+        ctx.t0 = t0
+        return buffer[..., :t1, :]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        return None, grad[..., : ctx.t0, :], grad[..., ctx.t0 :, :]
 
 
 @dataclass(frozen=True)
@@ -283,18 +319,15 @@ class QueryTiledBlock(torch.autograd.Function):
         rng = []
         for t0, t1 in _tiles(s, tile_tokens):
             rng.append(_rng_state(x.device) if preserve_rng else None)
-            cache = _TileCache(None if keys is None else keys[..., :t0, :], None if values is None else values[..., :t0, :])
+            cache = _TileCache(keys, values, t0, s)  # the tile's keys and values go into the whole buffers
             yt = _call(forward, module, cut, x[:, t0:t1].contiguous(), kwargs, t0, t1, cache)
             if cache.calls != 1:
                 raise RuntimeError(f"query tiling: the block stored keys and values {cache.calls} times in one call; "
                                    "set attention_tiling=False")
             if out is None:
                 out = yt.new_empty((yt.shape[0], s, *yt.shape[2:]))
-                keys = cache.new_k.new_empty((*cache.new_k.shape[:-2], s, cache.new_k.shape[-1]))
-                values = cache.new_v.new_empty((*cache.new_v.shape[:-2], s, cache.new_v.shape[-1]))
+                keys, values = cache.keys, cache.values
             out[:, t0:t1] = yt
-            keys[..., t0:t1, :] = cache.new_k
-            values[..., t0:t1, :] = cache.new_v
         ctx.rng = rng
         ctx.save_for_backward(x, keys, values)
         if cut.model_cache is not None:
@@ -321,9 +354,11 @@ class QueryTiledBlock(torch.autograd.Function):
                 t0, t1 = tiles[index]
                 with _replayed_rng(ctx.rng[index]):
                     xt = x[:, t0:t1].detach().contiguous().requires_grad_(need_x)
+                    # The prefix as leaves over the saved keys and values: the tile's own are
+                    # written after them (the same values again) and joined without a copy.
                     pk = keys[..., :t0, :].detach().requires_grad_() if t0 else None
                     pv = values[..., :t0, :].detach().requires_grad_() if t0 else None
-                    cache = _TileCache(pk, pv)
+                    cache = _TileCache(keys, values, t0, s, pk, pv)
                     yt = _call(ctx.forward, ctx.module, ctx.cut, xt.view_as(xt) if need_x else xt, ctx.kwargs, t0, t1,
                                cache)
                 outputs = [yt, cache.new_k, cache.new_v]

@@ -330,3 +330,30 @@ def test_the_estimator_counts_the_causal_mask_where_torch_materializes_it():
     with pytest.raises(ValueError, match="device='tpu'"):
         estimate(config, seq_len=seq, batch_size=1, gpu_memory_bytes=1 << 40, cpu_memory_bytes=1 << 40,
                  auto_class="causal_lm", device="tpu")
+
+
+def test_the_tiles_join_the_key_prefix_in_place_with_cats_gradients():
+    """A tile attends to a view of the whole-length key and value buffers, not to a copy of the
+    prefix; the join's gradients are ``torch.cat``'s, split between the prefix and the tile."""
+    from stronghold_hf.query_tiling import _TileCache
+
+    keys, values = torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 4)
+    new_k, new_v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)
+    with torch.no_grad():  # the forward's pass: a view of the buffers, the tile written into them
+        k, v = _TileCache(keys, values, 4, 10).update(new_k, new_v)
+    assert k.data_ptr() == keys.data_ptr() and k.shape[-2] == 7 and torch.equal(keys[..., 4:7, :], new_k)
+    # With grad (the backward's pass): the prefix as a leaf over the buffer, the tile's own keys
+    # from the graph; the same gradients as a cat, and still no copy.
+    prefix = keys[..., :4, :].detach().requires_grad_()
+    own = new_k.clone().requires_grad_()
+    joined, _ = _TileCache(keys, values, 4, 10, prefix, values[..., :4, :].detach().requires_grad_()).update(
+        own, new_v.clone().requires_grad_())
+    assert joined.data_ptr() == keys.data_ptr()
+    weight = torch.randn(1, 2, 7, 4)
+    (joined * weight).sum().backward()
+    ref_prefix, ref_own = prefix.detach().clone().requires_grad_(), new_k.clone().requires_grad_()
+    (torch.cat([ref_prefix, ref_own], dim=-2) * weight).sum().backward()
+    assert torch.equal(prefix.grad, ref_prefix.grad) and torch.equal(own.grad, ref_own.grad)
+    # The first tile (nothing before it), with grad: its own keys, as the attention made them.
+    first, _ = _TileCache(None, None, 0, 10).update(own, new_v)
+    assert first is own

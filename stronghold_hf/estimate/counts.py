@@ -271,8 +271,8 @@ def layer_memory(
     keys and values of the tokens before (``StrongholdConfig.attention_tiling``,
     query_tiling.py): per token only the block's input, K and V stay between its forward and
     backward; its backward adds the output and input gradients, fp32 sums of K's and V's
-    gradients, and, per tile, the prefix of K and V joined to the tile's (a copy) and its
-    gradient; ``mask_pair_bytes``: what a tile's attention materializes per (query, key) pair
+    gradients, and, per tile, the gradient of the K and V it attends to (the prefix is joined in
+    place, not copied); ``mask_pair_bytes``: what a tile's attention materializes per (query, key) pair
     for its causal mask (`lower_right_mask_bytes`), at its height the last tile's, ``tile x s``.
 
     With ``nbytes=2``, ``ffn=4h``, plain MHA, eager attention and dropout, ``saved`` is exactly
@@ -322,10 +322,11 @@ def layer_memory(
             "one query tile of the block": t * (4 * h + 3 * q + 2 * kv + wide) * c,
         }
         saved = sum(groups.values())
-        # dY and dX; fp32 sums of dK, dV; a tile's copy of the K, V prefix and its gradient; the
-        # tile's own backward (its attention core's, or its MLP's ffn-wide gradients).
+        # dY and dX; fp32 sums of dK, dV; the gradient of a tile's joined K, V (the join itself is
+        # in place: query_tiling._JoinInPlace); the tile's own backward (its attention core's, or
+        # its MLP's ffn-wide gradients).
         mask = t * s * mask_pair_bytes
-        transient = (2 * sb * h * c + sb * 2 * kv * (4 + 2 * c)
+        transient = (2 * sb * h * c + sb * 2 * kv * (4 + c)
                      + t * max(2 * q + 2 * kv, (2 if gated_mlp else 1) * ffn) * c) + mask
         name, largest = max(groups.items(), key=lambda kv_: kv_[1])
         if mask > max(largest, transient - mask):
