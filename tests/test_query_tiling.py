@@ -327,6 +327,11 @@ def test_the_estimator_counts_the_causal_mask_where_torch_materializes_it():
                           cpu_memory_bytes=1 << 40, gradient_checkpointing=True, auto_class="causal_lm",
                           attention_tiling=True, tile_tokens=tile, device=d).gpu_layer_peak_bytes for d in ("cpu", "cuda"))
     assert cpu - cuda == tile * seq * 5
+    from stronghold_hf.estimate import main
+
+    with pytest.raises(SystemExit):  # the CLI names the choices
+        main(["--model_type", "llama", "--seq_len", "64", "--batch_size", "1", "--gpu_memory", "8GB",
+              "--cpu_memory", "8GB", "--device", "tpu"])
     with pytest.raises(ValueError, match="device='tpu'"):
         estimate(config, seq_len=seq, batch_size=1, gpu_memory_bytes=1 << 40, cpu_memory_bytes=1 << 40,
                  auto_class="causal_lm", device="tpu")

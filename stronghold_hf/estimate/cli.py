@@ -145,6 +145,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--gpu_reserve", type=reserve, default="auto",
                         help="GPU memory left free for the CUDA context, library workspaces and fragmentation "
                         "(default auto: the larger of 2 GiB and 5%% of --gpu_memory)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="the type of device the engine computes on (default cuda): which attention kernels "
+                        "run there (a query tile's causal mask is materialized on the CPU)")
     parser.add_argument("--check", action="store_true", help="exit with status 3 when STRONGHOLD does not fit")
     args = parser.parse_args(argv)
 
@@ -166,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             attn_implementation=args.attn_implementation, sequence_tiling=args.sequence_tiling,
             tile_tokens=args.tile_tokens, attention_tiling=args.attention_tiling,
             device_checkpoints=args.device_checkpoints, cpu_reserve=args.cpu_reserve,
-            gpu_reserve=args.gpu_reserve,
+            gpu_reserve=args.gpu_reserve, device=args.device,
         )
     except (ValueError, OSError, KeyError) as err:
         parser.error(str(err))
