@@ -355,10 +355,12 @@ class QueryTiledBlock(torch.autograd.Function):
                 with _replayed_rng(ctx.rng[index]):
                     xt = x[:, t0:t1].detach().contiguous().requires_grad_(need_x)
                     # The prefix as leaves over the saved keys and values: the tile's own are
-                    # written after them (the same values again) and joined without a copy.
+                    # written after them (the same values again) and joined without a copy,
+                    # through ``.data`` (a version counter of its own), so that the saved
+                    # tensors read as unmodified to a retained graph's second backward.
                     pk = keys[..., :t0, :].detach().requires_grad_() if t0 else None
                     pv = values[..., :t0, :].detach().requires_grad_() if t0 else None
-                    cache = _TileCache(keys, values, t0, s, pk, pv)
+                    cache = _TileCache(keys.data, values.data, t0, s, pk, pv)
                     yt = _call(ctx.forward, ctx.module, ctx.cut, xt.view_as(xt) if need_x else xt, ctx.kwargs, t0, t1,
                                cache)
                 outputs = [yt, cache.new_k, cache.new_v]

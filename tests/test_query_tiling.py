@@ -362,3 +362,29 @@ def test_the_tiles_join_the_key_prefix_in_place_with_cats_gradients():
     # The first tile (nothing before it), with grad: its own keys, as the attention made them.
     first, _ = _TileCache(None, None, 0, 10).update(own, new_v)
     assert first is own
+
+
+def test_a_retained_graph_runs_its_backward_twice_as_untiled():
+    """``backward(retain_graph=True)`` then ``backward()`` through query-tiled blocks: the tiles'
+    in-place joins leave the saved keys and values reading as unmodified, and the gradients
+    (twice the step's) are the untiled engine's."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1)
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 64, (1, 16))
+    grads = {}
+    for tiled in (False, True):
+        model = transformers.LlamaForCausalLM(cfg)
+        model.load_state_dict(base.state_dict())
+        engine = offload_model(model, StrongholdConfig(window_size=1, attention_tiling=tiled, tile_tokens=4), device="cpu")
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward(retain_graph=True)
+        loss.backward()
+        engine.synchronize()
+        grads[tiled] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        engine.close()
+    for name, g in grads[False].items():
+        torch.testing.assert_close(grads[True][name], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
