@@ -16,11 +16,11 @@ import pickle
 
 import pytest
 import torch
-from transformers import DynamicCache, HfArgumentParser, Trainer, TrainingArguments
+from transformers import DynamicCache
 
-from stronghold_hf import StrongholdConfig, StrongholdTrainer, StrongholdTrainingArguments, offload_model
+from stronghold_hf import StrongholdConfig, offload_model
 from stronghold_hf.query_tiling import QueryTiling, installed
-from tiny_models import batch, engine_losses, tiny_model
+from tiny_models import batch, engine_losses, logged_losses, plain_and_stronghold_trainers, tiny_model
 
 LR = 1e-2
 ADAM_SLACK = 0.02 * LR * 4  # test_trainer.py: Adam turns rounding noise of ~0 gradients into lr-sized steps
@@ -155,22 +155,13 @@ _ARGS = ["--per_device_train_batch_size", "2", "--max_steps", "3", "--learning_r
 
 
 def test_trainer_through_hf_argument_parser(tmp_path):
-    (args,) = HfArgumentParser(StrongholdTrainingArguments).parse_args_into_dataclasses(
-        ["--output_dir", str(tmp_path / "sh"), "--stronghold", "--stronghold_config",
-         '{"attention_tiling": true, "tile_tokens": 6}', *_ARGS])
+    args, plain, trainer, model = plain_and_stronghold_trainers(
+        tmp_path, '{"attention_tiling": true, "tile_tokens": 6}', _ARGS, _Data())
     assert args.stronghold_config_resolved.attention_tiling is True
-    (plain_args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
-        ["--output_dir", str(tmp_path / "plain"), *_ARGS])
-    reference = tiny_model("llama")
-    model = copy.deepcopy(reference)
-    plain = Trainer(model=reference, args=plain_args, train_dataset=_Data())
-    plain.train()
-    plain_losses = [h["loss"] for h in plain.state.log_history if "loss" in h]
-    trainer = StrongholdTrainer(model=model, args=args, train_dataset=_Data())
-    trainer.train()
+    plain_losses = logged_losses(plain)
     tiling = installed(model)
     assert tiling is not None and tiling.calls == 3 * 3, tiling.verdicts  # three blocks, three steps
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    losses = logged_losses(trainer)
     assert len(losses) == 3 and losses == pytest.approx(plain_losses, rel=1e-4)
 
 

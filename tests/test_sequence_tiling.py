@@ -24,14 +24,13 @@ import sys
 import pytest
 import torch
 from torch import nn
-from transformers import HfArgumentParser, Trainer, TrainingArguments
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
-from stronghold_hf import StrongholdConfig, StrongholdTrainer, StrongholdTrainingArguments, offload_model
+from stronghold_hf import StrongholdConfig, offload_model
 from stronghold_hf import tiling
 from stronghold_hf.tiling import SequenceTiling, TiledForward, probe, resolve_tile_tokens, tiled_modules
 from live_casts import LiveCasts
-from tiny_models import batch, engine_losses, tiny_config, tiny_model
+from tiny_models import batch, engine_losses, logged_losses, plain_and_stronghold_trainers, tiny_config, tiny_model
 
 FAMILIES = ["llama", "qwen2", "mistral", "gemma2", "gpt2", "bert", "t5"]
 SEQ = 16  # T5's decoder gets 8 tokens (tiny_models.batch): enough for the probe
@@ -419,24 +418,13 @@ _ARGS = ["--per_device_train_batch_size", "2", "--max_steps", "3", "--learning_r
 
 
 def test_trainer_through_hf_argument_parser(tmp_path):
-    parser = HfArgumentParser(StrongholdTrainingArguments)
-    (args,) = parser.parse_args_into_dataclasses(
-        ["--output_dir", str(tmp_path / "sh"), "--stronghold", "--stronghold_config",
-         '{"sequence_tiling": true, "tile_tokens": 4}', *_ARGS])
+    args, plain, trainer, model = plain_and_stronghold_trainers(
+        tmp_path, '{"sequence_tiling": true, "tile_tokens": 4}', _ARGS, _Data())
     assert args.stronghold_config_resolved.sequence_tiling is True
     assert args.stronghold_config_resolved.tile_tokens == 4
-    (plain_args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
-        ["--output_dir", str(tmp_path / "plain"), *_ARGS])
-    reference = tiny_model("llama")
-    model = copy.deepcopy(reference)
-    plain = Trainer(model=reference, args=plain_args, train_dataset=_Data())
-    plain.train()
-    trainer = StrongholdTrainer(model=model, args=args, train_dataset=_Data())
-    trainer.train()
     calls = {name: site.calls for name, site in tiled_modules(model).items()}
     assert calls and all(c == 3 for c in calls.values())  # one tiled call per step
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    assert losses == pytest.approx([h["loss"] for h in plain.state.log_history if "loss" in h], rel=1e-4)
+    assert logged_losses(trainer) == pytest.approx(logged_losses(plain), rel=1e-4)
 
 
 _SCRIPT = """

@@ -102,3 +102,29 @@ def engine_losses(model, engine, family: str, *, lr: float, steps: int = 2, seq:
         opt.zero_grad()
     engine.synchronize()
     return losses
+
+
+def plain_and_stronghold_trainers(tmp_path, stronghold_config: str, argv: list[str], dataset, family: str = "llama"):
+    """The user's path for a `StrongholdConfig` option: ``--stronghold --stronghold_config JSON``
+    through ``HfArgumentParser``, next to the plain ``Trainer`` on the same ``argv``, model and
+    data; both trained. Returns the stronghold arguments, the two trainers and the stronghold
+    trainer's model."""
+    import copy
+
+    from stronghold_hf import StrongholdTrainer, StrongholdTrainingArguments
+
+    (args,) = T.HfArgumentParser(StrongholdTrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path / "sh"), "--stronghold", "--stronghold_config", stronghold_config, *argv])
+    (plain_args,) = T.HfArgumentParser(T.TrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path / "plain"), *argv])
+    reference = tiny_model(family)
+    model = copy.deepcopy(reference)
+    plain = T.Trainer(model=reference, args=plain_args, train_dataset=dataset)
+    plain.train()
+    trainer = StrongholdTrainer(model=model, args=args, train_dataset=dataset)
+    trainer.train()
+    return args, plain, trainer, model
+
+
+def logged_losses(trainer) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
