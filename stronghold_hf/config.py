@@ -12,6 +12,7 @@ the same strings, and this module imports nothing of ours.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -120,34 +121,29 @@ _LEAST_INT = {"window_size": 1, "loss_chunk_tokens": 1, "tile_tokens": 1, "devic
               "cpu_threads": 1, "grad_buffers": 1, "nvme_ring_buffers": 2, "nvme_io_threads": 1, "resident": 0}
 
 
+@functools.cache
 def _annotation_rules() -> dict[str, tuple[tuple, int | None]]:
     """For each field annotated only with bools, ints, None and ``Literal`` values: the values
     it takes and the least int it takes (None: no ints). Worked out once from the annotations,
     so a new field of that kind is checked without code of its own."""
-    global _RULES
-    if _RULES is None:
-        rules = {}
-        for name, hint in typing.get_type_hints(StrongholdConfig).items():
-            values: list = []
-            takes_int = False
-            for part in (hint,) if typing.get_origin(hint) is Literal else typing.get_args(hint) or (hint,):
-                if part is bool:
-                    values += [True, False]
-                elif part is int:
-                    takes_int = True
-                elif part is type(None):
-                    values.append(None)
-                elif typing.get_origin(part) is Literal:
-                    values += typing.get_args(part)
-                else:
-                    break  # a str, a dtype, a tuple: parsed by __post_init__ itself
+    rules = {}
+    for name, hint in typing.get_type_hints(StrongholdConfig).items():
+        values: list = []
+        takes_int = False
+        for part in (hint,) if typing.get_origin(hint) is Literal else typing.get_args(hint) or (hint,):
+            if part is bool:
+                values += [True, False]
+            elif part is int:
+                takes_int = True
+            elif part is type(None):
+                values.append(None)
+            elif typing.get_origin(part) is Literal:
+                values += typing.get_args(part)
             else:
-                rules[name] = (tuple(values), _LEAST_INT[name] if takes_int else None)
-        _RULES = rules
-    return _RULES
-
-
-_RULES: dict[str, tuple[tuple, int | None]] | None = None
+                break  # a str, a dtype, a tuple: parsed by __post_init__ itself
+        else:
+            rules[name] = (tuple(values), _LEAST_INT[name] if takes_int else None)
+    return rules
 
 
 def _check_annotated(name: str, value: Any, values: tuple, least: int | None) -> None:

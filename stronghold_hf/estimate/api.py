@@ -33,6 +33,13 @@ def _dtype_label(dtype: str | torch.dtype) -> str:
     return _DTYPE_LABEL[parse_dtype(dtype, field_name="dtype")]
 
 
+def _device_type(device: torch.device | str | int | None) -> str:
+    """The type of ``device`` (an int is a CUDA index; None: CUDA where there is one)."""
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if isinstance(device, int) else torch.device(device).type
+
+
 def _estimate_built(
     model: nn.Module, config: Any, label: str, block_classes: Sequence[str] | None, *, window_size: int | str | None,
     gpu_memory_bytes: int | None, grad_buffers: int, offload_non_block: bool, resident: int | bool | str,
@@ -195,6 +202,5 @@ def estimate_for_model(
         loss_chunk_tokens=loss_chunk_tokens, host_memory=host_memory, host_image=host_image, host_grads=host_grads,
         gradient_accumulation_steps=gradient_accumulation_steps, nvme_memory_bytes=nvme_memory_bytes, nvme=nvme,
         nvme_ring_buffers=nvme_ring_buffers, nvme_masters=nvme_masters, nvme_activations=nvme_activations,
-        device_type=torch.device(device).type if device is not None and not isinstance(device, int) else (
-            "cuda" if isinstance(device, int) or torch.cuda.is_available() else "cpu"),
+        device_type=_device_type(device),
     )
