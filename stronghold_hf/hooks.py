@@ -38,6 +38,8 @@ import torch.utils._pytree as _pytree
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .tiling import ENGINE_HOOK
+
 
 def in_backward() -> bool:
     """Whether autograd is executing a backward pass on this thread right now."""
@@ -290,6 +292,7 @@ def _pre_forward(schedule, u, positions):
     def hook(module, args, kwargs):
         return schedule.on_pre_forward(u, positions, args, kwargs)
 
+    setattr(hook, ENGINE_HOOK, True)  # sequence tiling may tile the module it is on (tiling.py)
     return hook
 
 
@@ -297,6 +300,7 @@ def _post_forward(schedule, u):
     def hook(module, args, kwargs, output):
         return schedule.on_post_forward(u, output)
 
+    setattr(hook, ENGINE_HOOK, True)
     return hook
 
 

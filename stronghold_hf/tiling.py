@@ -410,9 +410,15 @@ def _restore(module: nn.Module) -> None:
 
 def _observed(module: nn.Module) -> bool:
     """Whether hooks watch the module or a submodule (transformers' output recorders, a
-    user's): tiled, they would see each tile instead of the call."""
-    return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-               for m in module.modules())
+    user's): tiled, they would see each tile instead of the call. The engine's own hooks on
+    the module itself do not count: they open and close a unit's use around the whole call
+    (the tiling replaces ``forward``, not ``__call__``), tiled or not; a final norm has them
+    ([Note: tiling outside the blocks])."""
+    for m in module.modules():
+        for hooks in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks):
+            if any(m is not module or not getattr(h, ENGINE_HOOK, False) for h in hooks.values()):
+                return True
+    return False
 
 
 def _block_input(args: tuple, kwargs: dict) -> Tensor | None:
@@ -421,6 +427,35 @@ def _block_input(args: tuple, kwargs: dict) -> Tensor | None:
         if isinstance(value, Tensor) and value.is_floating_point() and value.dim() >= 2:
             return value
     return None
+
+
+#: The attribute that marks a module hook as the engine's own (hooks.py sets it).
+ENGINE_HOOK = "_stronghold_engine_hook"
+
+#: `TileSite.block` of a module outside the blocks ([Note: tiling outside the blocks]).
+_OUTSIDE = -1
+
+
+def _stack_siblings(model: nn.Module, stack, blocks: dict[int, nn.Module]) -> list[tuple[str, nn.Module]]:
+    """[Note: tiling outside the blocks] The modules beside a block stack in the module that
+    holds it, which may be called on the blocks' hidden states: a decoder's final norm
+    (Llama's ``model.norm``, GPT-2's ``transformer.ln_f``, T5's ``final_layer_norm``). Each is
+    swapped into the probing class at the first long forward of a block of its stack, with that
+    block's leading shape, and judged at its own first call like a block's submodules: an RMS
+    norm written in torch saves its input upcast to fp32 and the normalized values (Llama-3-8B
+    at 2M tokens: 48 GiB in bf16), tiled only its input. The embedding (integer ids), the
+    rotary embedding (two tensors) and a dropout (nothing worth saving) are not tiled."""
+    parent_name = stack.fqn.rpartition(".")[0]
+    parent = model.get_submodule(parent_name) if parent_name else model
+    container = model.get_submodule(stack.fqn)
+    found = []
+    for name, child in parent.named_children():
+        if child is container or id(child) in blocks or _never_swapped(child):
+            continue
+        if any(id(m) in blocks for m in child.modules()):
+            continue  # holds blocks (another stack): its own blocks are judged as such
+        found.append((f"{parent_name}.{name}" if parent_name else name, child))
+    return found
 
 
 def _never_swapped(module: nn.Module) -> bool:
@@ -460,6 +495,9 @@ class SequenceTiling:
         self._verdicts: dict[int, list[tuple[str, str, Verdict]]] = {}
         self._probing = 0  # depth of probes running: modules they call run as they are
         self._logged: set[str] = set()
+        # [Note: tiling outside the blocks] block id -> its stack's sibling modules, by name.
+        self._outside: dict[int, list[tuple[str, nn.Module]]] = {}
+        self._outside_judged: set[int] = set()
 
     @classmethod
     def install(cls, model: nn.Module, mode: TilingMode = "auto", tile_tokens: TileTokens = "auto",
@@ -480,7 +518,12 @@ class SequenceTiling:
                              "again.")
         from .discovery import find_block_stacks
 
-        blocks = {id(b): b for stack in find_block_stacks(model, block_classes) for b in stack.blocks}
+        stacks = find_block_stacks(model, block_classes)
+        blocks = {id(b): b for stack in stacks for b in stack.blocks}
+        for stack in stacks:
+            outside = _stack_siblings(model, stack, blocks)
+            for block in stack.blocks:
+                tiling._outside[id(block)] = outside
         for block in blocks.values():  # the forward hook comes with the first long call
             tiling._block_hooks[id(block)] = [block.register_forward_pre_hook(tiling._block_pre, with_kwargs=True)]
         return tiling
@@ -525,6 +568,12 @@ class SequenceTiling:
             m.__dict__[_SITE] = TileSite(self, type(m), id(block), name, lead)
             m.__class__ = _tiling_class(type(m))
             self._swapped[id(m)] = m
+        for name, m in self._outside.get(id(block), ()):
+            if _SITE in m.__dict__ or id(m) in self._outside_judged:
+                continue
+            m.__dict__[_SITE] = TileSite(self, type(m), _OUTSIDE, name, lead)
+            m.__class__ = _tiling_class(type(m))
+            self._swapped[id(m)] = m
 
     def _block_post(self, block: nn.Module, args: tuple, output: Any) -> None:
         verdicts = self._verdicts.pop(id(block), None)
@@ -555,7 +604,11 @@ class SequenceTiling:
                 verdict = probe(site._runner(module, args, kwargs), module, x)
             finally:
                 self._probing -= 1
-        if verdict is not None and site.block in self._verdicts:
+        if site.block == _OUTSIDE:
+            self._outside_judged.add(id(module))  # judged once, at its first long call
+            if verdict is not None:
+                self._log_outside(site.name, site.cls.__name__, verdict)
+        elif verdict is not None and site.block in self._verdicts:
             self._verdicts[site.block].append((site.name, site.cls.__name__, verdict))
         if verdict is None or not verdict.tiled:
             _restore(module)
@@ -578,6 +631,14 @@ class SequenceTiling:
             line += f"; per-token with nothing to save (left as they are): {', '.join(idle)}"
         if unproven:
             line += f"; not proven per-token, left untiled: {'; '.join(unproven)}"
+        if line not in self._logged:
+            self._logged.add(line)
+            logger.info("stronghold: %s", line)
+
+    def _log_outside(self, name: str, cls: str, verdict: Verdict) -> None:
+        what = "tiles" if verdict.tiled else "leaves as it is"
+        line = f"sequence tiling outside the blocks: {what} {name} ({cls})" + (
+            "" if verdict.tiled else f": {verdict.reason}" if not verdict.per_token else ": nothing to save")
         if line not in self._logged:
             self._logged.add(line)
             logger.info("stronghold: %s", line)

@@ -201,12 +201,33 @@ def test_probe_on_llama_names_what_it_tiles(caplog):
         model(**batch("llama", seed=0, seq=SEQ)).loss.backward()
         model(**batch("llama", seed=1, seq=SEQ)).loss.backward()
     layers = model.config.num_hidden_layers
+    # The final norm beside the blocks is judged too ([Note: tiling outside the blocks]).
     assert set(tiled_modules(model)) == {f"model.layers.{i}.{n}" for i in range(layers)
-                                         for n in ("input_layernorm", "post_attention_layernorm", "mlp")}
+                                         for n in ("input_layernorm", "post_attention_layernorm", "mlp")} | {"model.norm"}
     lines = [r.getMessage() for r in caplog.records if "sequence tiling" in r.getMessage()]
-    assert len(lines) == 1, lines  # once, though every block was judged
+    assert len(lines) == 2, lines  # once each, though every block was judged
     assert ("tiles input_layernorm (LlamaRMSNorm), post_attention_layernorm (LlamaRMSNorm), mlp (LlamaMLP); "
             "per-token with nothing to save (left as they are): self_attn.q_proj") in lines[0]
+    assert "outside the blocks: tiles model.norm (LlamaRMSNorm)" in lines[1]
+    # Tiled, the final norm keeps its input for backward, not its fp32 copy and normalized values.
+    norm = model.model.norm
+    x = torch.randn(2, SEQ, model.config.hidden_size, requires_grad=True)
+
+    weights = {p.untyped_storage().data_ptr() for p in norm.parameters()}
+
+    def saved_bytes(run) -> int:  # what backward keeps, by storage, the norm's weight aside
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            run()
+        return sum(n for ptr, n in storages.items() if ptr not in weights)
+
+    assert saved_bytes(lambda: norm(x)) == x.nbytes
+    assert saved_bytes(lambda: type(norm).__mro__[1].forward(norm, x)) >= 2 * x.nbytes  # its plain forward
 
 
 class _CausalMean(nn.Module):

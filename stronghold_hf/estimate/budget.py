@@ -28,9 +28,12 @@ untied head, in the stored dtype for embeddings and norms):
 * GPU, what autograd holds: the block activations (counts.py) and the loss. A causal LM whose head
   the chunked loss reproduces (``chunked_loss.py``) holds one chunk of logits at 16 B per logit
   and, in backward, the head's gradient summed in fp32 (``V x H x 4``, and its cast back when
-  the head computes in 16 bits); otherwise the whole logits at 12 B per logit (compute-dtype
-  logits, the fp32 log-softmax saved for backward, the fp32 gradient, its cast back). Plus
-  the final norm's input and output. A workspace allowance for kernels: `GPU_WORKSPACE_PERCENT`
+  the head computes in 16 bits); otherwise (or when one chunk would hold every token, where
+  the engine runs the plain loss) the whole logits at 12 B per logit (compute-dtype logits,
+  the fp32 log-softmax saved for backward, the fp32 gradient, its cast back). Plus the final
+  norm's input and output (an RMS norm's fp32 copy too, unless sequence tiling tiles it) and
+  the gradient w.r.t. the head's input. The rotary embedding's cos and sin count once, for
+  the whole step. A workspace allowance for kernels: `GPU_WORKSPACE_PERCENT`
   of everything else.
 * Headroom (StrongholdConfig's ``cpu_reserve`` and ``gpu_reserve``, config.py): "fits" means
   the run's bytes plus the reserve fit, on each side; every "auto" choice (the image, the NVMe
@@ -75,6 +78,11 @@ def _cfg(config: Any, *names: str) -> Any:
 #: Config fields that carry a dropout probability: with any of them above 0 the masks are stored.
 _DROPOUT_FIELDS = ("attention_dropout", "hidden_dropout", "hidden_dropout_prob", "attention_probs_dropout_prob",
                    "resid_pdrop", "attn_pdrop", "embd_pdrop", "dropout_rate", "dropout", "activation_dropout")
+
+
+def _rms_norm(config: Any) -> bool:
+    """Whether the model's norms are RMS norms (transformers names their epsilon so)."""
+    return getattr(config, "rms_norm_eps", None) is not None or getattr(config, "model_type", "") in ("t5", "mt5", "umt5")
 
 
 def _has_dropout(config: Any) -> bool:
@@ -191,7 +199,7 @@ def _assemble(
                 kv_heads=_cfg(config, "num_key_value_heads"), gated_mlp=layer.gated_mlp,
                 cross_attention=layer.cross_attention, s_kv=seq_len, attention=attention,
                 dropout=_has_dropout(config), tile_tokens=tile, rotary=uses_rotary(config), activation_saves=saves,
-                attention_tiling=attention_tiling, mask_pair_bytes=mask_pair,
+                attention_tiling=attention_tiling, mask_pair_bytes=mask_pair, rms_norm=_rms_norm(config),
             ))
             inputs.append(s * batch_size * h * c)
         worst = max(layers, key=lambda m: m.peak)
@@ -199,38 +207,51 @@ def _assemble(
         layer_transient = max(m.transient for m in layers)
         # Without checkpointing every layer's saved tensors live until its backward, and the
         # backward of one adds its transient.
-        full = sum(m.saved for m in layers) + max(m.transient for m in layers)
+        # Rotary position embeddings: the model computes cos and sin once per forward and hands
+        # them to every layer, so they live from the first layer's forward to the last backward.
+        head_dim = _cfg(config, "head_dim", "d_kv") or h // a
+        shared = 2 * seq_len * batch_size * head_dim * c if uses_rotary(config) else 0
+        full = shared + sum(m.saved for m in layers) + max(m.transient for m in layers)
         # Checkpointing keeps each layer's input; one layer is recomputed and backpropagated at
         # a time (its saved tensors and its transient). With the inputs offloaded, the last W
         # (device_checkpoints) stay and two more are on their way.
-        ckpt = sum(inputs) + layer_peak
+        ckpt = shared + sum(inputs) + layer_peak
         tail = w if device_checkpoints == "auto" else int(device_checkpoints)
         kept = sorted(inputs, reverse=True)[: min(n, tail + 2)]
-        ckpt_offloaded = sum(kept) + layer_peak
+        ckpt_offloaded = shared + sum(kept) + layer_peak
         inputs_host = sum(inputs[: max(n - tail, 0)])  # the offloaded ones: all but the tail kept on the device
         input_largest = max(inputs)
         s_out = s_dec if any(layer.cross_attention for layer in counts.layers) else seq_len
         tokens = s_out * batch_size
-        # The final norm's input and output.
-        head = 2 * tokens * (counts.hidden or h) * c
+        hidden = counts.hidden or h
+        # The final norm's input and output (an RMS norm keeps its input upcast to fp32 and the
+        # normalized values, counts.layer_memory's rms_norm, unless sequence tiling tiles it:
+        # tiling.py, [Note: tiling outside the blocks]), and the gradient w.r.t. the head's
+        # input, whole, that the loss's backward ends with.
+        norm_tiled = mlp_tile_tokens(sequence_tiling, tile_tokens, s_out, batch_size, (4 + c) * hidden) is not None
+        norm = 2 * c + (4 if _rms_norm(config) and not norm_tiled else 0)
+        head = tokens * hidden * (norm + c)
         whole_resident = not counts.units and split is not None  # the split keeps the model on the GPU
         use_chunks = (chunked_loss is True or (chunked_loss == "auto" and not whole_resident)) and (
             counts.chunked and counts.logits_width)
         if use_chunks:
             from ..chunked_loss import BYTES_PER_LOGIT, resolve_chunk_tokens, vocab_piece_rows
 
-            chunk = min(tokens, resolve_chunk_tokens(loss_chunk_tokens, counts.logits_width))
+            chunk = resolve_chunk_tokens(loss_chunk_tokens, counts.logits_width)
+            # One chunk that would hold every token: the engine runs the plain loss instead.
+            use_chunks = chunk < tokens
+        if use_chunks:
             # A head larger than the largest block makes each chunk's logits a piece of the
             # vocabulary at a time (chunked_loss.py, [Note: vocabulary pieces]).
-            tile_width = vocab_piece_rows(counts.logits_width, counts.hidden or h, largest or None) or counts.logits_width
+            tile_width = vocab_piece_rows(counts.logits_width, hidden, largest or None) or counts.logits_width
             head_grad = counts.logits_width * counts.hidden * (4 + (counts.head_device_bytes if
                                                                     counts.head_device_bytes != 4 else 0))
-            # BYTES_PER_LOGIT prices a 16-bit chunk (its fp32 copy and its 16-bit gradient
-            # included); an fp32 chunk needs neither: 12 B.
-            head += chunk * tile_width * (BYTES_PER_LOGIT if c != 4 else 12) + head_grad
+            # BYTES_PER_LOGIT: a chunk's backward, in fp32 or 16 bits alike (measured: 16.4 B in
+            # fp32, 14.4 in bf16, benchmarks' RSS of a child).
+            head += chunk * tile_width * BYTES_PER_LOGIT + head_grad
         else:
             head += tokens * counts.logits_width * LOGIT_BYTES
-        plain_head = 2 * tokens * (counts.hidden or h) * c + tokens * counts.logits_width * LOGIT_BYTES
+        plain_head = tokens * hidden * (norm + c) + tokens * counts.logits_width * LOGIT_BYTES
     else:
         use_chunks = False
         plain_head = 0

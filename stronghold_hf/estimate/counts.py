@@ -12,8 +12,10 @@ module imports nothing else of the estimator.
 Activations follow Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
 Transformer Models" (arXiv:2205.05198), section 4.1, broken into the tensors that hold them
 (`layer_memory`): per token, the attention block saves its normed input, Q, K and V, and the
-output projection's input; the MLP its input and (4 for gated MLPs such as SwiGLU, else 2)
-``ffn``-wide tensors; the two norms their inputs. *Which attention runs* decides the rest:
+output projection's input (with SDPA and flash attention a view of the kernel's output); the
+MLP its input and (4 for gated MLPs such as SwiGLU, else 2) ``ffn``-wide tensors; the two
+norms their inputs (RMS norms as transformers writes them also an fp32 copy and the
+normalized values). *Which attention runs* decides the rest:
 eager attention stores the ``a x s x s`` softmax (and its dropout output) and backward holds
 its gradient; SDPA and flash attention store no ``s x s`` term, only their output and an fp32
 log-sum-exp per head and token. Dropout masks (1 byte) count only when the config has
@@ -259,12 +261,16 @@ def layer_memory(
     s: int, b: int, h: int, a: int, *, nbytes: int, ffn: int | None = None, head_dim: int | None = None,
     kv_heads: int | None = None, gated_mlp: bool = False, cross_attention: bool = False, s_kv: int | None = None,
     attention: str = "eager", dropout: bool = True, tile_tokens: int | None = None, rotary: bool = False,
-    activation_saves: int = 0, attention_tiling: bool = False, mask_pair_bytes: int = 0,
+    activation_saves: int = 0, attention_tiling: bool = False, mask_pair_bytes: int = 0, rms_norm: bool = False,
 ) -> LayerMemory:
     """One transformer layer's activations (Korthikanti et al. 2022, generalised; see the
     module docstring). ``attention``: one of `ATTENTION_KINDS`; ``tile_tokens``: the MLP runs
     in tiles of that many tokens (tiling.py), ``None``: untiled; ``rotary``: rotary position
-    embeddings (RoPE keeps Q and K before rotation and their rotated halves: ``2q + 2kv``);
+    embeddings (the layer saves nothing for them: ``q * cos`` keeps only ``cos``, which needs no
+    gradient; the model's cos and sin, shared by every layer, are budget.py's); ``rms_norm``:
+    RMS norms as transformers writes them (Llama, Qwen2, Mistral, Gemma, T5): each keeps its
+    input upcast to fp32 and the normalized values, ``4 + c`` per element, where a native layer
+    norm keeps its input (``c``);
     ``activation_saves``: the ``ffn``-wide tensors an activation function written as several
     ops saves beyond its input (`activation_saves`: 3 for ``gelu_new``, 0 for native ones).
     ``attention_tiling``: the whole causal block in query tiles of ``tile_tokens`` against the
@@ -287,19 +293,22 @@ def layer_memory(
     eager = attention == "eager"
     mask = 1 if dropout else 0
     # Saved for backward, by group: bytes.
+    tiled = tile_tokens is not None and tile_tokens < s
+    rms_whole = rms_norm and not tiled  # sequence tiling tiles an RMS norm too: it keeps its input
     groups = {
-        "norm inputs (2 x hidden)": 2 * sb * h * c,
+        ("norm inputs and normalized values (2 x hidden)" if rms_whole else "norm inputs (2 x hidden)"):
+            2 * sb * h * ((4 + c) if rms_whole else c),
         "attention input and Q, K, V": sb * (h + q + 2 * kv) * c,
-        "attention output (o_proj input)": sb * q * c,
     }
-    if rotary:
-        groups["rotary embedding (Q, K before rotation and their rotated halves)"] = sb * (2 * q + 2 * kv) * c
     if eager:  # the softmax output and its dropout output are stored, plus the dropout mask
         groups["attention scores (heads x s x s)"] = a * s * s * b * (2 * c + mask)
-    else:  # the kernel keeps its output and an fp32 log-sum-exp per head and token
+        groups["attention output (o_proj input)"] = sb * q * c
+    else:
+        # The kernel keeps its output and an fp32 log-sum-exp per head and token; its output,
+        # laid out token-major, is the o_proj input too (a view, not a copy).
         groups["attention kernel output and log-sum-exp"] = sb * (q * c + 4 * a)
     wide = ((4 if gated_mlp else 2) + activation_saves) * ffn
-    if tile_tokens is not None and tile_tokens < s:  # tiled: the input whole, the ffn-wide tensors per tile
+    if tiled:  # the input whole, the ffn-wide tensors per tile
         groups["MLP input (tiled: one tile's ffn-wide tensors)"] = sb * h * c + tile_tokens * b * (h + wide) * c
     else:
         groups[f"MLP input and {'4' if gated_mlp else '2'} x ffn-wide tensors"] = sb * (h + wide) * c
@@ -325,11 +334,16 @@ def layer_memory(
         # dY and dX; fp32 sums of dK, dV; the gradient of a tile's joined K, V (the join itself is
         # in place: query_tiling._JoinInPlace); the tile's own backward (its attention core's, or
         # its MLP's ffn-wide gradients).
+        # The causal mask a tile materializes (mask_pair_bytes): whole, bool and additive, while
+        # the tile's attention runs forward; in backward only the additive mask the kernel's
+        # backward reads is left beside the whole-length gradients (measured on the CPU, RSS of
+        # a child: within 5% at tiles of 1024 and 2048 tokens).
         mask = t * s * mask_pair_bytes
-        transient = (2 * sb * h * c + sb * 2 * kv * (4 + c)
-                     + t * max(2 * q + 2 * kv, (2 if gated_mlp else 1) * ffn) * c) + mask
+        grads = (2 * sb * h * c + sb * 2 * kv * (4 + c)
+                 + t * max(2 * q + 2 * kv, (2 if gated_mlp else 1) * ffn) * c)
+        transient = max(mask, grads + t * s * max(mask_pair_bytes - 1, 0))
         name, largest = max(groups.items(), key=lambda kv_: kv_[1])
-        if mask > max(largest, transient - mask):
+        if mask > max(largest, grads):
             name, largest = "a query tile's materialized causal mask (tile x s)", mask
         elif transient > largest:
             name, largest = "the backward's gradients of the block input and output, K and V (whole)", transient
