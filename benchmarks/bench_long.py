@@ -184,8 +184,9 @@ def timing(args) -> dict:
 
 def longest_run(args) -> dict:
     """``--longest``: the longest sequence the estimator says fits this device for the shape
-    given (tiled, checkpointing, the model in bf16 on CUDA), then one training step at it in a
-    child process: its allocator peak against the estimate."""
+    given (tiled, checkpointing, the model in bf16 on CUDA; ``--longest_variant attention``:
+    with attention tiling too), then one training step at it in a child process: its
+    allocator peak against the estimate."""
     import torch
     import transformers as T
 
@@ -200,16 +201,17 @@ def longest_run(args) -> dict:
     def fits(n: int):
         e = estimate(cfg, seq_len=n, batch_size=1, dtype="bf16" if args.device == "cuda" else "fp32",
                      gpu_memory_bytes=device_bytes, cpu_memory_bytes=1 << 50, gradient_checkpointing=True,
-                     sequence_tiling=True, tile_tokens=args.tile_tokens, auto_class="causal_lm")
+                     sequence_tiling=True, tile_tokens=args.tile_tokens, auto_class="causal_lm",
+                     attention_tiling=args.longest_variant == "attention", device=args.device)
         return e.gpu_fits, e
 
-    lo, hi = 1024, (1 << 22) if args.device == "cuda" else 16384
+    lo, hi = 1024, args.max_tokens or ((1 << 22) if args.device == "cuda" else 16384)
     while hi - lo > 1024:
         mid = (lo + hi) // 2 // 1024 * 1024
         lo, hi = (mid, hi) if fits(mid)[0] else (lo, mid)
     _, e = fits(lo)
-    run = child("tiled", lo, args)
-    return {"longest_tokens": lo, "estimated_gpu_bytes": e.gpu_bytes_needed, "device_bytes": device_bytes,
+    run = child(args.longest_variant, lo, args)
+    return {"variant": args.longest_variant, "longest_tokens": lo, "estimated_gpu_bytes": e.gpu_bytes_needed, "device_bytes": device_bytes,
             "bounded_by": e.gpu_bounded_by, **run}
 
 
@@ -234,6 +236,11 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--longest", action="store_true",
                    help="instead of the sweep: one tiled step at the longest length the estimator says fits")
+    p.add_argument("--longest_variant", choices=("tiled", "attention"), default="tiled",
+                   help="--longest: sequence tiling (the default), or attention tiling as well")
+    p.add_argument("--max_tokens", type=int, default=None,
+                   help="--longest: search no further than this (a step's attention grows with the square "
+                        "of the length; default 4M tokens on CUDA, 16k on the CPU)")
     args = p.parse_args(argv)
     if args.longest:
         print(json.dumps({"bench": "long", "mode": "longest", "device": args.device, "hidden": args.hidden,

@@ -25,6 +25,8 @@
 #                                block over plain's (<= 0.30), and whether the GPU waited on the host
 #   long               60/30     #42: bench_long --longest, a Llama-3.2-1B shape: one tiled bf16 step at the
 #                                longest sequence the estimator says fits this GPU; its peak vs the estimate
+#   long_attention     45/25     #42: the same with attention tiling, up to 128k tokens: the query tiles'
+#                                count (no mask with flash) against the allocator's peak
 #   step_gpt2_fp32     50/35     bench_step, GPT-2-medium shape (354 M), fp32: plain, auto, W=1 (all
 #                                streamed); the bound
 #   step_gpt2_bf16     55/40     the same in bf16, with DeepSpeed ZeRO-Offload next to it
@@ -204,6 +206,7 @@ if [ "$MODE" = cuda ]; then
     ESTIMATE=(--layers 2 --seq 4096)
     HOST=(--rounds 4 --steps 4 --variants gpu_config,gpu_default)  # on CUDA the defaults are gpu_default
     LONG=(--hidden 2048 --ffn 8192 --layers 16 --heads 32 --vocab 128256 --tile_tokens auto)  # Llama-3.2-1B
+    LONG_ATTENTION_MAX=131072
 else
     DEV=(--device cpu)
     GPT2=(--model smoke --warmup 1 --rounds 2 --block_steps 3 --threads 1)
@@ -217,6 +220,7 @@ else
     ESTIMATE=(--hidden 256 --ffn 512 --heads 4 --kv_heads 2 --vocab 8192 --seq 256)
     HOST=(--smoke)
     LONG=(--hidden 64 --ffn 224 --layers 2 --heads 2 --vocab 512)
+    LONG_ATTENTION_MAX=8192
 fi
 STEP=(python benchmarks/bench_step.py "${DEV[@]}" --windows auto,1 --time_budget_s @SOFT@)
 
@@ -228,6 +232,8 @@ BUDGETS=(--budgets all,half,quarter,streamed)
 run_piece pytest_gpu 80 40 0 python -m pytest -m gpu tests -q -p no:cacheprovider
 run_piece host 35 20 0 python benchmarks/bench_host.py "${DEV[@]}" "${HOST[@]}"
 run_piece long 60 30 0 python benchmarks/bench_long.py "${DEV[@]}" --longest "${LONG[@]}"
+run_piece long_attention 45 25 0 python benchmarks/bench_long.py "${DEV[@]}" --longest --longest_variant attention \
+    --max_tokens "$LONG_ATTENTION_MAX" "${LONG[@]}"
 run_piece step_gpt2_fp32 50 35 18 "${STEP[@]}" "${GPT2[@]}" --peers none
 if [ "$MODE" = cuda ]; then
     run_piece step_gpt2_bf16 55 40 20 "${STEP[@]}" "${GPT2[@]}" --precision bf16 --peers zero_offload

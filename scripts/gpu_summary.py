@@ -48,6 +48,7 @@ PIECES = {
     "pytest_gpu": "pytest -m gpu",
     "host": "bench_host (host work per block, width 32)",
     "long": "bench_long --longest (Llama-3.2-1B shape)",
+    "long_attention": "bench_long --longest, attention tiling, up to 128k (Llama-3.2-1B shape)",
     "step_gpt2_fp32": "bench_step GPT-2-medium fp32",
     "step_gpt2_bf16": "bench_step GPT-2-medium bf16",
     "step_llama_bf16": "bench_step Llama-3.2-1B bf16",
@@ -234,6 +235,7 @@ class Report:
             "estimate": ("measured_vs_estimate",), "max_model": ("max_params_stronghold",),
             "nvme": ("ratio_of_disk_bound",), "fetch": ("convert_vs_h2d",),
             "host": ("gpu_config_ratio_paired",), "long": ("longest_tokens",),
+            "long_attention": ("longest_tokens",),
         }
         rows = []
         for pid, label in PIECES.items():
