@@ -62,3 +62,55 @@ def test_attention_tiled_peak_grows_as_measured_within_ten_percent(family, tile)
         grew, predicted = measured[s] - measured[base], estimated[s] - estimated[base]
         assert grew > 0
         assert abs(predicted / grew - 1) <= 0.10, (family, tile, s, grew / 2**20, predicted / 2**20)
+
+
+def _saved_per_layer(family: str, dtype, seq: int) -> int:
+    """Bytes autograd saves for one layer's backward (layer 0 of a two-layer model), by storage:
+    parameters aside, and what layer 1 saves too (the model's rotary cos and sin) aside."""
+    import torch
+    import transformers as T
+
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(activation_config(family)).to(dtype)
+    model.train()
+    model.config.use_cache = False  # a training step's cache would copy K and V (not what runs under checkpointing)
+    layers = model.model.layers if hasattr(model, "model") else model.transformer.h
+    saved: list[dict[int, int]] = [{}, {}]
+    current: list[int | None] = [None]
+
+    def pack(t):
+        if current[0] is not None:
+            saved[current[0]][t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    for i, layer in enumerate(layers):
+        layer.register_forward_pre_hook(lambda *_, i=i: current.__setitem__(0, i))
+        layer.register_forward_hook(lambda *_: current.__setitem__(0, None))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=torch.randint(0, 512, (1, seq)))
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    shared = saved[0].keys() & saved[1].keys()
+    return sum(n for ptr, n in saved[0].items() if ptr not in weights and ptr not in shared)
+
+
+@pytest.mark.parametrize(("family", "dtype"), [("llama", "fp32"), ("llama", "bf16"), ("qwen2", "bf16"), ("gpt2", "fp32")])
+def test_a_layers_saved_bytes_are_what_autograd_saves(family, dtype):
+    """The estimator's per-layer saved bytes (one layer more, all else equal) against the
+    tensors autograd really keeps for a layer's backward, counted by storage with saved-tensor
+    hooks: the RMS norms' fp32 copies, RoPE keeping nothing per layer, SDPA's output being the
+    output projection's input."""
+    import torch
+
+    seq = 1024
+    measured = _saved_per_layer(family, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype], seq)
+
+    def full(layers: int) -> int:
+        fields = activation_config(family).to_dict()
+        fields.pop("layer_types", None)  # per layer (Qwen2's sliding window): made again for the new count
+        fields["n_layer" if family == "gpt2" else "num_hidden_layers"] = layers
+        config = type(activation_config(family))(**fields)
+        return estimate(config, seq_len=seq, batch_size=1, dtype=dtype, gpu_memory_bytes=2**40,
+                        cpu_memory_bytes=2**40, resident=False, auto_class="causal_lm").block_activation_bytes_full
+
+    estimated = full(3) - full(2)
+    assert abs(estimated / measured - 1) <= 0.03, (family, dtype, measured / seq, estimated / seq)
