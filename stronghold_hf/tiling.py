@@ -636,9 +636,11 @@ class SequenceTiling:
             logger.info("stronghold: %s", line)
 
     def _log_outside(self, name: str, cls: str, verdict: Verdict) -> None:
-        what = "tiles" if verdict.tiled else "leaves as it is"
-        line = f"sequence tiling outside the blocks: {what} {name} ({cls})" + (
-            "" if verdict.tiled else f": {verdict.reason}" if not verdict.per_token else ": nothing to save")
+        if verdict.tiled:
+            line = f"sequence tiling outside the blocks: tiles {name} ({cls})"
+        else:
+            why = "per-token with nothing to save" if verdict.per_token else verdict.reason
+            line = f"sequence tiling outside the blocks: leaves {name} ({cls}) as it is: {why}"
         if line not in self._logged:
             self._logged.add(line)
             logger.info("stronghold: %s", line)
