@@ -38,7 +38,9 @@ import torch.utils._pytree as _pytree
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .tiling import ENGINE_HOOK
+#: The attribute that marks a module hook as the engine's own: sequence tiling (tiling.py) may
+#: tile the module it is on, since the hook wraps the whole call.
+ENGINE_HOOK = "_stronghold_engine_hook"
 
 
 def in_backward() -> bool:
@@ -304,7 +306,7 @@ def _pre_forward(schedule, u, positions):
     def hook(module, args, kwargs):
         return schedule.on_pre_forward(u, positions, args, kwargs)
 
-    setattr(hook, ENGINE_HOOK, True)  # sequence tiling may tile the module it is on (tiling.py)
+    setattr(hook, ENGINE_HOOK, True)
     return hook
 
 

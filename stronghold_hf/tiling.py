@@ -37,6 +37,8 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from .hooks import ENGINE_HOOK
+
 logger = logging.getLogger("stronghold_hf")
 
 TilingMode = bool | Literal["auto"]
@@ -429,9 +431,6 @@ def _block_input(args: tuple, kwargs: dict) -> Tensor | None:
     return None
 
 
-#: The attribute that marks a module hook as the engine's own (hooks.py sets it).
-ENGINE_HOOK = "_stronghold_engine_hook"
-
 #: `TileSite.block` of a module outside the blocks ([Note: tiling outside the blocks]).
 _OUTSIDE = -1
 
@@ -631,16 +630,17 @@ class SequenceTiling:
             line += f"; per-token with nothing to save (left as they are): {', '.join(idle)}"
         if unproven:
             line += f"; not proven per-token, left untiled: {'; '.join(unproven)}"
-        if line not in self._logged:
-            self._logged.add(line)
-            logger.info("stronghold: %s", line)
+        self._say(line)
 
     def _log_outside(self, name: str, cls: str, verdict: Verdict) -> None:
         if verdict.tiled:
-            line = f"sequence tiling outside the blocks: tiles {name} ({cls})"
+            self._say(f"sequence tiling outside the blocks: tiles {name} ({cls})")
         else:
             why = "per-token with nothing to save" if verdict.per_token else verdict.reason
-            line = f"sequence tiling outside the blocks: leaves {name} ({cls}) as it is: {why}"
+            self._say(f"sequence tiling outside the blocks: leaves {name} ({cls}) as it is: {why}")
+
+    def _say(self, line: str) -> None:
+        """Logs ``line`` once per installation."""
         if line not in self._logged:
             self._logged.add(line)
             logger.info("stronghold: %s", line)

@@ -180,6 +180,7 @@ def _assemble(
     if h and a:
         s_dec = decoder_seq_len or seq_len
         layers, inputs, tiles = [], [], []
+        rms_norm = _rms_norm(config)
         for layer in counts.layers:
             s = s_dec if layer.cross_attention else seq_len
             ffn = _cfg(config, "decoder_ffn_dim") if layer.cross_attention else None
@@ -199,7 +200,7 @@ def _assemble(
                 kv_heads=_cfg(config, "num_key_value_heads"), gated_mlp=layer.gated_mlp,
                 cross_attention=layer.cross_attention, s_kv=seq_len, attention=attention,
                 dropout=_has_dropout(config), tile_tokens=tile, rotary=uses_rotary(config), activation_saves=saves,
-                attention_tiling=attention_tiling, mask_pair_bytes=mask_pair, rms_norm=_rms_norm(config),
+                attention_tiling=attention_tiling, mask_pair_bytes=mask_pair, rms_norm=rms_norm,
             ))
             inputs.append(s * batch_size * h * c)
         worst = max(layers, key=lambda m: m.peak)
@@ -229,7 +230,7 @@ def _assemble(
         # tiling.py, [Note: tiling outside the blocks]), and the gradient w.r.t. the head's
         # input, whole, that the loss's backward ends with.
         norm_tiled = mlp_tile_tokens(sequence_tiling, tile_tokens, s_out, batch_size, (4 + c) * hidden) is not None
-        norm = 2 * c + (4 if _rms_norm(config) and not norm_tiled else 0)
+        norm = 2 * c + (4 if rms_norm and not norm_tiled else 0)
         head = tokens * hidden * (norm + c)
         whole_resident = not counts.units and split is not None  # the split keeps the model on the GPU
         use_chunks = (chunked_loss is True or (chunked_loss == "auto" and not whole_resident)) and (
