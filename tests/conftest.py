@@ -32,7 +32,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 #: after another on one worker, never beside one another.
 RSS_TESTS = (
     "peak_rss", "test_activation_peak_grows_as_measured", "test_resume_holds_the_optimizer_state_once",
-    "test_bench_long_smoke",
+    "test_bench_long_smoke", "test_attention_tiled_peak_grows_as_measured",
 )
 
 
@@ -44,6 +44,7 @@ def _shares_a_module_fixture(item) -> bool:
     return any(d.scope in ("module", "package", "class") for defs in info.name2fixturedefs.values() for d in defs)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
     # Parallel workers (pytest-xdist, --dist loadgroup): the tests of a module that share a
     # module-scoped fixture stay on one worker, so the fixture runs once; the RSS tests form one

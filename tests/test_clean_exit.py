@@ -11,15 +11,16 @@ stronghold_hf is imported), that no ``pt_gloo_runloop`` thread and no ``strongho
 thread is still alive, and exits 70 naming them if one is. That check fails on every run
 without the fix; the crash itself is a race (about 1 in 10 under torchrun on 2 cores).
 
-Twenty 2-rank runs cannot each import torch and transformers within a minute on 2 cores (a
-rank spends about 5 s importing and 6 s in finalization's garbage collection). So one
-process imports once, freezes what it imported out of the collector's sight (``gc.freeze``),
-and forks each run's two ranks; each rank sets up torch.distributed from the environment as
-torchrun's children do, trains through `StrongholdTrainer` parsed by ``HfArgumentParser``, and
-falls off the end of the script into the interpreter's normal exit. Forked ranks rarely
-show the abort itself (0 of 40 on the code before the fix with the exit check off, against
-about 1 in 10 under torchrun): in them the exit check is what fails. Two launches through
-``torch.distributed.run`` run the same script the way the issue did, alongside.
+Twelve 2-rank runs (each of the four cases three times) cannot each import torch and
+transformers within a minute on 2 cores (a rank spends about 5 s importing and 6 s in
+finalization's garbage collection). So one process imports once, freezes what it imported out
+of the collector's sight (``gc.freeze``), and forks each run's two ranks; each rank sets up
+torch.distributed from the environment as torchrun's children do, trains through
+`StrongholdTrainer` parsed by ``HfArgumentParser``, and falls off the end of the script into
+the interpreter's normal exit. Forked ranks rarely show the abort itself (0 of 40 on the code
+before the fix with the exit check off, against about 1 in 10 under torchrun): in them the exit
+check is what fails. Two launches through ``torch.distributed.run`` run the same script the way
+the issue did, alongside.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import stronghold_hf
 
 REPO = Path(stronghold_hf.__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
-RUNS = 20
+RUNS = 12
 
 # Registered before stronghold_hf is imported, so it runs after lifecycle.py's handler: the
 # state the interpreter's finalization will find.
@@ -203,7 +204,7 @@ def _failure(path: Path) -> str:
 
 @pytest.mark.slow
 def test_two_rank_trainer_runs_exit_cleanly_every_time(tmp_path):
-    """20 forked 2-rank runs in a row (reads after training or not, checkpoints or not), and two
+    """12 forked 2-rank runs in a row (reads after training or not, checkpoints or not), and two
     through torchrun alongside: both ranks exit 0 every time, nothing says "terminate called",
     and no gloo or engine thread is alive when the interpreter finalizes."""
     script = tmp_path / "clean_exit_ranks.py"
