@@ -73,7 +73,9 @@ def _saved_per_layer(family: str, dtype, seq: int) -> int:
     torch.manual_seed(0)
     model = T.AutoModelForCausalLM.from_config(activation_config(family)).to(dtype)
     model.train()
-    model.config.use_cache = False  # a training step's cache would copy K and V (not what runs under checkpointing)
+    # What runs under checkpointing. Without it a training forward builds a DynamicCache, whose K
+    # and V copies change a fused-QKV layer's saved bytes by +-2 kv per token (docs/estimate.md).
+    model.config.use_cache = False
     layers = model.model.layers if hasattr(model, "model") else model.transformer.h
     saved: list[dict[int, int]] = [{}, {}]
     current: list[int | None] = [None]
