@@ -112,10 +112,14 @@ def setup_logging(training_args) -> None:
     if training_args.should_log:
         # The default log_level is "passive": the process level follows transformers' verbosity.
         transformers.utils.logging.set_verbosity_info()
-    configure_logging(training_args.get_process_log_level())
+    level = training_args.get_process_log_level()
+    # The Trainer says what STRONGHOLD does in one start line and one end line ("STRONGHOLD is
+    # on: ...", "STRONGHOLD done ..."); the engine's own account of how it chose (the split, the
+    # window, the slots) is for --log_level debug.
+    configure_logging(level, engine_level=level if level <= logging.DEBUG else max(level, logging.WARNING))
 
 
-def configure_logging(log_level: int) -> None:
+def configure_logging(log_level: int, engine_level: int | None = None) -> None:
     """One formatted stdout handler on the root logger; each record printed once.
 
     As in HF's scripts, the script's own loggers (and ``stronghold_hf``, which logs its window
@@ -133,8 +137,9 @@ def configure_logging(log_level: int) -> None:
         datefmt="%m/%d/%Y %H:%M:%S",
         handlers=[logging.StreamHandler(sys.stdout)],
     )
-    for name in ("__main__", __name__, embedded_default.__name__, "stronghold_hf"):
+    for name in ("__main__", __name__, embedded_default.__name__):
         logging.getLogger(name).setLevel(log_level)
+    logging.getLogger("stronghold_hf").setLevel(log_level if engine_level is None else engine_level)
     datasets.utils.logging.set_verbosity(log_level)
     datasets_root = logging.getLogger("datasets")
     for handler in list(datasets_root.handlers):
