@@ -64,7 +64,7 @@ def _forward_costs(speculative_step: str, kinds: list[str]) -> dict[str, list[di
         assert engine.transfer.mode == "delayed" and engine.host_image
         opt = engine.build_optimizer(lr=1e-3)
         costs: dict[str, list[dict[str, float]]] = {}
-        previous = None
+        previous, outcome = None, {}  # the step before's kind, and how its speculation ended
         for step, kind in enumerate([*kinds, "hit"]):
             engine.stats.reset()
             t0 = time.perf_counter()

@@ -229,7 +229,7 @@ def _table(e: Estimate) -> str:
         row("process allowance (Python, torch, CUDA runtime)", e.cpu_process_bytes),
         row("reserve left free (OS, page cache, data loader)", e.cpu_reserve_bytes),
         total("total, with the reserve", e.cpu_bytes_needed + e.cpu_reserve_bytes, e.cpu_memory_bytes, e.cpu_fits),
-        *([f"NVMe (STRONGHOLD, nvme_path)",
+        *(["NVMe (STRONGHOLD, nvme_path)",
            total(f"Adam moments ({'8-bit' if e.host_memory == 'lean' else 'fp32'})"
                  + (" + fp32 masters" if e.nvme_masters else "")
                  + (" + checkpointed activations" if e.nvme_activations else ""), e.nvme_bytes_needed,
