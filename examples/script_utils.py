@@ -509,6 +509,7 @@ def build_model(auto_class, model_args, config, tokenizer, **kwargs):
             revision=model_args.model_revision, token=model_args.token, **kwargs,
         )
     else:
+        check_new_model_fits(auto_class, config)
         model = auto_class.from_config(config)
         n = sum(p.numel() for p in model.parameters())
         logger.info("New %s: %.2fM parameters", type(model).__name__, n / 1e6)
@@ -516,6 +517,30 @@ def build_model(auto_class, model_args, config, tokenizer, **kwargs):
     if len(tokenizer) > embeddings:
         model.resize_token_embeddings(len(tokenizer))
     return model
+
+
+def check_new_model_fits(auto_class, config) -> None:
+    """Refuses, before anything is allocated, a model from scratch whose weights alone would not
+    fit in the host memory available now: ``--model_type llama`` without ``--config_overrides``
+    is LlamaConfig's default, 6.7 B parameters and 25 GiB of fp32 weights, and building it on a
+    smaller machine ends with the OOM killer (exit -9) and no word of why."""
+    import torch
+
+    from stronghold_hf.memory import available_host_bytes
+
+    with torch.device("meta"):
+        shape = auto_class.from_config(config)
+    n = sum(p.numel() for p in shape.parameters())
+    need = n * torch.get_default_dtype().itemsize
+    available = available_host_bytes()
+    if available is not None and need > available:
+        raise ValueError(
+            f"A new {type(shape).__name__} from this config has {n / 1e9:.2f} B parameters: creating its weights "
+            f"takes {need / 2**30:.1f} GiB of RAM, and this machine has {available / 2**30:.1f} GiB available. "
+            f"--model_type {config.model_type} starts from {type(config).__name__}'s default sizes; shrink it with "
+            "--config_overrides (for example 'hidden_size=512,num_hidden_layers=8,intermediate_size=1408'), or "
+            "start from a checkpoint with --model_name_or_path."
+        )
 
 
 # ---------------------------------------------------------------------------------- metrics

@@ -389,6 +389,31 @@ def test_missing_model_path_fails_fast_when_the_hub_is_unreachable(example_env, 
     assert "hub (http://127.0.0.1:9) is unreachable" in proc.stderr
 
 
+def test_a_new_model_larger_than_the_ram_is_refused_before_it_is_built(example_env, tmp_path, monkeypatch):
+    """--model_type starts from the config class's default sizes (Llama's: 6.7 B parameters); a
+    model whose weights would not fit the RAM available is refused by name before any weight
+    is allocated, instead of ending in the OOM killer. Through the script, with a width no
+    machine holds (built on the meta device only); in process, the default Llama config against
+    a 1 GiB machine, and a tiny one that passes."""
+    proc = run_failing(example_env, "run_clm.py", "--model_type", "llama", "--config_overrides",
+                       "hidden_size=1048576,num_hidden_layers=1,num_attention_heads=1,num_key_value_heads=1,"
+                       "intermediate_size=16", "--output_dir", str(tmp_path / "out"), cwd=tmp_path)
+    assert "A new LlamaForCausalLM from this config has" in proc.stderr, proc.stderr[-3000:]
+    assert "--config_overrides" in proc.stderr and "--model_name_or_path" in proc.stderr
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+    import script_utils
+    import stronghold_hf.memory
+    import transformers as T
+
+    monkeypatch.setattr(stronghold_hf.memory, "available_host_bytes", lambda: 2**30)
+    with pytest.raises(ValueError, match=r"6\.\d\d B parameters: creating its weights takes 2\d\.\d GiB of RAM, "
+                                         r"and this machine has 1\.0 GiB available"):
+        script_utils.check_new_model_fits(T.AutoModelForCausalLM, T.LlamaConfig())
+    script_utils.check_new_model_fits(T.AutoModelForCausalLM, T.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1))
+
+
 def test_model_sources_that_can_only_be_local_paths(tmp_path):
     import script_utils
 
