@@ -123,8 +123,9 @@ def configure_logging(log_level: int, engine_level: int | None = None) -> None:
     """One formatted stdout handler on the root logger; each record printed once.
 
     As in HF's scripts, the script's own loggers (and ``stronghold_hf``, which logs its window
-    choice, "stronghold: 4 blocks ..., window_size=2") go through `logging.basicConfig`'s handler;
-    transformers keeps its own handler (``enable_default_handler``, no propagation).
+    choice, "stronghold: 4 blocks ..., window_size=2", at ``engine_level``, default
+    ``log_level``) go through `logging.basicConfig`'s handler; transformers keeps its own handler
+    (``enable_default_handler``, no propagation).
     ``datasets`` installs a bare ``StreamHandler`` on its root logger *and* propagates to the root
     logger, so each of its records would print twice, once unformatted on stderr and once
     formatted; its handler is removed, and its records print once, formatted, like ours.
