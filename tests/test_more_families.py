@@ -1,0 +1,102 @@
+"""Any ``AutoModel``: families beyond ``tiny_models.FAMILIES`` train exactly like the untouched model.
+
+The other tests exercise the engine in depth on thirteen families. This one is broad instead:
+each family below (causal LMs with and without rotary, fused QKV, mixture of experts, a state
+space model, masked LMs, encoder-decoders, and classification, token and QA heads) trains
+three AdamW steps through ``offload_model`` with a window of one, against a deep copy trained
+with ``torch.optim.AdamW``, from the same seed. The losses agree to fp32 rounding: the engine
+reorders no sum a plain step does not.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers as T
+
+from stronghold_hf import StrongholdConfig, offload_model
+
+VOCAB = 128
+_LLAMA_LIKE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                   intermediate_size=64, vocab_size=VOCAB)
+_BERT_LIKE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, vocab_size=VOCAB,
+                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+_BART_LIKE = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
+                  encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=VOCAB, dropout=0.0, attention_dropout=0.0)
+
+#: family -> (auto class, config class, config fields)
+CASES = {
+    "phi3": ("AutoModelForCausalLM", "Phi3Config", dict(_LLAMA_LIKE, pad_token_id=0)),
+    "qwen3": ("AutoModelForCausalLM", "Qwen3Config", dict(_LLAMA_LIKE, head_dim=16)),
+    "qwen3_moe": ("AutoModelForCausalLM", "Qwen3MoeConfig", dict(_LLAMA_LIKE, head_dim=16, moe_intermediate_size=32,
+                                                                  num_experts=4, num_experts_per_tok=2)),
+    "gemma3_text": ("AutoModelForCausalLM", "Gemma3TextConfig", dict(_LLAMA_LIKE, head_dim=16)),
+    "olmo2": ("AutoModelForCausalLM", "Olmo2Config", _LLAMA_LIKE),
+    "cohere": ("AutoModelForCausalLM", "CohereConfig", _LLAMA_LIKE),
+    "gptj": ("AutoModelForCausalLM", "GPTJConfig", dict(n_embd=32, n_layer=2, n_head=2, rotary_dim=8, vocab_size=VOCAB,
+                                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    "bloom": ("AutoModelForCausalLM", "BloomConfig", dict(hidden_size=32, n_layer=2, n_head=2, vocab_size=VOCAB,
+                                                          hidden_dropout=0.0, attention_dropout=0.0)),
+    "gpt_bigcode": ("AutoModelForCausalLM", "GPTBigCodeConfig", dict(n_embd=32, n_layer=2, n_head=2, vocab_size=VOCAB,
+                                                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    "mpt": ("AutoModelForCausalLM", "MptConfig", dict(d_model=32, n_layers=2, n_heads=2, vocab_size=VOCAB,
+                                                      expansion_ratio=2)),
+    "mamba": ("AutoModelForCausalLM", "MambaConfig", dict(hidden_size=32, num_hidden_layers=2, vocab_size=VOCAB,
+                                                          state_size=4)),
+    "roberta": ("AutoModelForMaskedLM", "RobertaConfig", _BERT_LIKE),
+    "modernbert": ("AutoModelForMaskedLM", "ModernBertConfig", dict(hidden_size=32, num_hidden_layers=2,
+                                                                    num_attention_heads=2, intermediate_size=64,
+                                                                    vocab_size=VOCAB, pad_token_id=0)),
+    "mbart": ("AutoModelForSeq2SeqLM", "MBartConfig", _BART_LIKE),
+    "llama_classification": ("AutoModelForSequenceClassification", "LlamaConfig",
+                             dict(_LLAMA_LIKE, num_labels=3, pad_token_id=0)),
+    "roberta_tokens": ("AutoModelForTokenClassification", "RobertaConfig", dict(_BERT_LIKE, num_labels=5)),
+    "bert_qa": ("AutoModelForQuestionAnswering", "BertConfig", _BERT_LIKE),
+}
+
+
+def _batch(auto: str, step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(1, VOCAB, (2, 16), generator=g)
+    out = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
+    if auto == "AutoModelForSeq2SeqLM":
+        out["labels"] = torch.randint(1, VOCAB, (2, 8), generator=g)
+    elif auto == "AutoModelForSequenceClassification":
+        out["labels"] = torch.randint(0, 3, (2,), generator=g)
+    elif auto == "AutoModelForTokenClassification":
+        out["labels"] = torch.randint(0, 5, (2, 16), generator=g)
+    elif auto == "AutoModelForQuestionAnswering":
+        out["start_positions"] = torch.randint(0, 16, (2,), generator=g)
+        out["end_positions"] = torch.randint(0, 16, (2,), generator=g)
+    else:
+        out["labels"] = ids.clone()
+    return out
+
+
+def _losses(model, optimizer, auto: str) -> list[float]:
+    losses = []
+    for step in range(3):
+        loss = model(**_batch(auto, step)).loss
+        losses.append(loss.item())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_a_family_trains_like_the_untouched_model(family):
+    auto, config_class, fields = CASES[family]
+    torch.manual_seed(0)
+    model = getattr(T, auto).from_config(getattr(T, config_class)(**fields))
+    model.train()
+    reference = copy.deepcopy(model)
+    expected = _losses(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01), auto)
+
+    engine = offload_model(model, StrongholdConfig(window_size=1), device="cpu")
+    assert engine.num_blocks >= 2, f"{family}: the blocks were not found"
+    got = _losses(model, engine.build_optimizer(lr=1e-2, weight_decay=0.01), auto)
+    engine.close()
+    assert got == pytest.approx(expected, rel=1e-5, abs=1e-6), (family, got, expected)
