@@ -47,8 +47,9 @@ from .tiling import ParameterGradSums, _autocast_state, _replayed_rng, _rng_stat
 logger = logging.getLogger("stronghold_hf")
 
 #: The names a block may call its cache argument (``cache`` from transformers 5.2x, before it
-#: ``past_key_values``, and the older singular).
-CACHE_ARGS = ("cache", "past_key_values", "past_key_value")
+#: ``past_key_values``, and the older singular; GPT-BigCode, Bloom and MPT blocks call it
+#: ``layer_past``). Whatever the name, the probe decides whether the tiles make the whole call.
+CACHE_ARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
 class _TileCache:

@@ -96,6 +96,10 @@ CONFIGS = {"default": {}, "tiled": dict(sequence_tiling=True, attention_tiling=T
 #: probe raises (mBART's; the probe catches it), and per-token modules that save nothing worth
 #: tiling (native layer norms, MLPs written inline in the block).
 RUNS_WHOLE = {"bloom", "mpt", "mbart"}
+#: Causal families whose blocks the attention tiling runs in query tiles (GPT-BigCode names its
+#: cache argument ``layer_past``).
+QUERY_TILED = {"phi3", "qwen3", "qwen3_moe", "gemma3_text", "olmo2", "cohere", "gptj", "gpt_bigcode",
+               "llama_classification"}
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -111,11 +115,13 @@ def test_a_family_trains_like_the_untouched_model(family, config):
     engine = offload_model(model, StrongholdConfig(window_size=1, **CONFIGS[config]), device="cpu")
     assert engine.num_blocks >= 2, f"{family}: the blocks were not found"
     got = _losses(model, engine.build_optimizer(lr=1e-2, weight_decay=0.01), auto)
-    tiled_calls = sum(site.calls for site in tiled_modules(model).values())
     query = query_tiling.installed(model)
-    tiled_calls += query.calls if query is not None else 0
+    query_calls = query.calls if query is not None else 0
+    tiled_calls = sum(site.calls for site in tiled_modules(model).values()) + query_calls
     engine.close()
     if config == "tiled" and family not in RUNS_WHOLE:
         assert tiled_calls > 0, f"{family}: nothing ran in tiles"
+    if config == "tiled" and family in QUERY_TILED:
+        assert query_calls > 0, f"{family}: its blocks did not run in query tiles"
     # Tiles sum attention and parameter gradients in another order: fp32 rounding, no more.
     assert got == pytest.approx(expected, rel=1e-5, abs=1e-6), (family, config, got, expected)
