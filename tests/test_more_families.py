@@ -91,10 +91,11 @@ def _losses(model, optimizer, auto: str) -> list[float]:
 #: The default engine, and every per-token module and causal block cut into tiles of 4 of the 16
 #: tokens (sequence and attention tiling, both proven by their probes, never by class name).
 CONFIGS = {"default": {}, "tiled": dict(sequence_tiling=True, attention_tiling=True, tile_tokens=4)}
-#: Families where both probes leave everything whole, as their log lines say: blocks whose forward
-#: takes no cache argument (Bloom's, MPT's, mBART's encoder layers), a decoder layer whose tiled
-#: probe raises (mBART's; the probe catches it), and per-token modules that save nothing worth
-#: tiling (native layer norms, MLPs written inline in the block).
+#: Families where the tiling leaves everything whole, as its log lines say: Bloom's blocks take an
+#: ALiBi tensor with a sequence-length dimension the cut does not know, MPT's return a tuple in
+#: tiles and mBART's decoder layer raises in tiles (the probe catches both), mBART's encoder layer
+#: takes no cache, and their per-token modules save nothing worth tiling (native layer norms,
+#: MLPs written inline in the block).
 RUNS_WHOLE = {"bloom", "mpt", "mbart"}
 #: Causal families whose blocks the attention tiling runs in query tiles (GPT-BigCode names its
 #: cache argument ``layer_past``).
