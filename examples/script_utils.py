@@ -527,10 +527,10 @@ def check_new_model_fits(auto_class, config) -> None:
     smaller machine ends with the OOM killer (exit -9) and no word of why."""
     import torch
 
+    from stronghold_hf.estimate.meta import build_meta_model
     from stronghold_hf.memory import available_host_bytes
 
-    with torch.device("meta"):
-        shape = auto_class.from_config(config)
+    shape = build_meta_model(config, auto_class)  # the estimator's: init skipped, tied weights counted once
     n = sum(p.numel() for p in shape.parameters())
     need = n * torch.get_default_dtype().itemsize
     available = available_host_bytes()
