@@ -125,7 +125,9 @@ def configure_logging(log_level: int, engine_level: int | None = None) -> None:
     As in HF's scripts, the script's own loggers (and ``stronghold_hf``, which logs its window
     choice, "stronghold: 4 blocks ..., window_size=2", at ``engine_level``, default
     ``log_level``) go through `logging.basicConfig`'s handler; transformers keeps its own handler
-    (``enable_default_handler``, no propagation).
+    (``enable_default_handler``, no propagation: transformers propagates its records to the root
+    logger when the environment sets ``CI=true``, as CI services do, which would print each one
+    twice, so propagation is turned off explicitly).
     ``datasets`` installs a bare ``StreamHandler`` on its root logger *and* propagates to the root
     logger, so each of its records would print twice, once unformatted on stderr and once
     formatted; its handler is removed, and its records print once, formatted, like ours.
@@ -149,6 +151,7 @@ def configure_logging(log_level: int, engine_level: int | None = None) -> None:
     datasets_root.propagate = True
     transformers.utils.logging.set_verbosity(log_level)
     transformers.utils.logging.enable_default_handler()
+    transformers.utils.logging.disable_propagation()
     transformers.utils.logging.enable_explicit_format()
 
 

@@ -60,6 +60,9 @@ def example_env(tmp_path_factory) -> dict[str, str]:
         # oversubscription makes them several times slower.
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
+        # CI services set CI=true, and transformers then propagates its records to the root
+        # logger; the scripts must still print each record once, so every run here sets it too.
+        CI="true",
     )
     # Build the corpus, the three tokenizers and the fine-tuning tasks once, in a subprocess so
     # the test process's environment stays untouched.
