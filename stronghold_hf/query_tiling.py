@@ -122,6 +122,7 @@ class CutCall:
     causal_mask: str | None  # the call passed no mask: how the tiles get a causal one ("sdpa", "dense"; None: none needed)
     layer_idx: int | None  # where a cache the model passed keeps this block's keys and values
     model_cache: Any  # that cache (empty for this block), filled with the whole keys and values after
+    drop_weights: bool = False  # the call asked for no attention weights: a tile's are dropped (`_first`)
 
     def tile_kwargs(self, kwargs: dict[str, Any], t0: int, t1: int, cache: _TileCache, like: Tensor) -> dict[str, Any]:
         out = {}
@@ -134,7 +135,8 @@ class CutCall:
         return out
 
     def shortened(self, n: int) -> "CutCall":
-        return CutCall(self.hidden_name, self.cache_name, n, self.slicers, self.causal_mask, None, None)
+        return CutCall(self.hidden_name, self.cache_name, n, self.slicers, self.causal_mask, None, None,
+                       self.drop_weights)
 
 
 def _causal_tile_mask(kind: str, t0: int, t1: int, device: torch.device):
@@ -249,6 +251,11 @@ def cut_call(forward: Callable, module: nn.Module, named: dict[str, Any]) -> Cut
             if value.dim() != 1 or value.shape[0] != s:
                 return "its cache position does not have one per token"
             slicers[name] = _slice_dim(0)
+        elif isinstance(value, Tensor) and value.dim() >= 2 and value.shape[-1] == s and value.shape[-2] == 1 and (
+                s not in value.shape[:-1]):
+            # One value per key, broadcast over the queries (Bloom's ALiBi, [batch x heads, 1, keys]):
+            # a tile attends to keys [0, t1).
+            slicers[name] = _slice_keys
         elif isinstance(value, Tensor):
             if s in value.shape:  # per token, in a way this does not know (a bias, a mask of its own)
                 return f"it takes a tensor argument {name!r} with a dimension of the sequence length"
@@ -259,16 +266,29 @@ def cut_call(forward: Callable, module: nn.Module, named: dict[str, Any]) -> Cut
             return f"its argument {name!r} holds tensors with a dimension of the sequence length"
     if "attention_mask" not in params:
         return "its forward takes no attention mask"
-    return CutCall(hidden_name, cache_name, s, slicers, causal_mask, layer_idx, model_cache)
+    drop_weights = "output_attentions" in params and not named.get("output_attentions")
+    return CutCall(hidden_name, cache_name, s, slicers, causal_mask, layer_idx, model_cache, drop_weights)
 
 
-def _first(out):
-    """The hidden states of a block's output (a tensor, or a tuple whose other entries are None)."""
+def _first(out, drop_weights: bool = False):
+    """The hidden states of a block's output: a tensor, or a tuple whose other entries are None
+    (or, with ``drop_weights``, attention weights the call did not ask for: MPT returns them
+    whatever ``output_attentions`` says, and its model reads them only when it asked)."""
     if isinstance(out, Tensor):
         return out
-    if isinstance(out, tuple) and out and isinstance(out[0], Tensor) and all(o is None for o in out[1:]):
+    if isinstance(out, tuple) and out and isinstance(out[0], Tensor) and all(
+            o is None or (drop_weights and isinstance(o, Tensor)) for o in out[1:]):
         return out[0]
     raise RuntimeError(f"query tiling: the block returned {type(out).__name__}, not its hidden states alone")
+
+
+def _arity(out) -> int:
+    """How the whole call returns: 0 for a bare tensor, else the tuple's length."""
+    return 0 if isinstance(out, Tensor) else len(out)
+
+
+def _slice_keys(t, t0, t1):
+    return t[..., :t1]
 
 
 @contextlib.contextmanager
@@ -296,8 +316,8 @@ def _call(forward, module, cut: CutCall, x: Tensor, kwargs: dict[str, Any], t0: 
     kw[cut.hidden_name] = x
     if cut.causal_mask == "sdpa" and t0:
         with _sdpa_native_gqa():
-            return _first(forward(module, **kw))
-    return _first(forward(module, **kw))
+            return _first(forward(module, **kw), cut.drop_weights)
+    return _first(forward(module, **kw), cut.drop_weights)
 
 
 def _tiles(s: int, tokens: int) -> list[tuple[int, int]]:
@@ -404,15 +424,17 @@ class _NoCtx:
         pass
 
 
-def probe(forward: Callable, module: nn.Module, named: dict[str, Any], tokens: int = 12, tile: int = 4) -> str | None:
+def probe(forward: Callable, module: nn.Module, named: dict[str, Any], tokens: int = 12,
+          tile: int = 4) -> tuple[str | None, int]:
     """Whether running ``module`` in query tiles gives the rows of running it whole, on the first
-    ``tokens`` tokens of the call ``named`` (eval mode, no grad); None if it does, else why not."""
+    ``tokens`` tokens of the call ``named`` (eval mode, no grad): None if it does, else why not;
+    and how the whole call returns (`_arity`), which the tiled call then returns too."""
     cut = cut_call(forward, module, named)
     if isinstance(cut, str):
-        return cut
+        return cut, 0
     n = min(tokens, cut.length)
     if n <= tile:
-        return "the call is too short to probe"
+        return "the call is too short to probe", 0
     short = cut.shortened(n)
     x = named[cut.hidden_name][:, :n].detach()
     kwargs = {k: (cut.slicers[k](v, 0, n) if k in cut.slicers else v) for k, v in named.items()
@@ -421,19 +443,20 @@ def probe(forward: Callable, module: nn.Module, named: dict[str, Any], tokens: i
     module.eval()
     try:
         with torch.no_grad():
-            whole = _first(forward(module, **{**kwargs, cut.hidden_name: x}))
+            raw = forward(module, **{**kwargs, cut.hidden_name: x})
+            arity, whole = _arity(raw), _first(raw, cut.drop_weights)
             tiled = QueryTiledBlock.forward(_NoCtx(), forward, module, short, kwargs, tile, False, x)
     except Exception as err:  # a block this cannot run in tiles is left whole, not broken
-        return f"running it in tiles raised {type(err).__name__}: {err}"
+        return f"running it in tiles raised {type(err).__name__}: {err}", 0
     finally:
         module.train(was_training)
     if whole.shape != tiled.shape:
-        return "its tiles do not make its output"
+        return "its tiles do not make its output", arity
     scale = whole.abs().max().clamp_min(1e-6)
     tol = 1e-4 if whole.dtype == torch.float32 else 2e-2
     if not bool(((whole - tiled).abs().max() / scale) <= tol):
-        return "its tiles give other rows than the whole call (it is not causal, or not through its cache)"
-    return None
+        return "its tiles give other rows than the whole call (it is not causal, or not through its cache)", arity
+    return None, arity
 
 
 # --------------------------------------------------------------------------------------------
@@ -509,6 +532,7 @@ class QueryTiling:
         self.tile_tokens = resolve_query_tile_tokens(tile_tokens)
         self.blocks: list[nn.Module] = []
         self.verdicts: dict[int, str | None] = {}  # id(block) -> None (tiled) or why not
+        self._arity: dict[int, int] = {}  # id(block) -> how its whole call returns (`_arity`)
         self.calls = 0
         self._around_probe = around_probe  # a context manager factory the probe runs inside
         self._logged: set[str] = set()
@@ -542,7 +566,7 @@ class QueryTiling:
                 verdict = named
             else:
                 with self._around_probe() if self._around_probe is not None else contextlib.nullcontext():
-                    verdict = probe(forward, block, named)
+                    verdict, self._arity[id(block)] = probe(forward, block, named)
             self.verdicts[id(block)] = verdict
             self._log(block, verdict)
         if verdict is not None or isinstance(named, str):
@@ -552,7 +576,11 @@ class QueryTiling:
             self._log(block, cut)
             return forward(block, *args, **kwargs)
         self.calls += 1
-        return run_query_tiled(forward, block, cut, named, self.tile_tokens)
+        out = run_query_tiled(forward, block, cut, named, self.tile_tokens)
+        arity = self._arity.get(id(block), 0)
+        # The whole call's structure (Bloom's and MPT's models read ``outputs[0]``); the weights
+        # the call did not ask for are None.
+        return out if not arity else (out,) + (None,) * (arity - 1)
 
     def _log(self, block: nn.Module, verdict: str | None) -> None:
         line = (f"attention tiling: each {type(block).__name__} runs in query tiles of {self.tile_tokens} tokens"
