@@ -1,4 +1,4 @@
-"""Any ``AutoModel``: families beyond ``tiny_models.FAMILIES`` train exactly like the untouched model.
+"""Any ``AutoModel``: families beyond ``tiny_models.FAMILIES``, text, images and audio, train exactly like the untouched model.
 
 The other tests exercise the engine in depth on thirteen families. This one is broad instead:
 each family below (causal LMs with and without rotary, fused QKV, mixture of experts, a state
@@ -11,6 +11,7 @@ losses agree to fp32 rounding.
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -94,11 +95,14 @@ def _batch(auto: str, step: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def _losses(model, optimizer, auto: str) -> list[float]:
+def _losses(model, optimizer, auto_or_batch) -> list[float]:
+    """Three AdamW steps; ``auto_or_batch``: the auto class's name (`_batch`), or a function of
+    the step that gives the batch."""
+    batch = auto_or_batch if callable(auto_or_batch) else functools.partial(_batch, auto_or_batch)
     losses = []
     for step in range(3):
         torch.manual_seed(100 + step)  # the same random draws (LayerDrop, routing noise) in both runs
-        loss = model(**_batch(auto, step)).loss
+        loss = model(**batch(step)).loss
         losses.append(loss.item())
         loss.backward()
         optimizer.step()
@@ -148,3 +152,79 @@ def test_a_family_trains_like_the_untouched_model(family, config):
         assert query_calls > 0, f"{family}: its blocks did not run in query tiles"
     # Tiles sum attention and parameter gradients in another order: fp32 rounding, no more.
     assert got == pytest.approx(expected, rel=1e-5, abs=1e-6), (family, config, got, expected)
+
+
+# ------------------------------------------------------------------ images, audio, both
+def _generator(step: int) -> torch.Generator:
+    return torch.Generator().manual_seed(step)
+
+
+def _images(size: int, labels: int | None = 3, tokens: int | None = None):
+    def batch(step):
+        g = _generator(step)
+        out = dict(pixel_values=torch.randn(2, 3, size, size, generator=g))
+        if tokens:
+            out["labels"] = torch.randint(1, VOCAB, (2, tokens), generator=g)
+        elif labels:
+            out["labels"] = torch.randint(0, labels, (2,), generator=g)
+        return out
+    return batch
+
+
+def _audio(step):
+    g = _generator(step)
+    return dict(input_values=torch.randn(2, 400, generator=g), labels=torch.randint(1, 12, (2, 5), generator=g))
+
+
+def _mel(step):
+    g = _generator(step)
+    return dict(input_features=torch.randn(2, 16, 16, generator=g), labels=torch.randint(2, VOCAB, (2, 6), generator=g))
+
+
+def _vit(**extra):
+    return T.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=16,
+                       patch_size=4, **extra)
+
+
+def _vision_encoder_decoder():
+    decoder = T.GPT2LMHeadModel(T.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=VOCAB, add_cross_attention=True,
+                                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    model = T.VisionEncoderDecoderModel(encoder=T.ViTModel(_vit()), decoder=decoder)
+    model.config.decoder_start_token_id, model.config.pad_token_id = 1, 0
+    return model
+
+
+#: Models whose inputs are not token ids: name -> (build, batch of a step).
+OTHER_INPUTS = {
+    "vit": (lambda: T.AutoModelForImageClassification.from_config(_vit(num_labels=3)), _images(16)),
+    "convnext": (lambda: T.AutoModelForImageClassification.from_config(
+        T.ConvNextConfig(num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3, image_size=32)), _images(32)),
+    "wav2vec2_ctc": (lambda: T.AutoModelForCTC.from_config(T.Wav2Vec2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, conv_dim=(16, 16),
+        conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2,
+        vocab_size=12, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0,
+        layerdrop=0.0, mask_time_prob=0.0, pad_token_id=0)), _audio),
+    "whisper": (lambda: T.AutoModelForSpeechSeq2Seq.from_config(T.WhisperConfig(
+        d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
+        encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=VOCAB, num_mel_bins=16, max_source_positions=8,
+        max_target_positions=32, dropout=0.0, decoder_start_token_id=1, pad_token_id=0)), _mel),
+    "vision_encoder_decoder": (_vision_encoder_decoder, _images(16, tokens=6)),
+}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("name", list(OTHER_INPUTS))
+def test_images_and_audio_train_like_the_untouched_model(name, config):
+    """Image classification, CTC, speech-to-text and an image-to-text encoder-decoder: the blocks
+    of each stack are found whatever the inputs, and three steps match AdamW on a deep copy."""
+    build, batch = OTHER_INPUTS[name]
+    torch.manual_seed(0)
+    model = build()
+    model.train()
+    reference = copy.deepcopy(model)
+    expected = _losses(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01), batch)
+    engine = offload_model(model, StrongholdConfig(window_size=1, **CONFIGS[config]), device="cpu")
+    assert engine.num_blocks >= 2, f"{name}: the blocks were not found"
+    got = _losses(model, engine.build_optimizer(lr=1e-2, weight_decay=0.01), batch)
+    engine.close()
+    assert got == pytest.approx(expected, rel=1e-5, abs=1e-6), (name, config, got, expected)
