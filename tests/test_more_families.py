@@ -1,4 +1,4 @@
-"""Any ``AutoModel``: families beyond ``tiny_models.FAMILIES``, text, images and audio, train exactly like the untouched model.
+"""Any ``AutoModel``: families beyond ``tiny_models.FAMILIES`` (text, images, audio) train like the untouched model.
 
 The other tests exercise the engine in depth on thirteen families. This one is broad instead:
 each family below (causal LMs with and without rotary, fused QKV, mixture of experts, a state
