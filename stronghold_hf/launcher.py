@@ -44,8 +44,11 @@ Settings come from the environment (a variable that is empty counts as unset):
   STRONGHOLD          1/true/yes/on (the default under this launcher) or 0/false/no/off
   STRONGHOLD_WINDOW_SIZE  auto (default) or N: blocks kept on the device
   STRONGHOLD_CONFIG   a StrongholdConfig as JSON, or the path of a JSON file
-Arguments that carry the stronghold fields (--stronghold false, --stronghold_window_size)
-still win over the environment.
+The script's command line may carry the same settings as options, whether or not its parser
+knows them, and they win over the environment:
+  --stronghold [true|false]   --stronghold_window_size N|auto   --stronghold_config JSON|PATH
+A parser that does not declare them (plain TrainingArguments, TRL's configs, argparse) never
+sees them.
 
 With one process per device, put this module where the script would go:
   torchrun --nproc_per_node 8 -m stronghold_hf train.py ARGS
@@ -111,6 +114,69 @@ def patch_trainers() -> Iterator[None]:
         _active -= 1
 
 
+# ---------------------------------------------------------------------------- the script's options
+#: The stronghold options of `StrongholdTrainingArguments` (``--a_b`` and ``--a-b``, as
+#: HfArgumentParser takes them), and the variable each sets for a script whose parser lacks them.
+_OPTIONS = {"stronghold": "STRONGHOLD", "stronghold_window_size": "STRONGHOLD_WINDOW_SIZE",
+            "stronghold_config": "STRONGHOLD_CONFIG"}
+_BOOLEAN_WORDS = {"true", "false", "yes", "no", "1", "0", "on", "off", "t", "f", "y", "n"}
+
+
+def take_stronghold_options(args: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """``args`` without its stronghold options, and the ``STRONGHOLD_*`` variables they set.
+
+    ``--stronghold`` alone means true and takes the next word only when it is a boolean, as
+    HfArgumentParser reads it; the other two need a value. Raises `UsageError` when one is missing."""
+    rest, variables = [], {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        name, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
+        name = name.replace("-", "_")
+        if name not in _OPTIONS:
+            rest.append(arg)
+            i += 1
+            continue
+        i += 1
+        if not eq:
+            if name == "stronghold":
+                value = "1"
+                if i < len(args) and args[i].lower() in _BOOLEAN_WORDS:
+                    value, i = args[i], i + 1
+            elif i < len(args) and not args[i].startswith("--"):
+                value, i = args[i], i + 1
+            else:
+                raise UsageError(f"--{name} needs a value")
+        variables[_OPTIONS[name]] = value
+    return rest, variables
+
+
+@contextmanager
+def parsers_skip_stronghold_options() -> Iterator[None]:
+    """While active, an argument parser that declares no ``--stronghold`` option (an
+    ``HfArgumentParser`` over plain `TrainingArguments`, TRL's own copy of that parser, a
+    script's argparse) parses its command line without the stronghold options
+    (`take_stronghold_options`), which `main` has already put into the environment; one that
+    declares them (`StrongholdTrainingArguments`) parses them itself. Patched at
+    ``argparse.ArgumentParser.parse_known_args``, which ``parse_args`` and HfArgumentParser's
+    ``parse_args_into_dataclasses`` both call."""
+    import argparse
+
+    original = argparse.ArgumentParser.parse_known_args
+
+    @functools.wraps(original)
+    def parse_known_args(self, args=None, namespace=None):
+        if "--stronghold" not in self._option_string_actions:
+            args, _ = take_stronghold_options(sys.argv[1:] if args is None else list(args))
+        return original(self, args, namespace)
+
+    argparse.ArgumentParser.parse_known_args = parse_known_args
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.parse_known_args = original
+
+
 # ---------------------------------------------------------------------------- the command line
 def _parse(argv: Sequence[str]) -> tuple[str, str, list[str]]:
     """``(kind, target, args)`` with kind ``"script"`` or ``"module"``; raises `UsageError`."""
@@ -133,14 +199,25 @@ def _parse(argv: Sequence[str]) -> tuple[str, str, list[str]]:
     return "script", head, rest
 
 
-def _turn_on_from_environment() -> tuple[bool, str]:
-    """Sets ``STRONGHOLD=1`` unless the user set it, validates all variables, describes them."""
+def _turn_on_from_environment(options: dict[str, str]) -> tuple[bool, str]:
+    """Sets ``STRONGHOLD=1`` unless the user set it, then the variables the script's stronghold
+    ``options`` set (they win); validates all of them and describes them."""
     from .integrations.arguments import ENV_FLAG, settings_from_env
 
     if not os.environ.get(ENV_FLAG, "").strip():
         os.environ[ENV_FLAG] = "1"  # child processes (dataloader workers, spawned ranks) inherit it
-    on, config = settings_from_env()
-    return on, f"window_size={config.window_size}"
+    os.environ.update(options)
+    try:
+        on, config = settings_from_env()
+    except ValueError as err:  # name the option the user wrote, not the variable it set
+        message = str(err)
+        for name, variable in _OPTIONS.items():
+            if variable in options:
+                message = message.replace(f"Environment variable {variable}", f"--{name}")
+        raise ValueError(message) from None
+    source = "the command line and the STRONGHOLD_* environment variables" if options else \
+        "the STRONGHOLD_* environment variables"
+    return on, f"window_size={config.window_size}, from {source}"
 
 
 def _run(kind: str, target: str, args: list[str]) -> None:
@@ -165,7 +242,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         kind, target, args = _parse(argv)
-        on, described = _turn_on_from_environment()
+        options = take_stronghold_options(args)[1]
+        on, described = _turn_on_from_environment(options)
     except (UsageError, ValueError) as err:
         short_usage = "\n".join(USAGE.splitlines()[:2])
         sys.stderr.write(f"{short_usage}\n{PROG}: error: {err}\n(see {PROG} --help)\n")
@@ -174,16 +252,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     lead = os.environ.get("RANK", "0") == "0"  # say things once per job under torchrun/accelerate, not per rank
     if lead:
         if on:
-            logger.warning("%s: STRONGHOLD is on for every transformers.Trainer that %s builds (%s, from the "
-                           "STRONGHOLD_* environment variables).", PROG, name, described)
+            logger.warning("%s: STRONGHOLD is on for every transformers.Trainer that %s builds (%s).",
+                           PROG, name, described)
         else:
-            logger.warning("%s: STRONGHOLD=%s turns STRONGHOLD off; running %s unchanged.",
-                           PROG, os.environ["STRONGHOLD"], name)
+            how = f"--stronghold {os.environ['STRONGHOLD']}" if "STRONGHOLD" in options else \
+                f"STRONGHOLD={os.environ['STRONGHOLD']}"
+            logger.warning("%s: %s turns STRONGHOLD off; running %s unchanged.", PROG, how, name)
     if not on:
-        _run(kind, target, args)
+        with parsers_skip_stronghold_options():
+            _run(kind, target, args)
         return 0
     before = stronghold_class.cache_info()
-    with patch_trainers():
+    with patch_trainers(), parsers_skip_stronghold_options():
         _run(kind, target, args)
     after = stronghold_class.cache_info()
     if lead and after.hits + after.misses == before.hits + before.misses:

@@ -137,6 +137,82 @@ def test_script_sees_what_python_would_give_it(module, env, patched, tmp_path, m
     assert type(Trainer.__new__(Trainer)) is Trainer, "the patch must not outlive the run"
 
 
+_PARSE_PROBE = """
+import json, os, sys
+from transformers import HfArgumentParser, TrainingArguments
+from stronghold_hf import StrongholdTrainingArguments
+out = {"env": {k: v for k, v in os.environ.items() if k.startswith("STRONGHOLD")}}
+(plain,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses()
+(ours,) = HfArgumentParser(StrongholdTrainingArguments).parse_args_into_dataclasses()
+out.update(plain_steps=plain.max_steps, ours=[ours.stronghold, ours.stronghold_window_size])
+import argparse
+bare = argparse.ArgumentParser()
+for name in ("--output_dir", "--max_steps", "--report_to"):
+    bare.add_argument(name)
+out["argparse_steps"] = bare.parse_args().max_steps
+if os.environ.get("PROBE_TRL"):
+    from trl import SFTConfig, TrlParser
+    (trl_args,) = TrlParser(SFTConfig).parse_args_and_config(args=sys.argv[1:] + ["--use_cpu", "--bf16", "false"])
+    out["trl_steps"] = trl_args.max_steps
+json.dump(out, open(os.environ["PROBE_OUT"], "w"))
+"""
+
+
+@pytest.mark.parametrize("options, env, window", [
+    (["--stronghold", "--stronghold_window_size", "2"], {"STRONGHOLD": "1", "STRONGHOLD_WINDOW_SIZE": "2"}, "2"),
+    (["--stronghold=true", "--stronghold-window-size=auto"], {"STRONGHOLD": "true", "STRONGHOLD_WINDOW_SIZE": "auto"},
+     "auto"),
+    (["--stronghold_config", '{"window_size": 3}'], {"STRONGHOLD": "1", "STRONGHOLD_CONFIG": '{"window_size": 3}'},
+     None),
+])
+def test_stronghold_options_on_a_script_whose_parser_lacks_them(options, env, window, tmp_path, monkeypatch):
+    """``python -m stronghold_hf train.py --stronghold_window_size 2``: a plain TrainingArguments
+    parser parses the rest of the command line (it would refuse the unknown options), the
+    environment carries them to the Trainer, and a parser with the stronghold fields still reads
+    them itself."""
+    (tmp_path / "parse_probe.py").write_text(_PARSE_PROBE)
+    monkeypatch.setenv("PROBE_OUT", str(tmp_path / "seen.json"))
+    if window is not None:
+        monkeypatch.setenv("STRONGHOLD_WINDOW_SIZE", "5")  # the command line wins
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    args = ["--output_dir", str(tmp_path / "out"), "--max_steps", "7", *options, "--report_to", "none"]
+    assert main([str(tmp_path / "parse_probe.py"), *args]) == 0
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert seen["plain_steps"] == 7 and seen["argparse_steps"] == "7"
+    assert {k: v for k, v in seen["env"].items() if k in env} == env
+    assert seen["ours"] == [True, window]
+
+
+def test_stronghold_options_pass_trl_parser(tmp_path, monkeypatch):
+    """TRL parses with its own copy of HfArgumentParser (``trl.scripts._hf_argparser``)."""
+    pytest.importorskip("trl")
+    (tmp_path / "parse_probe.py").write_text(_PARSE_PROBE)
+    monkeypatch.setenv("PROBE_OUT", str(tmp_path / "seen.json"))
+    monkeypatch.setenv("PROBE_TRL", "1")
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    args = ["--output_dir", str(tmp_path / "out"), "--max_steps", "7", "--stronghold_window_size", "2"]
+    assert main([str(tmp_path / "parse_probe.py"), *args]) == 0
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert seen["trl_steps"] == 7 and seen["env"]["STRONGHOLD_WINDOW_SIZE"] == "2"
+
+
+def test_stronghold_options_turn_it_off_and_are_checked(tmp_path, monkeypatch, capsys, caplog):
+    (tmp_path / "parse_probe.py").write_text(_PARSE_PROBE)
+    monkeypatch.setenv("PROBE_OUT", str(tmp_path / "seen.json"))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    script = str(tmp_path / "parse_probe.py")
+    assert main([script, "--output_dir", str(tmp_path / "out"), "--stronghold", "false"]) == 0
+    assert "--stronghold false turns STRONGHOLD off" in caplog.text
+    assert json.loads((tmp_path / "seen.json").read_text())["ours"][0] is False
+    for bad, message in [(["--stronghold_window_size"], "--stronghold_window_size needs a value"),
+                         (["--stronghold_window_size", "zero"], "--stronghold_window_size='zero' is not a valid")]:
+        assert main([script, *bad]) == 2
+        assert message in capsys.readouterr().err
+
+
 def test_a_script_without_a_trainer_is_told(tmp_path, monkeypatch, caplog):
     (tmp_path / "loop.py").write_text("import transformers\n")
     monkeypatch.setattr(sys, "argv", list(sys.argv))
@@ -188,6 +264,9 @@ def official_runs(tmp_path_factory):
         "plain": (py + [script, "--output_dir", str(out / "plain"), *TRAIN_ARGS], _env()),
         "launcher": (py + ["-m", "stronghold_hf", script, "--output_dir", str(out / "launcher"), *TRAIN_ARGS],
                      _env(STRONGHOLD_WINDOW_SIZE="1")),
+        # The settings as options on the script's command line, which its parser does not know.
+        "options": (py + ["-m", "stronghold_hf", script, "--output_dir", str(out / "options"), *TRAIN_ARGS,
+                          "--stronghold", "--stronghold_window_size", "1"], _env(STRONGHOLD_WINDOW_SIZE="3")),
         "torchrun": (py + ["-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={_free_port()}",
                            "-m", "stronghold_hf", script, "--output_dir", str(out / "torchrun"),
                            "--ddp_backend", "gloo", *TRAIN_ARGS], _env()),
@@ -201,7 +280,7 @@ def official_runs(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", ["launcher", "torchrun", "accelerate"])
+@pytest.mark.parametrize("run", ["launcher", "options", "torchrun", "accelerate"])
 def test_official_script_unchanged_trains_with_stronghold(official_runs, run):
     results, stderr = official_runs
     ref, result = results["plain"], results[run]
@@ -214,9 +293,12 @@ def test_official_script_unchanged_trains_with_stronghold(official_runs, run):
 
 
 @pytest.mark.slow
-def test_window_size_from_the_environment_reaches_the_engine(official_runs):
+@pytest.mark.parametrize("run", ["launcher", "options"])
+def test_window_size_from_the_environment_reaches_the_engine(official_runs, run):
+    """``STRONGHOLD_WINDOW_SIZE=1``, or ``--stronghold_window_size 1`` on the script's command
+    line, which wins over the environment's 3."""
     results, _ = official_runs
-    logged = [h for h in results["launcher"]["history"] if "stronghold_window_size" in h]
+    logged = [h for h in results[run]["history"] if "stronghold_window_size" in h]
     assert logged and all(h["stronghold_window_size"] == 1 for h in logged)
 
 
