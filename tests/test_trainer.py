@@ -184,6 +184,33 @@ def test_resume_matches_uninterrupted(tmp_path):
     assert opt_state["stronghold_format"] == 1 and opt_state["cpu"]["state"]
 
 
+def test_load_best_model_at_end_restores_the_best_checkpoint(tmp_path):
+    """``--load_best_model_at_end``: evaluation and saving every 2 steps, and "best" made the
+    *highest* eval loss (``--greater_is_better``), so the best checkpoint is the first one and
+    not the trained model; at the end the Trainer loads it into the offloaded model, which then
+    evaluates as that checkpoint did, exactly as the plain Trainer's model."""
+    argv = ["--use_cpu", "--max_steps", "8", "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "4",
+            "--learning_rate", "0.05", "--eval_strategy", "steps", "--eval_steps", "2", "--save_strategy", "steps",
+            "--save_steps", "2", "--save_total_limit", "2", "--load_best_model_at_end", "--metric_for_best_model",
+            "loss", "--greater_is_better", "true", "--report_to", "none", "--seed", "0", "--disable_tqdm", "true"]
+    runs = {}
+    for name, trainer_class, args_class, extra in [
+            ("plain", Trainer, TrainingArguments, []),
+            ("stronghold", StrongholdTrainer, StrongholdTrainingArguments, ["--stronghold", "--stronghold_window_size", "1"])]:
+        (args,) = HfArgumentParser(args_class).parse_args_into_dataclasses(
+            ["--output_dir", str(tmp_path / name), *argv, *extra])
+        trainer = trainer_class(model=tiny_model("gpt2"), args=args, train_dataset=TinyDataset("gpt2"),
+                                eval_dataset=TinyDataset("gpt2", n=8))
+        trainer.train()
+        evals = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
+        runs[name] = (evals, trainer.state.best_model_checkpoint, trainer.evaluate()["eval_loss"])
+    (evals, best, final), (ref_evals, ref_best, ref_final) = runs["stronghold"], runs["plain"]
+    assert evals == pytest.approx(ref_evals, rel=1e-4)
+    assert max(evals) > evals[-1], "the last checkpoint is the best: nothing to restore"
+    assert os.path.basename(best) == os.path.basename(ref_best)
+    assert final == pytest.approx(max(evals), rel=1e-5) and final == pytest.approx(ref_final, rel=1e-4)
+
+
 def test_interrupted_checkpoint_leaves_previous_usable(tmp_path, monkeypatch):
     args = _resume_args(tmp_path, "crash")
     t = StrongholdTrainer(model=tiny_model("gpt2"), args=args, train_dataset=TinyDataset("gpt2"))
