@@ -96,9 +96,11 @@ class MasterPiece:
 class Region:
     """One unit's state: its moments in the state file, ``[start, start + nbytes)``, and with
     ``nvme_masters`` its masters in the masters file, ``[master_start, master_start + head)``.
-    A ring buffer holds the masters first (``head`` bytes, page-aligned), then the moments."""
+    A ring buffer holds the masters first (``head`` bytes, page-aligned), then the moments.
+    ``unit``: the unit's index, or ``(unit index, param group)`` for one segment of a unit whose
+    state is cut into block-sized segments (``optim/segments.py``)."""
 
-    unit: int
+    unit: int | tuple[int, int]
     fqn: str
     start: int
     nbytes: int
@@ -127,9 +129,11 @@ def moment_tensors(param: Tensor, eight_bit: bool) -> list[tuple[str, torch.dtyp
 
 def lay_out_regions(units: list[tuple[int, str, list[Tensor]]], eight_bit, masters: "DiskMasters | None" = None,
                     master_pieces: dict[int, list[MasterPiece]] | None = None) -> list[Region]:
-    """Regions for ``(unit index, fqn, masters)`` in that order; ``eight_bit(param)`` says
+    """Regions for ``(region key, fqn, masters)`` in that order; ``eight_bit(param)`` says
     which moments a parameter has. With ``masters`` (``nvme_masters``), a unit whose masters
-    are on disk also reads and writes them (``master_pieces[unit]``: where each one lies)."""
+    are on disk also reads and writes them (``master_pieces[key]``: where each one lies in its
+    unit's extent). A segment's key is ``(unit index, group)``: its masters are its one range
+    of the unit's extent, page-aligned (``optim/segments.py``)."""
     regions, start = [], 0
     for index, fqn, params in units:
         pieces, offset = [], 0
@@ -139,12 +143,19 @@ def lay_out_regions(units: list[tuple[int, str, list[Tensor]]], eight_bit, maste
                 pieces.append(StatePiece(p, key, dtype, shape, offset, nbytes, fill))
                 offset += _page_up(nbytes)
         head, master_start = 0, 0
-        if masters is not None and index in masters.extents:
-            master_start, master_bytes = masters.extents[index]
+        mine = tuple((master_pieces or {}).get(index, ()))
+        unit = index[0] if isinstance(index, tuple) else index
+        if masters is not None and unit in masters.extents:
+            master_start, master_bytes = masters.extents[unit]
+            if isinstance(index, tuple):  # a segment: [at, at + count) of its unit's extent
+                first = mine[0].at
+                master_start += 4 * first
+                master_bytes = 4 * sum(torch.Size(m.shape).numel() for m in mine)
+                assert master_start % PAGE == 0, f"{fqn}: a segment's masters must start on a page"
+                mine = tuple(MasterPiece(m.param, m.at - first, m.shape) for m in mine)
             head = _page_up(master_bytes)
         if pieces or head:
-            regions.append(Region(index, fqn, start, offset, tuple(pieces), head, master_start,
-                                  tuple((master_pieces or {}).get(index, ()))))
+            regions.append(Region(index, fqn, start, offset, tuple(pieces), head, master_start, mine))
             start += offset
     return regions
 
@@ -302,6 +313,12 @@ class NvmeTier:
         self.stats = stats
         self.masters = masters  # nvme_masters: the units' masters come and go with their moments
         self.regions = {r.unit: r for r in lay_out_regions(units, optimizer.wants_8bit, masters, master_pieces)}
+        self._segments_of: dict[int, list] = {}  # unit -> the keys of its segments' regions, in element order
+        for key, region in self.regions.items():
+            if isinstance(key, tuple):
+                self._segments_of.setdefault(key[0], []).append(key)
+        for keys in self._segments_of.values():
+            keys.sort(key=lambda k: self.regions[k].master_start)
         # With masters on disk the engine made the directory at offload_model and removes it.
         self._own_directory = masters is None
         self.directory = SwapDirectory(root) if masters is None else masters.directory
@@ -625,28 +642,48 @@ class NvmeTier:
         return buf.data[at: at + piece.nbytes]
 
     # ------------------------------------------------------------------ masters on disk
+    def _keys_of(self, unit: int) -> list:
+        """The regions holding ``unit``'s masters: its own, or its segments' (in element order)."""
+        if unit in self.regions:
+            return [unit]
+        return self._segments_of.get(unit, [])
+
     def holds_region(self, unit: int) -> bool:
-        return not self._closed and unit in self.regions and bool(self.regions[unit].head)
+        return not self._closed and any(self.regions[k].head for k in self._keys_of(unit))
 
     def settle(self, unit: int) -> None:
-        """Returns once no update holds ``unit``'s state and no write-back of it is in flight:
-        its masters in the file are current."""
+        """Returns once no update holds ``unit``'s state (any segment of it) and no write-back
+        of it is in flight: its masters in the file are current."""
+        keys = self._keys_of(unit) or [unit]
         with self._cond:
             while True:
                 self._raise_error()
-                buf = self._holder.get(unit)
-                if buf is None or buf.state not in (BufferState.BOUND, BufferState.WRITING):
+                busy = [b for b in map(self._holder.get, keys)
+                        if b is not None and b.state in (BufferState.BOUND, BufferState.WRITING)]
+                if not busy:
                     return
                 self._cond.wait()
 
     def write_masters(self, unit: int, lo: int, values: Tensor) -> None:
         """Elements ``[lo, lo + len(values))`` of ``unit``'s masters become ``values``: written
-        into its state in the ring (read first unless there) and back to the file."""
-        buf = self._acquire(unit)
-        try:
-            buf.data[: self.regions[unit].head].view(torch.float32)[lo: lo + values.numel()].copy_(values)
-        finally:
-            self._release(unit, buf)
+        into its state in the ring (read first unless there) and back to the file, a region
+        (the unit's, or each segment's it covers) at a time."""
+        hi = lo + values.numel()
+        extent_start, extent_bytes = self.masters.extents[unit]
+        for key in self._keys_of(unit):
+            region = self.regions[key]
+            # The elements of the unit's masters this region holds: all, or a segment's range.
+            first = (region.master_start - extent_start) // 4
+            count = extent_bytes // 4 if not isinstance(key, tuple) else sum(
+                torch.Size(m.shape).numel() for m in region.masters)
+            a, b = max(lo, first), min(hi, first + count)
+            if a >= b:
+                continue
+            buf = self._acquire(key)
+            try:
+                buf.data[: region.head].view(torch.float32)[a - first: b - first].copy_(values[a - lo: b - lo])
+            finally:
+                self._release(key, buf)
 
     # ------------------------------------------------------------------ lifecycle
     @property

@@ -253,8 +253,9 @@ def test_host_image_false_trades_the_image_for_two_staging_buffers():
 
 def test_nvme_tier_moves_the_moments_to_disk_when_the_ram_needs_it():
     """Llama-3-8B, bf16, 64 GB of RAM: exact state does not fit; with an NVMe disk the moments
-    (8 B/param) go there and the host keeps a ring of three buffers of the largest unit's. (The
-    machine's reserve is 0 here: the tiers' mechanics; test_headroom_* has the reserve.)"""
+    (8 B/param) go there and the host keeps a ring of three buffers of the largest block's (the
+    vocabulary-sized head, the largest unit, streams in block-sized segments). (The machine's
+    reserve is 0 here: the tiers' mechanics; test_headroom_* has the reserve.)"""
     cfg = load_config(LLAMA3_8B[0], config_overrides=LLAMA3_8B[1])
     kw = dict(seq_len=4096, batch_size=1, dtype="bf16", gpu_memory_bytes="24GB", gradient_checkpointing=True,
               cpu_memory_bytes="64GB", cpu_reserve=0)
@@ -263,9 +264,10 @@ def test_nvme_tier_moves_the_moments_to_disk_when_the_ram_needs_it():
     with pytest.raises(ValueError, match=r"nvme_path=DIR\) on a fast local disk moves the Adam moments \(59.8"):
         ram.raise_if_not_fits()
     disk = estimate(cfg, nvme_memory_bytes="1TB", **kw)
-    head = 128256 * 4096  # the untied head: the largest unit
+    head = 128256 * 4096  # the untied head: the largest unit, 525 M parameters
+    block = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096  # the largest block: 218 M
     assert disk.nvme_adam and disk.nvme_bytes_needed == 8 * disk.total_params and disk.cpu_adam_bytes == 0
-    assert disk.cpu_nvme_ring_bytes == 3 * 8 * head
+    assert disk.cpu_nvme_ring_bytes == 3 * 8 * block < 3 * 8 * head
     assert not disk.host_image  # 64 GB hold masters, bf16 gradients and the ring, not the image too
     assert disk.cpu_fits and disk.nvme_fits and disk.fits  # 62.5 GiB: a desktop fine-tunes 8B in full
     assert disk.cpu_bytes_per_param == 4 + 2  # master, bf16 gradient

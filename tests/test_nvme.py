@@ -144,6 +144,106 @@ def test_the_ring_is_bounded_and_replaces_the_state_in_the_ledger(tmp_path):
     assert 0 <= ahead <= disk["nvme_ring_bytes"]
 
 
+def _train_with_state_by_name(model, family, steps=3, bf16=False, max_norm=0.5, **config):
+    """`_train`, with the optimizer state put back together per parameter name from its CPU
+    pieces (whole parameters, or the segments of one), and the NVMe ring's size."""
+    dtype = dict(param_dtype=BF16) if bf16 else {}
+    engine = offload_model(model, StrongholdConfig(window_size=1, **dtype, **config), device="cpu")
+    opt = engine.build_optimizer(lr=1e-2, weight_decay=0.1)
+    losses = []
+    for step in range(steps):
+        with torch.autocast("cpu", dtype=BF16, enabled=bf16):
+            loss = model(**batch(family, seed=step)).loss
+        loss.backward()
+        engine.clip_grad_norm_(max_norm)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    saved = opt.state_dict()
+    parts: dict[str, list] = {}
+    for name, (_, _, first, _), (_, st) in zip(saved["cpu_names"], saved["cpu_pieces"], sorted(saved["cpu"]["state"].items())):
+        parts.setdefault(name, []).append((first, st))
+    by_name = {}
+    for name, pieces in parts.items():
+        pieces.sort(key=lambda t: t[0])
+        by_name[name] = {key: pieces[0][1][key] if key == "step" else torch.cat([st[key].reshape(-1) for _, st in pieces])
+                         for key in pieces[0][1]}
+    block_numel = max(sum(m.numel() for m in u.host.masters if m is not None) for u in engine.blocks)
+    out = (losses, {k: v.clone() for k, v in engine.full_state_dict().items()}, by_name, len(saved["cpu_pieces"]),
+           engine.memory_stats()["nvme_ring_bytes"], block_numel)
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("config", [
+    {}, dict(host_memory="lean"), dict(speculative_step="on", max_norm=1e-3), dict(nvme_masters=True),
+    dict(nvme_masters=True, bf16=True, host_memory="lean"),
+], ids=["exact", "lean", "speculation-undone", "masters-too", "masters-bf16-lean"])
+def test_a_vocabulary_larger_than_a_block_streams_its_state_in_block_sized_segments(config, tmp_path):
+    """An untied 8,192-row vocabulary (262k elements a matrix) next to blocks of about 10k: the
+    embedding and the head are stepped and streamed in segments of at most a block's elements,
+    so the ring is three blocks' state, not three heads'; training and the optimizer state (put
+    back together per parameter) are bit for bit the RAM tier's."""
+    ref = tiny_model("llama", vocab_size=8192, tie_word_embeddings=False)
+    ram_config = {k: v for k, v in config.items() if k != "nvme_masters"}
+    ram = _train_with_state_by_name(copy.deepcopy(ref), "llama", **ram_config)
+    disk = _train_with_state_by_name(copy.deepcopy(ref), "llama", nvme_path=str(tmp_path), nvme_ring_buffers=3, **config)
+    assert disk[0] == ram[0]
+    for k, v in ram[1].items():
+        assert torch.equal(disk[1][k], v), k
+    assert disk[2].keys() == ram[2].keys()
+    for name, st in ram[2].items():
+        for key, value in st.items():
+            assert torch.equal(disk[2][name][key], value), (name, key)
+    assert disk[3] > ram[3]  # more CPU pieces: the segments
+    block, vocab = disk[5], 8192 * 32
+    per_element = 8 + (4 if config.get("nvme_masters") else 0)  # fp32 moments (8-bit ones are smaller), masters
+    assert disk[4] <= 3 * (per_element * block + 64 * 4096)  # three blocks' state, with page padding
+    assert disk[4] < per_element * vocab  # less than one unsegmented head's state
+
+
+@pytest.mark.parametrize("first, second", [("segments", "ram"), ("ram", "segments-masters")])
+def test_segmented_state_resumes_under_the_other_layout(first, second, tmp_path):
+    """Two steps, the model and optimizer saved, one more step in a new engine of the other
+    layout: the same weights as three uninterrupted steps (the checkpoint names each segment
+    by its element range, and the loading optimizer re-cuts it)."""
+    import io
+
+    configs = {"ram": {}, "segments": dict(nvme_path=str(tmp_path / "a")),
+               "segments-masters": dict(nvme_path=str(tmp_path / "b"), nvme_masters=True)}
+
+    def run(model, steps, start=0, load=None, **config):
+        engine = offload_model(model, StrongholdConfig(window_size=1, **config), device="cpu")
+        opt = engine.build_optimizer(lr=1e-2, weight_decay=0.1)
+        if load is not None:
+            model.load_state_dict(load[0])
+            opt.load_state_dict(load[1])
+        losses = []
+        for step in range(start, start + steps):
+            loss = model(**batch("llama", seed=step)).loss
+            loss.backward()
+            engine.clip_grad_norm_(0.5)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        buf = io.BytesIO()
+        torch.save(opt.state_dict(), buf)  # what a Trainer checkpoint writes
+        buf.seek(0)
+        out = losses, {k: v.clone() for k, v in engine.full_state_dict().items()}, torch.load(buf, weights_only=False)
+        engine.close()
+        return out
+
+    os.makedirs(tmp_path / "a")
+    os.makedirs(tmp_path / "b")
+    ref = tiny_model("llama", vocab_size=8192, tie_word_embeddings=False)
+    whole = run(copy.deepcopy(ref), 3)
+    part = run(copy.deepcopy(ref), 2, **configs[first])
+    rest = run(copy.deepcopy(ref), 1, start=2, load=part[1:], **configs[second])
+    assert part[0] + rest[0] == whole[0]
+    for k, v in whole[1].items():
+        assert torch.equal(rest[1][k], v), k
+
+
 def test_sharded_state_on_disk(tmp_path):
     """A process group of one takes the sharded path: each rank's shard has its own file."""
     import torch.distributed as dist

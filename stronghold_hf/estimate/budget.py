@@ -305,11 +305,20 @@ def _assemble(
     # a ring (the writes in flight and the two inputs being read back).
     activation_ring = min(DISK_RING + 2, n) * input_largest if offload else 0
     # The NVMe tier: the moments on disk, a ring of buffers of the largest unit's moments in RAM
-    # (with nvme_masters, of its masters and moments).
+    # (with nvme_masters, of its masters and moments). A unit larger than the largest block (a
+    # vocabulary) streams in segments of at most the largest block's elements (optim/segments.py;
+    # with nvme_masters, one whose masters are a single tensor), so a block sizes the ring.
     unit_master = [4 * u.trainable for u in units]
+    largest_block = max((u.trainable for u in units if u.kind == "block"), default=0)
 
     def nvme_ring(masters_on_disk: bool) -> int:
-        per_unit = [a + (m if masters_on_disk else 0) for a, m in zip(unit_adam, unit_master)]
+        per_unit = []
+        for u, a, m in zip(units, unit_adam, unit_master):
+            state = a + (m if masters_on_disk else 0)
+            if largest_block and u.kind != "block" and u.trainable > largest_block and (
+                    not masters_on_disk or u.trainable_tensors == 1):
+                state = state * largest_block // u.trainable  # one segment's share
+            per_unit.append(state)
         return min(nvme_ring_buffers, len(per_unit)) * max(per_unit, default=0)
 
     # Masters on disk: no image; fetches read one block's masters at a time (fp32 scratch) and

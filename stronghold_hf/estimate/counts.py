@@ -84,6 +84,7 @@ class _Unit:
     image_bytes: int  # of host_bytes, the pinned image (frozen parameters: their stored bytes)
     trainable_image_bytes: int  # of image_bytes, the trainable parameters' compute-dtype copy (0 in fp32)
     lean_adam_bytes: int  # its Adam state with host_memory="lean" (8-bit moments of the large tensors)
+    trainable_tensors: int = 0  # how many trainable parameters (the NVMe tier cuts one vocabulary tensor with its masters)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +141,7 @@ def _count(model: nn.Module, block_classes: tuple[str, ...] | None, encoder_deco
         frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)
         units.append(_Unit(
             kind=spec.kind, params=sum(p.numel() for _, p in spec.params), trainable=sum(p.numel() for p in trainable),
+            trainable_tensors=len(trainable),
             device_bytes=sum(p.numel() * dev[id(p)] for p in trainable) + frozen_bytes,
             grad_bytes=sum(p.numel() * dev[id(p)] for p in trainable),
             host_bytes=masters + (4 + ADAM_STATE_BYTES) * sum(p.numel() for p in trainable) + image + frozen_bytes,

@@ -48,6 +48,7 @@ from ..scaler import DynamicLossScaler
 from ..speculation import SpecRecord
 from . import quant8
 from .cpu_adam import CPUAdam
+from .segments import StateSegments
 from .unit_update import UnitUpdates
 
 logger = logging.getLogger("stronghold_hf")
@@ -88,7 +89,8 @@ class StrongholdOptimizer(torch.optim.Optimizer):
 
     def __init__(self, engine, cpu_optimizer: torch.optim.Optimizer, device_optimizer: torch.optim.Optimizer | None,
                  block_groups: dict[int, list[int]], scaler: DynamicLossScaler | None, defaults: dict[str, Any],
-                 user_groups: list[dict[str, Any]], inner_user: list[int], nvme=None) -> None:
+                 user_groups: list[dict[str, Any]], inner_user: list[int], nvme=None,
+                 segments: StateSegments | None = None) -> None:
         self.engine = engine
         self.cpu_optimizer = cpu_optimizer
         self.device_optimizer = device_optimizer
@@ -107,8 +109,10 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         self.last_step_skipped = False
         #: The NVMe tier holding the CPU Adam moments (``nvme.NvmeTier``), or None: in RAM.
         self.nvme = nvme
+        #: The units whose CPU Adam state is stepped and streamed in segments (segments.py), or None.
+        self.segments = segments
         #: Each unit's CPU work (unit_update.py), which the coordinator runs on the host worker.
-        self.updates = UnitUpdates(cpu_optimizer, nvme)
+        self.updates = UnitUpdates(cpu_optimizer, nvme, segments)
 
     def _collect_inner_groups(self) -> list[dict[str, Any]]:
         return [*(self.cpu_optimizer.param_groups if self.cpu_optimizer is not None else []),
@@ -156,7 +160,7 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         # Plan every block first, then queue the CPU work in one go: the worker starts on block 0
         # while this thread moves on, instead of contending for the GIL with the planning loop.
         plan: list[tuple[Any, str, Any, str]] = []  # (block, label, task, counter)
-        state_order: list[int] = []  # the units whose state the planned tasks read, in order (NVMe tier)
+        state_order: list = []  # the units whose state the planned tasks read, in order (NVMe tier)
         hits = misses = 0
         for block in engine.update_order:  # the order the next forward needs them: the first is updated first
             groups = self.block_groups.get(block.index)
@@ -191,24 +195,25 @@ class StrongholdOptimizer(torch.optim.Optimizer):
                     plan.append((block, "the rollback and redo of a speculative update",
                                  partial(self.updates.redo, block, record, groups, grads, clip_coef * inv_scale),
                                  "rollback_s"))
-                    state_order.append(block.index)
+                    state_order.append(block)
                     self._release_grads(block)
                     continue
                 plan.append((block, "the rollback of a speculative update", partial(self.updates.undo, block, record),
                              "rollback_s"))
-                state_order.append(block.index)
+                state_order.append(block)
             if found_inf or not _any_grad(grads):
                 continue
             plan.append((block, "the CPU optimizer update",
                          partial(self.updates.update, block, groups, grads, clip_coef * inv_scale), "cpu_adam_s"))
-            state_order.append(block.index)
+            state_order.append(block)
             self._release_grads(block)
         if self.device_optimizer is not None and not found_inf:
             # Before the CPU work: on a GPU it is a few asynchronous launches; on a CPU-only
             # device it would otherwise compete with the worker for the same cores.
             self.device_optimizer.step()
         if self.nvme is not None:
-            self.nvme.expect(state_order)  # reads start now, ahead of the updates
+            # Reads start now, ahead of the updates: each unit's region, or its segments'.
+            self.nvme.expect([key for b in state_order for key in self.updates.regions(b, self.block_groups[b.index])])
         coordinator.begin_updates()
         # Block 0 first, on this thread: the next forward needs it before anything else, and
         # handing it to the worker would add the worker's wake-up to the forward's wait. The
@@ -367,6 +372,8 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         names = self._parameter_names()
         of_master = {id(m): names[id(p)] for u in self.engine.units for m, p in zip(u.host.masters, u.params)
                      if m is not None}
+        for key, sl in self.segments.slices.items() if self.segments is not None else ():
+            of_master[key] = of_master[id(sl.master)]
         return [of_master[id(m)] for g in self.cpu_optimizer.param_groups for m in g["params"]]
 
     def _device_params(self) -> list[torch.Tensor]:
@@ -454,6 +461,9 @@ class StrongholdOptimizer(torch.optim.Optimizer):
                 if master is not None:
                     offset, _, count = b.host.pieces[k]
                     where[id(master)] = (b.fqn, b.layout.entries[k].name, offset, count)
+        for key, sl in self.segments.slices.items() if self.segments is not None else ():
+            fqn, name, offset, _ = where[id(sl.master)]
+            where[key] = (fqn, name, offset + sl.lo, sl.hi - sl.lo)
         return [where[id(p)] for g in self.cpu_optimizer.param_groups for p in g["params"]]
 
     @property
@@ -479,7 +489,11 @@ def build_optimizer(engine, params: Iterable | None = None, *, fp16_loss_scaling
     adamw_kwargs.pop("foreach", None)
     defaults.update(adamw_kwargs)
     groups = _normalise_groups(params, defaults, engine.model)
+    # With the NVMe tier, a unit larger than a block steps (and streams) in segments (segments.py).
+    segments = (StateSegments.for_engine(engine) if engine.config.nvme_path is not None
+                and engine.config.offload_optimizer else None)
 
+    unit_at = {u.index: u for u in engine.units}
     cpu_groups: list[dict[str, Any]] = []
     block_groups: dict[int, list[int]] = {}
     device_groups: list[dict[str, Any]] = []
@@ -505,15 +519,19 @@ def build_optimizer(engine, params: Iterable | None = None, *, fp16_loss_scaling
                     )
                 by_block.setdefault(block.index, []).append(master)
         for idx, masters in by_block.items():
-            block_groups.setdefault(idx, []).append(len(cpu_groups))
-            cpu_groups.append({"params": masters, **hyper})
-            cpu_users.append(u)
+            cut = segments is not None and idx in segments.cut_units
+            for part in segments.pack(unit_at[idx], masters) if cut else [masters]:
+                block_groups.setdefault(idx, []).append(len(cpu_groups))
+                cpu_groups.append({"params": part, **hyper})
+                cpu_users.append(u)
     cpu_opt: torch.optim.Optimizer | None = None
     if cpu_groups and engine.config.offload_optimizer:
         lean = engine.config.host_memory == "lean"
         cpu_opt = CPUAdam(cpu_groups, **defaults, state_bits=8 if lean else 32)
-        if lean:  # the whole parameter's size decides, so that every rank's piece agrees
+        if lean:  # the whole parameter's size decides, so that every rank's piece (and segment) agrees
             whole = {id(m): e.numel for u in engine.units for m, e in zip(u.host.masters, u.layout.entries) if m is not None}
+            if segments is not None:
+                whole.update({key: whole[id(sl.master)] for key, sl in segments.slices.items()})
             masters = [m for g in cpu_groups for m in g["params"]]
             cpu_opt.set_state_bits([m for m in masters if whole[id(m)] < quant8.MIN_8BIT_NUMEL], 32)
             cpu_opt.set_state_bits([m for m in masters if whole[id(m)] >= quant8.MIN_8BIT_NUMEL], 8)
@@ -529,9 +547,9 @@ def build_optimizer(engine, params: Iterable | None = None, *, fp16_loss_scaling
         logger.info("stronghold: nvme_path is not used: the device/host split keeps every trained parameter on the "
                     "device, so there is no CPU Adam state to put on disk.")
     elif engine.config.nvme_path is not None:
-        nvme = _nvme_tier(engine, cpu_opt, block_groups)
+        nvme = _nvme_tier(engine, cpu_opt, block_groups, segments)
     opt = StrongholdOptimizer(engine, cpu_opt, device_opt, block_groups, scaler, defaults, groups,
-                              cpu_users + device_users, nvme)
+                              cpu_users + device_users, nvme, segments)
     if isinstance(cpu_opt, CPUAdam):
         # The kernel writes the compute-dtype image of each master in the same pass.
         stepped = {id(p) for g in cpu_groups for p in g["params"]}
@@ -541,6 +559,12 @@ def build_optimizer(engine, params: Iterable | None = None, *, fp16_loss_scaling
             for m, img in zip(block.host.masters, block.host.image_views):
                 if m is not None and img is not None and id(m) in stepped:  # no image: fetches convert
                     cpu_opt.register_copy_out(m, img)
+        for sl in segments.slices.values() if segments is not None else ():  # a segment: its range of the image
+            block = unit_at[sl.unit]
+            img = block.host.image_views[sl.k]
+            if not block.layout.masters_in_image and img is not None:
+                cpu_opt.register_copy_out(sl.param, img.view(-1)[sl.lo:sl.hi])
+
     if opt.can_speculate and engine.coordinator.policy.mode != "off":
         # The undo's native kernel is built (or loaded from the cache) now, not at the first
         # miss, which would pay its compile (about 0.7 s) inside a forward's wait.
@@ -551,13 +575,22 @@ def build_optimizer(engine, params: Iterable | None = None, *, fp16_loss_scaling
     return opt
 
 
-def _nvme_tier(engine, cpu_opt, block_groups: dict[int, list[int]]):
+def _nvme_tier(engine, cpu_opt, block_groups: dict[int, list[int]], segments: StateSegments | None):
     from ..nvme import MasterPiece, NvmeTier
 
     if not isinstance(cpu_opt, CPUAdam):
         raise ValueError("StrongholdConfig.nvme_path needs the engine's CPU Adam (offload_optimizer=True).")
-    units = [(u.index, u.fqn, [p for gi in block_groups[u.index] for p in cpu_opt.param_groups[gi]["params"]])
-             for u in engine.update_order if u.index in block_groups]
+    # A region per unit, or per segment (one param group each) of a unit cut into segments.
+    units = []
+    for u in engine.update_order:
+        if u.index not in block_groups:
+            continue
+        if segments is not None and u.index in segments.cut_units:
+            units += [((u.index, gi), f"{u.fqn} (segment {n})", list(cpu_opt.param_groups[gi]["params"]))
+                      for n, gi in enumerate(block_groups[u.index])]
+        else:
+            units.append((u.index, u.fqn, [p for gi in block_groups[u.index]
+                                           for p in cpu_opt.param_groups[gi]["params"]]))
     cfg = engine.config
     disk = engine.disk_masters
     master_pieces = None
@@ -567,7 +600,16 @@ def _nvme_tier(engine, cpu_opt, block_groups: dict[int, list[int]]):
             previous.flush()
         master_pieces = {u.index: [MasterPiece(m, piece[1], tuple(m.shape))
                                    for m, piece in zip(u.host.masters, u.host.pieces) if m is not None]
-                         for u in engine.units if u.host.masters_on_disk}
+                         for u in engine.units if u.host.masters_on_disk
+                         and (segments is None or u.index not in segments.cut_units)}
+        # A segment's masters: its range of the unit's extent (segments.py: the unit's one master starts it).
+        for u in engine.units:
+            if segments is None or u.index not in segments.cut_units or not u.host.masters_on_disk:
+                continue
+            for gi in block_groups.get(u.index, ()):
+                (param,) = cpu_opt.param_groups[gi]["params"]
+                sl = segments.slices[id(param)]
+                master_pieces[(u.index, gi)] = [MasterPiece(param, sl.lo, (sl.hi - sl.lo,))]
     return NvmeTier(cfg.nvme_path, cpu_opt, units, ring_buffers=cfg.nvme_ring_buffers, io_threads=cfg.nvme_io_threads,
                     ledger=engine.ledger, stats=engine.stats, masters=disk, master_pieces=master_pieces)
 

@@ -23,26 +23,43 @@ from .cpu_adam import CPUAdam
 class UnitUpdates:
     """The CPU work of one unit at a time; see the module docstring."""
 
-    def __init__(self, cpu_optimizer, nvme=None) -> None:
+    def __init__(self, cpu_optimizer, nvme=None, segments=None) -> None:
         self.cpu_optimizer = cpu_optimizer  # CPUAdam, or a torch AdamW (offload_optimizer without the kernels)
         self.nvme = nvme  # nvme.NvmeTier holding the moments, or None: in RAM
+        self.segments = segments  # segments.StateSegments: units stepped and streamed in segments, or None
 
-    def _state_of(self, block):
-        """Inside: the CPU optimizer's state of ``block`` is in memory (always, without a tier)."""
-        return self.nvme.bound(block.index) if self.nvme is not None else contextlib.nullcontext()
+    def regions(self, block, groups: list[int]) -> list:
+        """The NVMe regions of ``block``'s state, in the order its work binds them: the unit's
+        own, or one per segment, each a param group of ``groups`` (segments.py)."""
+        return [key for key, _ in self._parts(block, groups)]
 
-    def _not_updating(self, block) -> None:
+    def _parts(self, block, groups: list[int]) -> list[tuple[object, list[int]]]:
+        """``(region, its groups)``: the work of ``block`` one region at a time (one part, the
+        unit's, unless it is cut into segments)."""
+        if self.segments is None or block.index not in self.segments.cut_units:
+            return [(block.index, groups)]
+        return [((block.index, gi), [gi]) for gi in groups]
+
+    def _state_of(self, key):
+        """Inside: the CPU optimizer's state of region ``key`` is in memory (always, without a tier)."""
+        return self.nvme.bound(key) if self.nvme is not None else contextlib.nullcontext()
+
+    def _not_updating(self, block, groups: list[int]) -> None:
         if self.nvme is not None:
-            self.nvme.drop(block.index)
+            for key in self.regions(block, groups):
+                self.nvme.drop(key)
 
     def update(self, block, groups: list[int], grads, grad_mul: float) -> None:
         """One unit's update with ``grad * grad_mul`` (clip coefficient x 1/scale)."""
         if not block.grads.load_master_grads(grads):
-            self._not_updating(block)
+            self._not_updating(block, groups)
             return
+        if self.segments is not None:
+            self.segments.point_grads(block.index)
         if isinstance(self.cpu_optimizer, CPUAdam):
-            with self._state_of(block):
-                self.cpu_optimizer.step_groups(groups, inv_loss_scale=grad_mul)
+            for key, part in self._parts(block, groups):
+                with self._state_of(key):
+                    self.cpu_optimizer.step_groups(part, inv_loss_scale=grad_mul)
             if not block.layout.masters_in_image:
                 block.host.image_rewritten(k for k, g in grads if g is not None)  # a redo after an undo: nothing to refresh
             return
@@ -97,24 +114,35 @@ class UnitUpdates:
     def undo(self, block, record: SpecRecord) -> None:
         """Inverts a speculative update exactly from what it applied."""
         if not record.applied:
-            self._not_updating(block)
+            self._not_updating(block, record.groups)
             return
         grads = dict(record.grads)
         master_index = block.host.master_index
+        segments = self.segments
+
+        def grad_of(m):  # the gradient ``m`` (a master, or a segment of one) was stepped with
+            k = master_index.get(id(m))
+            if k is not None:
+                return grads.get(k)
+            return segments.grad_of(m, grads) if segments is not None else None
+
         native = isinstance(self.cpu_optimizer, CPUAdam) and undo_native.native_undo_error() is None
-        with self._state_of(block):
-            for gi, hyper in zip(record.groups, record.hyper):
-                table = self.cpu_optimizer.undo_table(gi, lambda m: grads.get(master_index[id(m)])) if native else None
-                if table is not None:  # the step's own addresses: no Python per parameter
-                    undo_native.undo_adamw_table_(table, hyper, record.grad_mul)
-                    continue
-                params, used, states = [], [], []
-                for m in self.cpu_optimizer.param_groups[gi]["params"]:
-                    k = block.host.master_index[id(m)]
-                    if k in grads:
-                        params.append(m.data)
-                        used.append(grads[k])
-                        states.append(self.cpu_optimizer.state.get(m, {}))
-                undo_adamw_(params, used, states, hyper, record.grad_mul)
+        hyper_of = dict(zip(record.groups, record.hyper))
+        for key, part in self._parts(block, list(record.groups)):
+            with self._state_of(key):
+                for gi in part:
+                    hyper = hyper_of[gi]
+                    table = self.cpu_optimizer.undo_table(gi, grad_of) if native else None
+                    if table is not None:  # the step's own addresses: no Python per parameter
+                        undo_native.undo_adamw_table_(table, hyper, record.grad_mul)
+                        continue
+                    params, used, states = [], [], []
+                    for m in self.cpu_optimizer.param_groups[gi]["params"]:
+                        g = grad_of(m)
+                        if g is not None:
+                            params.append(m.data)
+                            used.append(g)
+                            states.append(self.cpu_optimizer.state.get(m, {}))
+                    undo_adamw_(params, used, states, hyper, record.grad_mul)
         if not block.layout.masters_in_image:
             block.host.image_lags_undo(grads)  # the copy-out holds the undone values until a redo rewrites them
