@@ -268,7 +268,9 @@ def _trainer(tmp_path, name, nvme_dir=None, nvme_masters=False, **extra):
     (args,) = HfArgumentParser(StrongholdTrainingArguments).parse_args_into_dataclasses(argv)
     for k, v in {**COMMON, **extra}.items():
         setattr(args, k, v)
-    return StrongholdTrainer(model=tiny_model("llama"), args=args, train_dataset=TinyDataset("llama", n=24))
+    # An untied vocabulary of 8,192 rows, larger than a block: its state streams in segments.
+    model = tiny_model("llama", vocab_size=8192, tie_word_embeddings=False)
+    return StrongholdTrainer(model=model, args=args, train_dataset=TinyDataset("llama", n=24))
 
 
 @pytest.mark.parametrize("nvme_masters", [False, True], ids=["moments", "masters-too"])
@@ -282,6 +284,8 @@ def test_trainer_checkpoints_resume_from_the_nvme_state(tmp_path, nvme_masters):
     full.train()
     stats = full.stronghold_engine.memory_stats()
     assert stats["nvme_file_bytes"] > 0 and (stats["nvme_masters_file_bytes"] > 0) == nvme_masters
+    assert len(torch.load(tmp_path / "full" / "checkpoint-3" / "optimizer.pt", weights_only=True)["cpu_pieces"]) > len(
+        torch.load(tmp_path / "ram" / "checkpoint-3" / "optimizer.pt", weights_only=True)["cpu_pieces"])  # segments
     ckpt = tmp_path / "full" / "checkpoint-3"
     resumed = _trainer(tmp_path, "resumed", swap, nvme_masters, max_steps=6)
     resumed.train(resume_from_checkpoint=str(ckpt))
