@@ -24,6 +24,11 @@ Output, JSON lines:
 
     python benchmarks/bench_nvme.py --nvme_path /mnt/nvme          # a 12-block, 51 M-parameter Llama
     python benchmarks/bench_nvme.py --nvme_path /tmp --disk_mb 256 --layers 4 --steps 3   # quick
+
+``--vocab 32000`` makes the embedding and head larger than a block: their state streams in
+block-sized segments (``optim/segments.py``; ``cut_units`` in the engine lines), so the ring is
+sized by a block; ``--whole_units`` turns segments off for comparison (one region per unit,
+the ring sized by the head).
 """
 
 from __future__ import annotations
@@ -69,8 +74,10 @@ def engine_run(tier: str, args, device: str) -> dict:
 
     from stronghold_hf import StrongholdConfig, offload_model
 
+    from stronghold_hf.optim.segments import StateSegments
+
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=4096, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
                       num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=8,
                       tie_word_embeddings=False)
     model = LlamaForCausalLM(cfg)
@@ -79,8 +86,14 @@ def engine_run(tier: str, args, device: str) -> dict:
     if tier == "nvme_masters":
         extra["nvme_masters"] = True
     engine = offload_model(model, StrongholdConfig(resident=False, window_size=2, **extra), device=device)
-    opt = engine.build_optimizer(lr=1e-4)
-    ids = torch.randint(0, 4096, (1, args.seq), device=device)
+    for_engine = StateSegments.for_engine
+    if args.whole_units:  # for comparison only: one region per unit, as before segments
+        StateSegments.for_engine = classmethod(lambda cls, engine: None)
+    try:
+        opt = engine.build_optimizer(lr=1e-4)
+    finally:
+        StateSegments.for_engine = for_engine
+    ids = torch.randint(0, args.vocab, (1, args.seq), device=device)
     steps, updates = [], []
     for i in range(args.steps + 1):
         t0 = time.perf_counter()
@@ -106,7 +119,8 @@ def engine_run(tier: str, args, device: str) -> dict:
            "update_s": statistics.median(updates), "trainable_params": stats["offloaded_trainable_params"],
            "state_bytes_per_step": moved, "read_bytes_per_step": read, "fetch_read_bytes_per_step": fetched,
            "host_bytes": stats["pinned_host_bytes"]
-           + stats["pageable_host_bytes"], "nvme_ring_bytes": stats["nvme_ring_bytes"]}
+           + stats["pageable_host_bytes"], "nvme_ring_bytes": stats["nvme_ring_bytes"],
+           "cut_units": len(opt.segments.cut_units) if opt.segments is not None else 0}
     engine.close()
     return out
 
@@ -121,6 +135,9 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--whole_units", action="store_true",
+                   help="no segments: one NVMe region per unit, the ring sized by the largest unit (comparison)")
     args = p.parse_args()
     tmp = None
     if args.nvme_path is None:
