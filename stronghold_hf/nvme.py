@@ -127,8 +127,9 @@ def moment_tensors(param: Tensor, eight_bit: bool) -> list[tuple[str, torch.dtyp
     return out
 
 
-def lay_out_regions(units: list[tuple[int, str, list[Tensor]]], eight_bit, masters: "DiskMasters | None" = None,
-                    master_pieces: dict[int, list[MasterPiece]] | None = None) -> list[Region]:
+def lay_out_regions(units: list[tuple[int | tuple[int, int], str, list[Tensor]]], eight_bit,
+                    masters: "DiskMasters | None" = None,
+                    master_pieces: dict[int | tuple[int, int], list[MasterPiece]] | None = None) -> list[Region]:
     """Regions for ``(region key, fqn, masters)`` in that order; ``eight_bit(param)`` says
     which moments a parameter has. With ``masters`` (``nvme_masters``), a unit whose masters
     are on disk also reads and writes them (``master_pieces[key]``: where each one lies in its
