@@ -314,12 +314,10 @@ class NvmeTier:
         self.stats = stats
         self.masters = masters  # nvme_masters: the units' masters come and go with their moments
         self.regions = {r.unit: r for r in lay_out_regions(units, optimizer.wants_8bit, masters, master_pieces)}
-        self._segments_of: dict[int, list] = {}  # unit -> the keys of its segments' regions, in element order
-        for key, region in self.regions.items():
+        self._segments_of: dict[int, list] = {}  # unit -> the keys of its segments' regions
+        for key in self.regions:
             if isinstance(key, tuple):
                 self._segments_of.setdefault(key[0], []).append(key)
-        for keys in self._segments_of.values():
-            keys.sort(key=lambda k: self.regions[k].master_start)
         # With masters on disk the engine made the directory at offload_model and removes it.
         self._own_directory = masters is None
         self.directory = SwapDirectory(root) if masters is None else masters.directory
@@ -644,7 +642,7 @@ class NvmeTier:
 
     # ------------------------------------------------------------------ masters on disk
     def _keys_of(self, unit: int) -> list:
-        """The regions holding ``unit``'s masters: its own, or its segments' (in element order)."""
+        """The regions holding ``unit``'s state: its own, or its segments'."""
         if unit in self.regions:
             return [unit]
         return self._segments_of.get(unit, [])

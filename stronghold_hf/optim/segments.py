@@ -130,8 +130,5 @@ class StateSegments:
         g = grads.get(s.k)
         return None if g is None else g.reshape(-1)[s.lo:s.hi]
 
-    def of_unit(self, unit_index: int) -> list[Slice]:
-        return list(self._by_unit.get(unit_index, ()))
-
 
 __all__ = ["ALIGN", "Slice", "StateSegments"]
