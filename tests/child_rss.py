@@ -57,11 +57,13 @@ def reset_peak():
 """
 
 
-def llama_steps_child(*, layers: int, hidden: int, since: str) -> str:
-    """Child code: an fp32 Llama body of ``layers`` blocks of ``hidden`` (MLP 4x, a 2000-token
-    untied vocabulary) offloaded with the StrongholdConfig keys given as JSON in argv[1], two
-    steps; prints the body's parameter count and the growth of peak RSS (VmHWM, KiB) since
-    ``"step"`` (after offload_model and build_optimizer) or ``"offload"`` (before them).
+def llama_steps_child(*, layers: int, hidden: int, since: str, vocab: int = 2000) -> str:
+    """Child code: an fp32 Llama body of ``layers`` blocks of ``hidden`` (MLP 4x, an untied
+    vocabulary of ``vocab`` tokens) offloaded with the StrongholdConfig keys given as JSON in
+    argv[1], two steps; prints the body's parameter count and the growth of peak RSS (VmHWM,
+    KiB) since ``"step"`` (after offload_model and build_optimizer) or ``"offload"`` (before
+    them). The key ``"whole_units": true`` (not a config key) turns the NVMe tier's segments off,
+    for the run without them (optim/segments.py).
 
     The peak is reset to the resident memory at that point after ``malloc_trim``, so neither an
     earlier transient peak nor freed tensors kept in the heap (or not, depending on the
@@ -74,15 +76,18 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from stronghold_hf import StrongholdConfig, offload_model
 
 torch.manual_seed(0)
-cfg = LlamaConfig(vocab_size=2000, hidden_size={hidden}, intermediate_size={4 * hidden}, num_hidden_layers={layers},
+cfg = LlamaConfig(vocab_size={vocab}, hidden_size={hidden}, intermediate_size={4 * hidden}, num_hidden_layers={layers},
                   num_attention_heads={hidden // 64}, num_key_value_heads={hidden // 64}, tie_word_embeddings=False)
 model = LlamaForCausalLM(cfg)
 body = sum(p.numel() for p in model.model.layers.parameters())
-ids = torch.randint(0, 2000, (1, 32))
-
+ids = torch.randint(0, {vocab}, (1, 32))
+settings = json.loads(sys.argv[1])
+if settings.pop("whole_units", False):
+    from stronghold_hf.optim.segments import StateSegments
+    StateSegments.for_engine = classmethod(lambda cls, engine: None)
 
 before = reset_peak() if {since!r} == "offload" else None
-engine = offload_model(model, StrongholdConfig(window_size=1, host_worker="inline", **json.loads(sys.argv[1])))
+engine = offload_model(model, StrongholdConfig(window_size=1, host_worker="inline", **settings))
 opt = engine.build_optimizer(lr=1e-4)
 if before is None:
     before = reset_peak()

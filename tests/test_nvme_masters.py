@@ -78,7 +78,7 @@ def test_sharded_masters_on_disk(tmp_path):
 
 
 def _host_bytes(ref, **config):
-    _, _, stats, _ = _train(copy.deepcopy(ref), "llama", steps=2, **config)
+    _, _, stats, _, _ = _train(copy.deepcopy(ref), "llama", steps=2, **config)
     return stats
 
 
