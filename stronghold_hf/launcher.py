@@ -115,39 +115,54 @@ def patch_trainers() -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------- the script's options
-#: The stronghold options of `StrongholdTrainingArguments` (``--a_b`` and ``--a-b``, as
-#: HfArgumentParser takes them), and the variable each sets for a script whose parser lacks them.
-_OPTIONS = {"stronghold": "STRONGHOLD", "stronghold_window_size": "STRONGHOLD_WINDOW_SIZE",
-            "stronghold_config": "STRONGHOLD_CONFIG"}
-_BOOLEAN_WORDS = {"true", "false", "yes", "no", "1", "0", "on", "off", "t", "f", "y", "n"}
+def _options() -> dict[str, str]:
+    """The stronghold options of `StrongholdTrainingArguments` (``--a_b`` and ``--a-b``, as
+    HfArgumentParser takes them), and the variable each sets for a script whose parser lacks them."""
+    from .integrations.arguments import ENV_CONFIG, ENV_FLAG, ENV_WINDOW_SIZE
+
+    return {"stronghold": ENV_FLAG, "stronghold_window_size": ENV_WINDOW_SIZE, "stronghold_config": ENV_CONFIG}
+
+
+def _as_flag(word: str) -> str | None:
+    """``"1"``/``"0"`` for a boolean as HfArgumentParser reads one (``string_to_bool``), else None."""
+    from transformers.hf_argparser import string_to_bool
+
+    try:
+        return "1" if string_to_bool(word) else "0"
+    except Exception:  # argparse.ArgumentTypeError: not a boolean
+        return None
 
 
 def take_stronghold_options(args: Sequence[str]) -> tuple[list[str], dict[str, str]]:
     """``args`` without its stronghold options, and the ``STRONGHOLD_*`` variables they set.
 
     ``--stronghold`` alone means true and takes the next word only when it is a boolean, as
-    HfArgumentParser reads it; the other two need a value. Raises `UsageError` when one is missing."""
+    HfArgumentParser reads it; the other two need a value. Raises `UsageError` when one is
+    missing, or when ``--stronghold=`` is given something that is not a boolean."""
+    options = _options()
     rest, variables = [], {}
     i = 0
     while i < len(args):
         arg = args[i]
         name, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
         name = name.replace("-", "_")
-        if name not in _OPTIONS:
+        if name not in options:
             rest.append(arg)
             i += 1
             continue
         i += 1
-        if not eq:
-            if name == "stronghold":
-                value = "1"
-                if i < len(args) and args[i].lower() in _BOOLEAN_WORDS:
-                    value, i = args[i], i + 1
-            elif i < len(args) and not args[i].startswith("--"):
-                value, i = args[i], i + 1
-            else:
+        if name == "stronghold":
+            flag = _as_flag(value) if eq else (_as_flag(args[i]) if i < len(args) else None)
+            if eq and flag is None:
+                raise UsageError(f"--stronghold={value!r} is not a boolean; use true or false")
+            if not eq and flag is not None:
+                i += 1
+            value = flag if flag is not None else "1"
+        elif not eq:
+            if i >= len(args) or args[i].startswith("--"):
                 raise UsageError(f"--{name} needs a value")
-        variables[_OPTIONS[name]] = value
+            value, i = args[i], i + 1
+        variables[options[name]] = value
     return rest, variables
 
 
@@ -211,7 +226,7 @@ def _turn_on_from_environment(options: dict[str, str]) -> tuple[bool, str]:
         on, config = settings_from_env()
     except ValueError as err:  # name the option the user wrote, not the variable it set
         message = str(err)
-        for name, variable in _OPTIONS.items():
+        for name, variable in _options().items():
             if variable in options:
                 message = message.replace(f"Environment variable {variable}", f"--{name}")
         raise ValueError(message) from None
@@ -255,8 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             logger.warning("%s: STRONGHOLD is on for every transformers.Trainer that %s builds (%s).",
                            PROG, name, described)
         else:
-            how = f"--stronghold {os.environ['STRONGHOLD']}" if "STRONGHOLD" in options else \
-                f"STRONGHOLD={os.environ['STRONGHOLD']}"
+            how = "--stronghold false" if "STRONGHOLD" in options else f"STRONGHOLD={os.environ['STRONGHOLD']}"
             logger.warning("%s: %s turns STRONGHOLD off; running %s unchanged.", PROG, how, name)
     if not on:
         with parsers_skip_stronghold_options():

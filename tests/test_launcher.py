@@ -160,7 +160,7 @@ json.dump(out, open(os.environ["PROBE_OUT"], "w"))
 
 @pytest.mark.parametrize("options, env, window", [
     (["--stronghold", "--stronghold_window_size", "2"], {"STRONGHOLD": "1", "STRONGHOLD_WINDOW_SIZE": "2"}, "2"),
-    (["--stronghold=true", "--stronghold-window-size=auto"], {"STRONGHOLD": "true", "STRONGHOLD_WINDOW_SIZE": "auto"},
+    (["--stronghold=t", "--stronghold-window-size=auto"], {"STRONGHOLD": "1", "STRONGHOLD_WINDOW_SIZE": "auto"},
      "auto"),
     (["--stronghold_config", '{"window_size": 3}'], {"STRONGHOLD": "1", "STRONGHOLD_CONFIG": '{"window_size": 3}'},
      None),
@@ -208,6 +208,7 @@ def test_stronghold_options_turn_it_off_and_are_checked(tmp_path, monkeypatch, c
     assert "--stronghold false turns STRONGHOLD off" in caplog.text
     assert json.loads((tmp_path / "seen.json").read_text())["ours"][0] is False
     for bad, message in [(["--stronghold_window_size"], "--stronghold_window_size needs a value"),
+                         (["--stronghold=maybe"], "--stronghold='maybe' is not a boolean"),
                          (["--stronghold_window_size", "zero"], "--stronghold_window_size='zero' is not a valid")]:
         assert main([script, *bad]) == 2
         assert message in capsys.readouterr().err
