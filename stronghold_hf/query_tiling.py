@@ -42,7 +42,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from .tiling import ParameterGradSums, _autocast_state, _replayed_rng, _rng_state, _sum_dtype
+from .tiling import ModuleState, ParameterGradSums, _autocast_state, _replayed_rng, _rng_state, _sum_dtype
 
 logger = logging.getLogger("stronghold_hf")
 
@@ -427,7 +427,8 @@ class _NoCtx:
 def probe(forward: Callable, module: nn.Module, named: dict[str, Any], tokens: int = 12,
           tile: int = 4) -> tuple[str | None, int]:
     """Whether running ``module`` in query tiles gives the rows of running it whole, on the first
-    ``tokens`` tokens of the call ``named`` (eval mode, no grad): None if it does, else why not;
+    ``tokens`` tokens of the call ``named`` (eval mode, no grad; what the calls change in the
+    block, `tiling.ModuleState`, is put back): None if it does, else why not;
     and how the whole call returns (`_arity`), which the tiled call then returns too."""
     cut = cut_call(forward, module, named)
     if isinstance(cut, str):
@@ -439,8 +440,8 @@ def probe(forward: Callable, module: nn.Module, named: dict[str, Any], tokens: i
     x = named[cut.hidden_name][:, :n].detach()
     kwargs = {k: (cut.slicers[k](v, 0, n) if k in cut.slicers else v) for k, v in named.items()
               if k not in (cut.hidden_name, cut.cache_name)}
-    was_training = module.training
-    module.eval()
+    kept = ModuleState(module)  # what the probe's calls change in the block is put back after them
+    kept.set_training(lambda m: False)
     try:
         with torch.no_grad():
             raw = forward(module, **{**kwargs, cut.hidden_name: x})
@@ -449,7 +450,7 @@ def probe(forward: Callable, module: nn.Module, named: dict[str, Any], tokens: i
     except Exception as err:  # a block this cannot run in tiles is left whole, not broken
         return f"running it in tiles raised {type(err).__name__}: {err}", 0
     finally:
-        module.train(was_training)
+        kept.restore()
     if whole.shape != tiled.shape:
         return "its tiles do not make its output", arity
     scale = whole.abs().max().clamp_min(1e-6)

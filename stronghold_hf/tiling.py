@@ -55,6 +55,9 @@ AUTO_TILE_BYTES = 256 * 2**20
 AUTO_TILE_MIN, AUTO_TILE_MAX = 256, 16384
 #: Tokens `probe` runs a module on, and the fewest it can decide with.
 PROBE_TOKENS, MIN_PROBE_TOKENS = 8, 4
+#: Copies of one token the probe runs in training mode: more than the expert capacity of the
+#: capacity-routed mixtures of experts (Switch Transformers and NLLB-MoE keep 64 tokens per expert).
+IDENTICAL_TOKENS = 256
 #: A per-token module is tiled only if it saves for backward, per token and beyond its input,
 #: at least this many times its input's bytes: a bare Linear saves only its input (tiling would
 #: cost a recompute for nothing; under bf16 autocast also a bf16 copy of it, half as many
@@ -228,6 +231,39 @@ class Verdict:
     """Bytes the module saves for backward per token of one sequence, beyond its input."""
 
 
+def training_mode(m: nn.Module) -> bool:
+    """The probe's training mode for ``m``: on, but for dropout modules (their masks are random)."""
+    return not isinstance(m, nn.modules.dropout._DropoutNd)
+
+
+class ModuleState:
+    """What a probe's calls of a module may change besides their outputs, kept to be put back:
+    each submodule's buffers and plain attributes (numbers, strings, flags: ``training`` among
+    them, and the expert capacity NLLB-MoE's router sets in an eval forward)."""
+
+    _PLAIN = (int, float, bool, str, type(None))
+
+    def __init__(self, module: nn.Module) -> None:
+        self.modules = list(module.modules())
+        self._attrs = [{k: v for k, v in vars(m).items() if type(v) in self._PLAIN} for m in self.modules]
+        self._buffers = [(b, b.detach().clone()) for b in module.buffers()]
+
+    def set_training(self, mode: Callable[[nn.Module], bool]) -> None:
+        for m in self.modules:
+            m.training = mode(m)
+
+    def restore(self) -> None:
+        for m, attrs in zip(self.modules, self._attrs):
+            now = vars(m)
+            for k, v in attrs.items():
+                if now.get(k, v) is not v:
+                    setattr(m, k, v)
+        with torch.no_grad():
+            for b, value in self._buffers:
+                if b.shape == value.shape:
+                    b.copy_(value)
+
+
 def _relative_change(got: Tensor, want: Tensor) -> float:
     scale = want.abs().max().item()
     change = (got - want).abs().max().item()
@@ -259,19 +295,24 @@ def probe(run: Callable[[Tensor], Any], module: nn.Module, x: Tensor) -> Verdict
     really computes in; params are never cast): (i) the rows of the tokens left alone must not
     change when the first and last tokens' inputs change (attention, convolutions over the
     sequence and recurrences fail here); (ii) running the tokens in two pieces must give the
-    same rows (a module that reads its own position in the input, or its length, fails here).
-    Both to the rounding of the compute dtype. Then, with grad, the bytes it saves for
-    backward at two token counts: their slope is what tiling saves per token (constant saves,
-    such as autocast's cast weights, cancel)."""
+    same rows (a module that reads its own position in the input, or its length, fails here);
+    (iii) in training mode (dropout modules aside), `IDENTICAL_TOKENS` copies of one token must
+    give one row (routing with an expert capacity, as Switch Transformers' and NLLB-MoE's,
+    drops the tokens past it in training, so a tile's rows would depend on the tile; a module
+    that draws random numbers in training fails here too), and those rows must not change when
+    the first copy does (batch norm's statistics over the tokens). All to the rounding of the compute
+    dtype. Then, with grad, the bytes it saves for backward at two token counts: their slope
+    is what tiling saves per token (constant saves, such as autocast's cast weights, cancel).
+    What the probe's calls change in the modules (a buffer, a number an eval-mode forward
+    sets, as NLLB-MoE's router sets its capacity) is put back after it."""
     k = min(x.shape[-2], PROBE_TOKENS)
     first = x[(*(slice(0, 1),) * (x.dim() - 2), slice(0, k))].detach()
     device_type = x.device.type
     compute = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
     tolerance = 1e-4 if compute in (torch.float32, torch.float64) else 2e-2
-    modes = [(m, m.training) for m in module.modules()]
+    kept = ModuleState(module)
     try:
-        for m, _ in modes:
-            m.training = False
+        kept.set_training(lambda m: False)
         with torch.no_grad():
             y = run(first)
             if not (isinstance(y, Tensor) and y.is_floating_point() and y.shape[:-1] == first.shape[:-1]):
@@ -285,13 +326,24 @@ def probe(run: Callable[[Tensor], Any], module: nn.Module, x: Tensor) -> Verdict
             pieces = torch.cat([run(first[..., :cut, :]), run(first[..., cut:, :])], dim=-2)
             if _relative_change(pieces, y) > tolerance:
                 return Verdict(False, "a split of the tokens gives other rows")
+            kept.restore()  # the eval calls' changes (NLLB-MoE's capacity) must not decide the training one
+            kept.set_training(training_mode)
+            same = first[..., :1, :].expand(*first.shape[:-2], IDENTICAL_TOKENS, first.shape[-1]).contiguous()
+            z = run(same)
+            if _relative_change(z, z[..., :1, :].expand_as(z)) > tolerance:
+                return Verdict(False, "in training, copies of one token give different rows (an expert capacity, "
+                                      "or random draws)")
+            same[..., 0, :] = same[..., 0, :] * -1.5 + 0.25
+            if _relative_change(run(same)[..., 1:, :], z[..., 1:, :]) > tolerance:
+                return Verdict(False, "in training, a token's output changes with other tokens' inputs (statistics "
+                                      "over the tokens)")
+            kept.set_training(lambda m: False)
         half = k // 2
         per_token = (_saved_bytes(run, first) - _saved_bytes(run, first[..., :half, :])) // (k - half)
     except Exception as err:  # noqa: BLE001 - a probe that cannot run proves nothing
         return Verdict(False, f"the probe raised {type(err).__name__}: {str(err)[:120]}")
     finally:
-        for m, training in modes:
-            m.training = training
+        kept.restore()
     row = first[..., 0, :].numel() * first.element_size()
     if per_token < WORTH_FRACTION * row:
         return Verdict(False, f"per-token, but saves {per_token} B per token beyond its {row} B input: "

@@ -16,6 +16,7 @@ import pickle
 
 import pytest
 import torch
+from torch import nn
 from transformers import DynamicCache
 
 from stronghold_hf import StrongholdConfig, offload_model
@@ -116,6 +117,37 @@ def test_a_cache_the_model_passes_is_filled_as_without_tiling():
 def _kv(cache, layer: int):
     entry = cache.layers[layer]
     return entry.keys, entry.values
+
+
+class _CountsEvalCalls(nn.Module):
+    """A block's MLP, wrapped: its eval-mode calls (the probes') counted in a number and a buffer."""
+
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.mlp = mlp
+        self.eval_calls = 0
+        self.register_buffer("eval_calls_seen", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        if not self.training:
+            self.eval_calls += 1
+            self.eval_calls_seen += 1
+        return self.mlp(x)
+
+
+def test_the_probes_leave_each_block_as_they_found_it():
+    """Both probes run a block's modules in eval mode: what those calls change (a number, a
+    buffer) is put back, and each submodule's own mode too (one the user put in eval stays)."""
+    model = tiny_model("llama")
+    for layer in model.model.layers:
+        layer.mlp = _CountsEvalCalls(layer.mlp)
+        layer.self_attn.eval()
+    _, calls, verdicts = _train(model, "llama", padded=False, steps=1, attention_tiling=True,
+                                sequence_tiling=True, tile_tokens=4)
+    assert calls > 0 and set(verdicts.values()) == {None}  # probed, and run in query tiles
+    for layer in model.model.layers:
+        assert layer.mlp.eval_calls == 0 and int(layer.mlp.eval_calls_seen) == 0
+        assert layer.training and layer.mlp.training and not layer.self_attn.training
 
 
 def test_config_validation_close_and_copies():

@@ -274,6 +274,57 @@ def test_probe_verdicts():
     assert mlp.training and mlp.down_proj.training  # eval only for the probe
 
 
+class _Capacity(nn.Module):
+    """Per-token in eval, and in training up to ``capacity`` tokens per call: the rows past it
+    are dropped (zero), as capacity-routed experts drop tokens. Its eval forward sets
+    ``capacity`` to the call's tokens, as NLLB-MoE's router does."""
+
+    def __init__(self, capacity):
+        super().__init__()
+        self.capacity = capacity
+        self.proj = nn.Linear(16, 16)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls += 1
+        if not self.training:
+            self.capacity = x.shape[-2]
+        kept = (torch.arange(x.shape[-2], device=x.device) < self.capacity).to(x.dtype)[:, None]
+        return torch.tanh(self.proj(x)) * kept
+
+
+class _BatchStats(nn.Module):
+    """Per-token in eval (running statistics); in training, normalised by the call's tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.norm = nn.BatchNorm1d(16)
+
+    def forward(self, x):
+        return self.norm(self.proj(x).reshape(-1, x.shape[-1])).reshape(x.shape)
+
+
+def test_probe_refuses_capacity_routing_and_leaves_the_module_as_it_was():
+    """Modules that are per-token in eval but not in training (an expert capacity that drops
+    the tokens past it, batch norm's statistics over the call's tokens) are not tiled; and
+    whatever the probe's calls set (a number, a buffer, running statistics) is put back."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 12, 16)
+    module = _Capacity(capacity=64)
+    module.train()
+    verdict = probe(_run(module), module, x)
+    assert not verdict.per_token and "copies of one token" in verdict.reason
+    assert module.capacity == 64 and int(module.calls) == 0 and module.training
+    roomy = _Capacity(capacity=10**6)  # never binds: per-token
+    assert probe(_run(roomy), roomy, x).per_token and roomy.capacity == 10**6
+    stats = _BatchStats()
+    mean, batches = stats.norm.running_mean.clone(), int(stats.norm.num_batches_tracked)
+    verdict = probe(_run(stats), stats, x)
+    assert not verdict.per_token and "statistics over the tokens" in verdict.reason
+    assert torch.equal(stats.norm.running_mean, mean) and int(stats.norm.num_batches_tracked) == batches
+
+
 class _Block(nn.Module):
     def __init__(self):
         super().__init__()
