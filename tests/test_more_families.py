@@ -70,6 +70,27 @@ CASES = {
                    use_mamba_kernels=False)),
     "xlnet": ("AutoModelForCausalLM", "XLNetConfig", dict(d_model=32, n_layer=2, n_head=2, d_inner=64, vocab_size=VOCAB,
                                                           dropout=0.0)),
+    # The sequence shrinks between blocks (pooling) and the decoder brings it back.
+    "funnel": ("AutoModelForMaskedLM", "FunnelConfig",
+               dict(block_sizes=[1, 1], num_decoder_layers=1, d_model=32, n_head=2, d_head=16, d_inner=64,
+                    vocab_size=VOCAB, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)),
+    # A recurrence and a one-token shift in every block: nothing in it is per-token.
+    "rwkv": ("AutoModelForCausalLM", "RwkvConfig", dict(hidden_size=32, num_hidden_layers=2, attention_hidden_size=32,
+                                                        intermediate_size=64, vocab_size=VOCAB, context_length=64)),
+    # Short convolutions and attention layers interleaved.
+    "lfm2": ("AutoModelForCausalLM", "Lfm2Config", dict(_LLAMA_LIKE, layer_types=["conv", "full_attention"],
+                                                        block_ff_dim=64, block_auto_adjust_ff_dim=False)),
+    # An n-gram decoder: each block predicts two tokens ahead in streams of its own.
+    "prophetnet": ("AutoModelForSeq2SeqLM", "ProphetNetConfig",
+                   dict(hidden_size=32, num_encoder_layers=2, num_decoder_layers=2, num_encoder_attention_heads=2,
+                        num_decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=VOCAB,
+                        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, ngram=2, num_buckets=8,
+                        relative_max_distance=16)),
+    # Experts with a capacity of 64 tokens: not per-token in training, so never tiled; its
+    # router sets its capacity in an eval forward (the probe's), which the probe puts back.
+    "nllb_moe": ("AutoModelForSeq2SeqLM", "NllbMoeConfig",
+                 dict(_BART_LIKE, num_experts=4, expert_capacity=64, encoder_sparse_step=2, decoder_sparse_step=2,
+                      moe_token_dropout=0.0, activation_dropout=0.0)),
     "llama_classification": ("AutoModelForSequenceClassification", "LlamaConfig",
                              dict(_LLAMA_LIKE, num_labels=3, pad_token_id=0)),
     "roberta_tokens": ("AutoModelForTokenClassification", "RobertaConfig", dict(_BERT_LIKE, num_labels=5)),
@@ -117,8 +138,8 @@ CONFIGS = {"default": {}, "tiled": dict(sequence_tiling=True, attention_tiling=T
 #: raises in tiles (the probe catches it), its encoder layer takes no cache, and its per-token
 #: modules save nothing worth tiling (native layer norms, MLPs written inline in the block).
 #: XLNet's hidden states are time-major (``[tokens, batch, width]``): the tiles would cut its
-#: batch, here 2 rows, less than one tile.
-RUNS_WHOLE = {"mbart", "xlnet"}
+#: batch, here 2 rows, less than one tile. RWKV's blocks mix each token with the one before it.
+RUNS_WHOLE = {"mbart", "xlnet", "rwkv"}
 #: ALBERT's one shared layer is one block, called at every depth.
 ONE_BLOCK = {"albert"}
 #: Causal families whose blocks the attention tiling runs in query tiles: GPT-BigCode, Bloom and
