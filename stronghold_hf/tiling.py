@@ -359,6 +359,7 @@ def probe(run: Callable[[Tensor], Any], module: nn.Module, x: Tensor) -> Verdict
 class _State(enum.Enum):
     PROBING = "probing"  # swapped for its block's first long forward: the first call probes
     TILED = "tiled"
+    PLAIN = "plain"  # judged untiled while another class was put over ours: calls pass through
 
 
 #: What else a candidate's call may pass: values a probe cannot change. Anything else (a
@@ -399,6 +400,9 @@ class TileSite:
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         if self.state is _State.PROBING:
             return self.owner._first_call(self, module, args, kwargs)
+        if self.state is _State.PLAIN:
+            self.owner._restore(module)
+            return self.cls.forward(module, *args, **kwargs)
         found = _one_tensor(args, kwargs)
         tokens = None
         if found is not None and found[0] == self.slot and found[1].dim() >= 2:
@@ -456,10 +460,20 @@ def _tiling_class(cls: type) -> type:
     return sub
 
 
-def _restore(module: nn.Module) -> None:
-    site = module.__dict__.pop(_SITE, None)
-    if site is not None:
-        module.__class__ = site.cls
+def _restore(module: nn.Module) -> bool:
+    """Gives ``module`` its plain class back; False (and its calls pass through, `_State.PLAIN`)
+    while another class is over ours: PEFT's LoRA on a bare parameter (a mixture of experts'
+    router or experts) puts torch's parametrization class over the module's for each forward,
+    and takes it off after; assigning the plain class inside that forward would drop it."""
+    site = module.__dict__.get(_SITE)
+    if site is None:
+        return True
+    if type(module) is not _TILING_CLASSES.get(site.cls):
+        site.state = _State.PLAIN
+        return False
+    del module.__dict__[_SITE]
+    module.__class__ = site.cls
+    return True
 
 
 def _observed(module: nn.Module) -> bool:
@@ -633,8 +647,7 @@ class SequenceTiling:
         for m in block.modules():
             site = m.__dict__.get(_SITE)
             if site is not None and site.state is _State.PROBING:  # not called: nothing to tile
-                _restore(m)
-                self._swapped.pop(id(m), None)
+                self._restore(m)
         for handle in self._block_hooks.pop(id(block), []):
             handle.remove()
         self._log(block, verdicts)
@@ -662,16 +675,19 @@ class SequenceTiling:
         elif verdict is not None and site.block in self._verdicts:
             self._verdicts[site.block].append((site.name, site.cls.__name__, verdict))
         if verdict is None or not verdict.tiled:
-            _restore(module)
-            self._swapped.pop(id(module), None)
+            self._restore(module)
             return site.cls.forward(module, *args, **kwargs)
         site.state = _State.TILED
         site.saved_bytes_per_token = verdict.saved_bytes_per_token
         for inner in module.modules():  # the outermost wins: what runs inside a tile stays plain
             if inner is not module and _SITE in inner.__dict__:
-                _restore(inner)
-                self._swapped.pop(id(inner), None)
+                self._restore(inner)
         return site(module, args, kwargs)
+
+    def _restore(self, module: nn.Module) -> None:
+        """`_restore`, and the module is no longer one this installation swapped once it is."""
+        if _restore(module):
+            self._swapped.pop(id(module), None)
 
     def _log(self, block: nn.Module, verdicts: list[tuple[str, str, Verdict]]) -> None:
         tiled = [f"{n} ({c})" for n, c, v in verdicts if v.tiled]
@@ -704,8 +720,8 @@ class SequenceTiling:
             for handle in handles:
                 handle.remove()
         self._block_hooks.clear()
-        for m in self._swapped.values():
-            _restore(m)
+        for m in list(self._swapped.values()):
+            self._restore(m)
         self._swapped.clear()
         self._verdicts.clear()
 

@@ -141,3 +141,30 @@ def test_lora_on_an_offloaded_bf16_base_keeps_the_base_in_bf16():
     opt.step()
     engine.synchronize()
     assert torch.isfinite(loss0)
+
+
+def test_lora_on_a_mixture_of_experts_router_trains_like_plain_peft_in_tiles():
+    """LoRA on every linear map of a Mixtral, its router's bare weight included: PEFT puts
+    torch's parametrization class over the router's for each forward, while sequence tiling
+    has its own class over it (tiling.py; the attention tiling's probe runs the block first);
+    the router's call is left whole and keeps PEFT's class, and three steps with sequence and
+    attention tiling in tiles of 4 tokens match plain PEFT."""
+    import transformers as T
+
+    from test_more_families import _losses as three_steps
+
+    torch.manual_seed(0)
+    config = T.MixtralConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                             intermediate_size=64, vocab_size=128, num_local_experts=4, num_experts_per_tok=2)
+    base = peft.get_peft_model(T.AutoModelForCausalLM.from_config(config),
+                               peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+    assert any(type(m).__name__ == "ParamWrapper" for m in base.modules())  # LoRA on the router's parameter
+    base.train()
+    reference = copy.deepcopy(base)
+    want = three_steps(reference, torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2,
+                                                    weight_decay=0.01), "AutoModelForCausalLM")
+    model = copy.deepcopy(base)
+    engine = offload_model(model, StrongholdConfig(window_size=1, sequence_tiling=True, attention_tiling=True, tile_tokens=4), device="cpu")
+    got = three_steps(model, engine.build_optimizer(lr=1e-2, weight_decay=0.01), "AutoModelForCausalLM")
+    engine.close()
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
