@@ -213,11 +213,14 @@ def placeholder(shape) -> torch.Tensor:
     what a parameter no host buffer holds whole points at (a shard of it, sharded CPU state;
     a master on disk, ``nvme_masters``). Reads are visibly invalid, in-place writes raise."""
     shape = tuple(shape)
-    return torch.full((1,) * len(shape), float("nan")).expand(shape)
+    return torch.full((1,), float("nan")).as_strided(shape, (0,) * len(shape))
 
 
 def is_placeholder(t: torch.Tensor) -> bool:
-    return t.numel() > 1 and all(st == 0 for st in t.stride())
+    """Whether ``t`` is a `placeholder` (or a view of one): more than one element, all at one
+    address. A dimension of size 1 says nothing, whatever its stride (a depthwise convolution's
+    ``[channels, 1, kernel]`` weight kept a stride of 1 there when expanded)."""
+    return t.numel() > 1 and all(st == 0 for st, n in zip(t.stride(), t.shape) if n != 1)
 
 
 def _clear_cuda_last_error() -> None:

@@ -12,6 +12,7 @@ masters on disk are tested with the moments' (test_nvme.py).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -229,3 +230,46 @@ def test_masters_on_disk_save_four_bytes_per_parameter_of_peak_rss(tmp_path):
     assert body > 25e6
     assert per_param >= 0.7 * 4
     assert os.listdir(tmp_path) == []
+
+
+def test_a_depthwise_convolution_weight_trains_with_its_master_on_disk_or_sharded(tmp_path):
+    """Mamba's depthwise convolution weight is ``[channels, 1, kernel]``: the placeholder its
+    master points at between updates (on disk, or kept by another rank) must be recognised
+    whatever the stride of that size-1 dimension; it used to be refused by CPU Adam as "not a
+    contiguous dense tensor". Both train bit-identically to the RAM tier, and a weight written
+    between steps reaches the master."""
+    import torch.distributed as dist
+    import transformers as T
+
+    from test_distributed import _port
+    from test_more_families import _losses as three_steps
+
+    torch.manual_seed(0)
+    ref = T.MambaForCausalLM(T.MambaConfig(hidden_size=32, num_hidden_layers=2, vocab_size=128, state_size=4))
+    assert any(p.dim() == 3 and p.shape[1] == 1 for p in ref.parameters())
+
+    def train(**config):
+        model = copy.deepcopy(ref)
+        engine = offload_model(model, StrongholdConfig(window_size=1, **config), device="cpu")
+        optimizer = engine.build_optimizer(lr=1e-2, weight_decay=0.01)
+        losses = three_steps(model, optimizer, "AutoModelForCausalLM")
+        conv = model.backbone.layers[0].mixer.conv1d.weight
+        # A write between steps, taken in at the next fetch (sharded: inside gathered_parameters).
+        gathered = engine.gathered_parameters([conv], modifier_rank=0) if config.get("shard_cpu_state") else None
+        with gathered or contextlib.nullcontext(), torch.no_grad():
+            conv.copy_(torch.full_like(conv, 0.5))
+        losses += three_steps(model, optimizer, "AutoModelForCausalLM")
+        engine.close()
+        return losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+    ram = train()
+    disk = train(nvme_path=str(tmp_path), nvme_masters=True)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1)
+    try:
+        sharded = train(shard_cpu_state=True)
+    finally:
+        dist.destroy_process_group()
+    for other in (disk, sharded):
+        assert other[0] == ram[0]
+        for k, v in ram[1].items():
+            assert torch.equal(other[1][k], v), k
