@@ -86,6 +86,25 @@ class _Open:
         self.nested = nested  # the unit was held already: this call opened nothing
 
 
+def _note_missing_autocast(u: Unit) -> None:
+    """Inside the always-called hook of a block whose forward raised: when the block's device
+    copies are in ``param_dtype`` (not the parameters' own dtype), autocast is off and the error
+    is about dtypes (the first matmul got fp32 hidden states and bf16 weights), the error gets a
+    note that names the setting and the fix. (A pre-check would refuse blocks that cast their
+    input themselves, as Mamba's does.)"""
+    err = sys.exc_info()[1]
+    device_type = u.device.type
+    if (not isinstance(err, RuntimeError) or "dtype" not in str(err) or torch.is_autocast_enabled(device_type)
+            or getattr(err, "_stronghold_noted", False)):
+        return
+    err._stronghold_noted = True
+    dtype = str(u.cast_dtype).removeprefix("torch.")
+    err.add_note(f"stronghold: StrongholdConfig(param_dtype={dtype}) puts the blocks on the device in {dtype}, and "
+                 f"{u.fqn} ran outside autocast. Run the forward under torch.autocast({device_type!r}, "
+                 f"dtype=torch.{dtype}) (the Trainer does with --bf16/--fp16, accelerate with mixed_precision), or "
+                 "leave param_dtype=None to compute in the model's dtype.")
+
+
 def _raised() -> bool:
     """Inside an ``always_call`` forward hook: whether the forward raised (the hook then runs
     from the module's exception handler, so the exception is the one being handled)."""
@@ -247,6 +266,8 @@ class WindowSchedule:
     def on_post_forward(self, u: Unit, output):
         if current_graph_task() != -1:  # in backward
             return output
+        if output is None and u.cast_dtype is not None and _raised():
+            _note_missing_autocast(u)
         return self._close(u, output)
 
     def on_region_start(self, u: Unit, position: int, output):

@@ -77,6 +77,9 @@ class Unit:
         self.layout: BlockLayout = layout_block(spec.fqn, list(spec.params), param_dtype, shards, grad_align)
         lay = self.layout
         self.trainable = lay.grad_numel > 0  # the layout is fixed
+        # The device dtype when it is not the parameters' own (param_dtype): the unit computes
+        # under autocast only (the schedule checks it at each forward use).
+        self.cast_dtype = next((e.device_dtype for e in lay.entries if e.device_dtype != e.stored_dtype), None)
         self.streamed = self.kind != "rest"  # moves through the window (the rest unit visits)
         self.read_guard = ReadGuard(self.params)  # reads between steps (read_guard.py)
         self.host = UnitHost(self.index, self.fqn, self.names, self.params, lay, host=host, transfer=transfer, dp=dp,

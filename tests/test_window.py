@@ -262,6 +262,24 @@ def test_every_field_refuses_a_value_it_does_not_take():
         StrongholdConfig(**good)
 
 
+def test_param_dtype_outside_autocast_names_the_setting_and_the_fix():
+    """``param_dtype=bf16`` on an fp32 model computes the blocks in bf16, which needs autocast:
+    without it the first matmul's dtype error gets a note naming the setting and the fix; with
+    it the step matches the untouched model under the same autocast."""
+    model = tiny_model("llama")
+    reference = copy.deepcopy(model)
+    engine = offload_model(model, StrongholdConfig(window_size=1, param_dtype="bf16"), device="cpu")
+    b = batch("llama", seed=0)
+    with pytest.raises(RuntimeError) as raised:
+        model(**b)
+    notes = " ".join(getattr(raised.value, "__notes__", []))
+    assert "param_dtype=bfloat16" in notes and "torch.autocast('cpu', dtype=torch.bfloat16)" in notes
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = model(**b).loss, reference(**b).loss
+    assert got.item() == want.item()
+    engine.close()
+
+
 def test_double_offload_refused():
     model = tiny_model("gpt2")
     offload_model(model, StrongholdConfig(window_size=1), device="cpu")
