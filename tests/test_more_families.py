@@ -215,6 +215,40 @@ def _vision_encoder_decoder():
     return model
 
 
+_TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+
+
+def _clip():
+    return T.CLIPModel(T.CLIPConfig(text_config=dict(_TOWER, vocab_size=VOCAB, max_position_embeddings=16),
+                                    vision_config=dict(_TOWER, image_size=16, patch_size=4)))
+
+
+def _image_and_text(step):
+    """Four captions and four images, for a contrastive loss over the pairs."""
+    g = _generator(step)
+    return dict(input_ids=torch.randint(1, VOCAB, (4, 8), generator=g), pixel_values=torch.randn(4, 3, 16, 16, generator=g),
+                return_loss=True)
+
+
+_IMAGE_TOKEN = VOCAB - 1
+
+
+def _llava():
+    vision = T.CLIPVisionConfig(**_TOWER, image_size=16, patch_size=4)
+    text = T.LlamaConfig(**_LLAMA_LIKE)
+    return T.LlavaForConditionalGeneration(T.LlavaConfig(vision_config=vision, text_config=text, image_token_id=_IMAGE_TOKEN,
+                                                         vision_feature_layer=-1, projector_hidden_act="gelu"))
+
+
+def _text_with_an_image(step):
+    """Two sequences of 24 tokens, 16 of them the image's (one per 4x4 patch of a 16x16 image)."""
+    g = _generator(step)
+    ids = torch.randint(1, VOCAB - 2, (2, 24), generator=g)
+    ids[:, 2:18] = _IMAGE_TOKEN
+    return dict(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=torch.randn(2, 3, 16, 16, generator=g),
+                labels=ids.clone())
+
+
 #: Models whose inputs are not token ids: name -> (build, batch of a step).
 OTHER_INPUTS = {
     "vit": (lambda: T.AutoModelForImageClassification.from_config(_vit(num_labels=3)), _images(16)),
@@ -230,14 +264,23 @@ OTHER_INPUTS = {
         encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=VOCAB, num_mel_bins=16, max_source_positions=8,
         max_target_positions=32, dropout=0.0, decoder_start_token_id=1, pad_token_id=0)), _mel),
     "vision_encoder_decoder": (_vision_encoder_decoder, _images(16, tokens=6)),
+    # Windowed attention over a hierarchy of patch merges.
+    "swin": (lambda: T.AutoModelForImageClassification.from_config(T.SwinConfig(
+        image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4, num_labels=3,
+        drop_path_rate=0.0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)), _images(32)),
+    # Two towers (text and image) and a contrastive loss, no LM head.
+    "clip": (_clip, _image_and_text),
+    # An image tower whose patches, projected, replace the image tokens of a Llama's input.
+    "llava": (_llava, _text_with_an_image),
 }
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("name", list(OTHER_INPUTS))
 def test_images_and_audio_train_like_the_untouched_model(name, config):
-    """Image classification, CTC, speech-to-text and an image-to-text encoder-decoder: the blocks
-    of each stack are found whatever the inputs, and three steps match AdamW on a deep copy."""
+    """Image classification, CTC, speech-to-text, an image-to-text encoder-decoder, a contrastive
+    pair of towers and an image-and-text LM: the blocks of each stack are found whatever the
+    inputs, and three steps match AdamW on a deep copy."""
     build, batch = OTHER_INPUTS[name]
     torch.manual_seed(0)
     model = build()
