@@ -267,8 +267,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     lead = os.environ.get("RANK", "0") == "0"  # say things once per job under torchrun/accelerate, not per rank
     if lead:
         if on:
-            logger.warning("%s: STRONGHOLD is on for every transformers.Trainer that %s builds (%s).",
-                           PROG, name, described)
+            logger.warning("%s: STRONGHOLD is on for every transformers.Trainer that %s builds, and every model it "
+                           "prepares with its optimizer through accelerate (%s).", PROG, name, described)
         else:
             how = "--stronghold false" if "STRONGHOLD" in options else f"STRONGHOLD={os.environ['STRONGHOLD']}"
             logger.warning("%s: %s turns STRONGHOLD off; running %s unchanged.", PROG, how, name)
@@ -276,11 +276,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         with parsers_skip_stronghold_options():
             _run(kind, target, args)
         return 0
-    before = stronghold_class.cache_info()
-    with patch_trainers(), parsers_skip_stronghold_options():
+    from .integrations import accelerate as accelerate_side
+
+    before, prepared = stronghold_class.cache_info(), accelerate_side.prepared_models
+    with patch_trainers(), accelerate_side.patch_accelerate(), parsers_skip_stronghold_options():
         _run(kind, target, args)
     after = stronghold_class.cache_info()
-    if lead and after.hits + after.misses == before.hits + before.misses:
-        logger.warning("%s: %s built no transformers.Trainer, so STRONGHOLD changed nothing. For an accelerate "
-                       "loop use stronghold_hf.prepare_stronghold; for a plain PyTorch loop, offload_model.", PROG, name)
+    if lead and after.hits + after.misses == before.hits + before.misses and accelerate_side.prepared_models == prepared:
+        logger.warning("%s: %s built no transformers.Trainer and prepared no model with an optimizer through "
+                       "accelerate, so STRONGHOLD changed nothing. For a plain PyTorch loop use offload_model.",
+                       PROG, name)
     return 0

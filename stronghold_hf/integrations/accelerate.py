@@ -21,13 +21,16 @@ threads and settle its collectives first (lifecycle.py).
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..config import StrongholdConfig
-from ..window import WindowEngine, offload_model
+from ..window import WindowEngine, get_engine, offload_model
 from .arguments import env_config, env_flag, env_window_size, resolve_stronghold_config
 
 
@@ -127,3 +130,80 @@ def _settle_before_end_training(accelerator, engine: WindowEngine) -> None:
         return original()
 
     accelerator.end_training = end_training
+
+
+# ---------------------------------------------------------------------------- unchanged loops
+#: Models `patch_accelerate` has offloaded through ``Accelerator.prepare`` (the launcher reads it).
+prepared_models = 0
+
+
+@contextlib.contextmanager
+def patch_accelerate() -> Iterator[None]:
+    """While active, ``Accelerator.prepare(model, optimizer, ...)`` of a model not offloaded yet
+    goes through `prepare_stronghold`: an unchanged ``no_trainer`` script (HF's
+    ``run_clm_no_trainer.py``) under ``python -m stronghold_hf`` or ``accelerate launch -m
+    stronghold_hf`` trains with STRONGHOLD. The script's AdamW gives the engine's optimizer its
+    groups and settings, and a learning-rate scheduler built on it drives the engine's instead.
+    Other calls (a model alone, a Trainer's own, dataloaders) are accelerate's."""
+    from accelerate import Accelerator
+
+    original = Accelerator.prepare
+
+    @functools.wraps(original)
+    def prepare(self, *args, device_placement=None):
+        models = [i for i, a in enumerate(args) if isinstance(a, torch.nn.Module)]
+        optimizers = [i for i, a in enumerate(args) if isinstance(a, torch.optim.Optimizer)]
+        if len(models) != 1 or len(optimizers) != 1 or get_engine(args[models[0]]) is not None:
+            return original(self, *args, device_placement=device_placement)
+        return _prepare_through_stronghold(self, original, args, models[0], optimizers[0], device_placement)
+
+    Accelerator.prepare = prepare
+    try:
+        yield
+    finally:
+        Accelerator.prepare = original
+
+
+def _prepare_through_stronghold(accelerator, original, args: tuple, at_model: int, at_optimizer: int,
+                                device_placement) -> Any:
+    global prepared_models
+    theirs = args[at_optimizer]
+    model, optimizer, _ = prepare_stronghold(accelerator, args[at_model], param_groups=adamw_groups(theirs))
+    mine = optimizer.optimizer  # the engine's, inside accelerate's AcceleratedOptimizer
+    for group, their_group in zip(mine.param_groups, theirs.param_groups):
+        if "initial_lr" in their_group:  # a scheduler built on theirs set it
+            group["initial_lr"] = their_group["initial_lr"]
+    for a in args:
+        if isinstance(a, torch.optim.lr_scheduler.LRScheduler) and a.optimizer is theirs:
+            a.optimizer = mine  # it sets each group's lr by position: the groups correspond one to one
+    out = list(args)
+    out[at_model], out[at_optimizer] = model, optimizer
+    rest = [i for i in range(len(args)) if i not in (at_model, at_optimizer)]
+    if rest:
+        prepared = original(accelerator, *[args[i] for i in rest], device_placement=device_placement)
+        for i, p in zip(rest, prepared if len(rest) > 1 else (prepared,)):
+            out[i] = p
+    prepared_models += 1
+    return tuple(out)
+
+
+def adamw_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The groups of a script's ``torch.optim.AdamW`` (or ``Adam`` without weight decay) as the
+    engine's optimizer takes them; any other optimizer is refused, naming the fix."""
+    name = type(optimizer).__name__
+    if not isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
+        raise ValueError(f"stronghold: the script prepares a {name} optimizer; STRONGHOLD steps the offloaded "
+                         "parameters with AdamW (on the CPU). Use torch.optim.AdamW, or run with STRONGHOLD=0.")
+    decoupled = isinstance(optimizer, torch.optim.AdamW)
+    groups = []
+    for g in optimizer.param_groups:
+        if g.get("amsgrad") or g.get("maximize"):
+            raise ValueError(f"stronghold: {name}(amsgrad=True or maximize=True) is not what the engine's AdamW "
+                             "computes. Drop those options, or run with STRONGHOLD=0.")
+        if not (decoupled or g.get("decoupled_weight_decay")) and g["weight_decay"]:
+            raise ValueError(f"stronghold: {name}(weight_decay={g['weight_decay']}) adds L2 decay to the gradient; "
+                             "the engine's AdamW decays the weights (decoupled). Use torch.optim.AdamW, or run with "
+                             "STRONGHOLD=0.")
+        groups.append({"params": list(g["params"]), "lr": float(g["lr"]), "betas": tuple(float(b) for b in g["betas"]),
+                       "eps": float(g["eps"]), "weight_decay": float(g["weight_decay"])})
+    return groups
