@@ -21,6 +21,7 @@ threads and settle its collectives first (lifecycle.py).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 from collections.abc import Iterator
@@ -100,6 +101,7 @@ def prepare_stronghold(
     optimizer = accelerator.prepare_optimizer(optimizer, device_placement=False)
     _route_clip_grad_norm(accelerator, engine)
     _settle_before_end_training(accelerator, engine)
+    _save_and_load_state_through_the_engine(accelerator, model, engine)
     return model, optimizer, engine
 
 
@@ -116,6 +118,65 @@ def _route_clip_grad_norm(accelerator, engine: WindowEngine) -> None:
         return engine.clip_grad_norm_(max_norm, norm_type=norm_type)
 
     accelerator.clip_grad_norm_ = clip_grad_norm_
+
+
+def _save_and_load_state_through_the_engine(accelerator, model: torch.nn.Module, engine: WindowEngine) -> None:
+    """``accelerator.save_state``/``load_state`` of the offloaded model. Its parameters are views
+    into their unit's host buffer: accelerate's safetensors cleaning keeps one name per shared
+    storage (it saved one tensor per unit and dropped the rest, with a warning), and safetensors'
+    ``load_model`` refuses views that do not cover their storage. The save hook hands accelerate
+    whole values with storages of their own (gathered under sharded state: on every rank, as
+    ``save_state`` runs); the load hook has the model's ``load_state_dict`` read the file."""
+
+    def save_hook(models, weights, output_dir) -> None:
+        for i, m in enumerate(models):
+            if m is model:
+                weights[i] = _own_storages(engine.full_state_dict())
+
+    def load_hook(models, input_dir) -> None:
+        for i, m in enumerate(models):
+            if m is model:
+                models[i] = _LoadThrough(model)
+
+    accelerator.register_save_state_pre_hook(save_hook)
+    accelerator.register_load_state_pre_hook(load_hook)
+
+
+def _own_storages(state: dict[str, torch.Tensor]) -> collections.OrderedDict:
+    """``state`` with each tensor that is a view of a larger storage copied into one of its own;
+    names that shared one tensor (tied weights) share its copy, as they shared the original. An
+    ``OrderedDict``, as ``state_dict()`` returns: accelerate then drops a tied duplicate before
+    safetensors sees it, as it does for a plain model."""
+    copies: dict[tuple, torch.Tensor] = {}
+    out = collections.OrderedDict()
+    for name, t in state.items():
+        if t.untyped_storage().nbytes() == t.numel() * t.element_size() and t.storage_offset() == 0:
+            out[name] = t
+            continue
+        key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+        if key not in copies:
+            copies[key] = t.detach().clone()
+        out[name] = copies[key]
+    return out
+
+
+class _LoadThrough(torch.nn.Module):
+    """What safetensors' ``load_model`` loads an offloaded model through, in accelerate's
+    ``load_state``: a ``state_dict`` with the model's names and its sharing (tied weights), each
+    on a one-element tensor of its own (the model's own are views safetensors refuses), and the
+    model's ``load_state_dict``, which writes each value where the engine keeps it."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "target", model)  # not a submodule: nothing of it is this module's
+
+    def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        standins: dict[tuple, torch.Tensor] = {}
+        return {name: standins.setdefault((t.data_ptr(), t.dtype, tuple(t.shape)), torch.zeros(1))
+                for name, t in self.target.state_dict().items()}
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self.target.load_state_dict(state_dict, strict=strict)
 
 
 def _settle_before_end_training(accelerator, engine: WindowEngine) -> None:
