@@ -83,7 +83,7 @@ def test_a_split_through_the_plugins_environment_matches_plain_accelerate(monkey
 
 
 def test_save_state_and_load_state_keep_every_weight_and_resume_exactly(tmp_path):
-    """``accelerator.save_state`` of an offloaded (tied) GPT-2 writes every weight, and
+    """``accelerator.save_state`` (and ``save_model``) of an offloaded (tied) GPT-2 writes every weight, and
     ``load_state`` in a fresh loop resumes it bit for bit. The parameters are views into their
     unit's host buffer: accelerate's safetensors cleaning used to keep one tensor per unit (and
     drop the rest with a warning), and safetensors' ``load_model`` refused the views."""
@@ -101,10 +101,13 @@ def test_save_state_and_load_state_keep_every_weight_and_resume_exactly(tmp_path
     accelerator.save_state(str(tmp_path / "state"))
     tail = _loop(model, optimizer, accelerator, steps=2)
     want = {k: v.clone() for k, v in engine.full_state_dict().items()}
+    accelerator.save_model(model, str(tmp_path / "model"))
     engine.close()
     saved = load_file(str(tmp_path / "state" / "model.safetensors"))
-    # Every weight, the tied head once (as accelerate saves a plain tied model).
+    # Every weight, the tied head once (as accelerate saves a plain tied model); save_model too.
     assert set(saved) == set(want) - {"lm_head.weight"}
+    final = load_file(str(tmp_path / "model" / "model.safetensors"))
+    assert set(final) == set(saved) and all(torch.equal(v, want[k]) for k, v in final.items())
 
     accelerator, model, optimizer, engine = start()
     accelerator.load_state(str(tmp_path / "state"))

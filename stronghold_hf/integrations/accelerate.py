@@ -121,24 +121,26 @@ def _route_clip_grad_norm(accelerator, engine: WindowEngine) -> None:
 
 
 def _save_and_load_state_through_the_engine(accelerator, model: torch.nn.Module, engine: WindowEngine) -> None:
-    """``accelerator.save_state``/``load_state`` of the offloaded model. Its parameters are views
-    into their unit's host buffer: accelerate's safetensors cleaning keeps one name per shared
-    storage (it saved one tensor per unit and dropped the rest, with a warning), and safetensors'
-    ``load_model`` refuses views that do not cover their storage. The save hook hands accelerate
-    whole values with storages of their own (gathered under sharded state: on every rank, as
-    ``save_state`` runs); the load hook has the model's ``load_state_dict`` read the file."""
+    """``accelerator.save_state``/``save_model``/``load_state`` of the offloaded model. Its
+    parameters are views into their unit's host buffer: accelerate's safetensors cleaning keeps
+    one name per shared storage (it saved one tensor per unit and dropped the rest, with a
+    warning only), and safetensors' ``load_model`` refuses views that do not cover their
+    storage. ``get_state_dict`` (which both saves read) gives whole values with storages of
+    their own (gathered under sharded state: on every rank, as accelerate calls it); the load
+    hook has the model's ``load_state_dict`` read the file."""
+    original = accelerator.get_state_dict
 
-    def save_hook(models, weights, output_dir) -> None:
-        for i, m in enumerate(models):
-            if m is model:
-                weights[i] = _own_storages(engine.full_state_dict())
+    def get_state_dict(m, unwrap: bool = True):
+        if m is model and not engine.closed:
+            return _own_storages(engine.full_state_dict())
+        return original(m, unwrap=unwrap)
 
     def load_hook(models, input_dir) -> None:
         for i, m in enumerate(models):
-            if m is model:
+            if m is model and not engine.closed:
                 models[i] = _LoadThrough(model)
 
-    accelerator.register_save_state_pre_hook(save_hook)
+    accelerator.get_state_dict = get_state_dict
     accelerator.register_load_state_pre_hook(load_hook)
 
 
