@@ -239,6 +239,7 @@ def _prepare_through_stronghold(accelerator, original, args: tuple, at_model: in
     for a in args:
         if isinstance(a, torch.optim.lr_scheduler.LRScheduler) and a.optimizer is theirs:
             a.optimizer = mine  # it sets each group's lr by position: the groups correspond one to one
+            _mark_steps_for_schedulers(mine)
     out = list(args)
     out[at_model], out[at_optimizer] = model, optimizer
     rest = [i for i in range(len(args)) if i not in (at_model, at_optimizer)]
@@ -248,6 +249,23 @@ def _prepare_through_stronghold(accelerator, original, args: tuple, at_model: in
             out[i] = p
     prepared_models += 1
     return tuple(out)
+
+
+def _mark_steps_for_schedulers(optimizer: torch.optim.Optimizer) -> None:
+    """What a scheduler built on ``optimizer`` would have done to its ``step``: a wrapper that
+    notes each call, so torch's check that ``optimizer.step()`` ran before ``scheduler.step()``
+    sees ours and does not warn that the step was replaced."""
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return
+    step = optimizer.step
+
+    @functools.wraps(step)
+    def noted_step(*args, **kwargs):
+        optimizer._opt_called = True
+        return step(*args, **kwargs)
+
+    noted_step._wrapped_by_lr_sched = True
+    optimizer.step = noted_step
 
 
 def adamw_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
