@@ -138,7 +138,7 @@ def _save_and_load_state_through_the_engine(accelerator, model: torch.nn.Module,
     def load_hook(models, input_dir) -> None:
         for i, m in enumerate(models):
             if m is model and not engine.closed:
-                models[i] = _LoadThrough(model, engine)
+                models[i] = _LoadThrough(model)
 
     accelerator.get_state_dict = get_state_dict
     accelerator.register_load_state_pre_hook(load_hook)
@@ -167,13 +167,12 @@ class _LoadThrough(torch.nn.Module):
     ``load_state``: a ``state_dict`` with the model's names and its sharing (tied weights), each
     on a one-element tensor of its own (the model's own are views safetensors refuses, and under
     sharded state ``state_dict()`` is refused), and the model's ``load_state_dict``, which
-    writes each value where the engine keeps it (under sharded state, inside
-    ``gathered_parameters``: every rank loads the same file, rank 0's values are kept)."""
+    writes each value where the engine keeps it (state_dict.py: under sharded state, each rank
+    its pieces of the full tensors)."""
 
-    def __init__(self, model: torch.nn.Module, engine: WindowEngine) -> None:
+    def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
-        object.__setattr__(self, "target", model)  # not submodules: nothing of them is this module's
-        object.__setattr__(self, "engine", engine)
+        object.__setattr__(self, "target", model)  # not a submodule: nothing of it is this module's
 
     def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         standins: dict[int, torch.Tensor] = {}  # by parameter (or buffer) object: no value is read
@@ -189,9 +188,7 @@ class _LoadThrough(torch.nn.Module):
         return out
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        sharded = self.engine.dp is not None and self.engine.dp.sharded
-        with self.engine.gathered_parameters(modifier_rank=0) if sharded else contextlib.nullcontext():
-            return self.target.load_state_dict(state_dict, strict=strict)
+        return self.target.load_state_dict(state_dict, strict=strict)
 
 
 def _settle_before_end_training(accelerator, engine: WindowEngine) -> None:
