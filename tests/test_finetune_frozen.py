@@ -168,3 +168,70 @@ def test_lora_on_a_mixture_of_experts_router_trains_like_plain_peft_in_tiles():
     got = three_steps(model, engine.build_optimizer(lr=1e-2, weight_decay=0.01), "AutoModelForCausalLM")
     engine.close()
     assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+
+
+class _Labelled(torch.utils.data.Dataset):
+    """Sequences with one class label each (right-padded; the classifier reads the last real token)."""
+
+    def __init__(self, n: int = 16, num_labels: int = 3):
+        self.items = []
+        for i in range(n):
+            b = batch("llama", seed=i, batch_size=1)
+            self.items.append({"input_ids": b["input_ids"][0], "attention_mask": b["attention_mask"][0],
+                               "labels": torch.tensor(i % num_labels)})
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def test_lora_for_sequence_classification_trains_its_head_and_saves_like_plain_peft(tmp_path):
+    """The usual PEFT fine-tune of a classifier: LoRA with ``task_type="SEQ_CLS"``, which also
+    trains a copy of the new head (PEFT's ``modules_to_save``), through the Trainer. Same losses
+    and weights as the plain Trainer; the saved adapter holds the trained head and the adapters,
+    and loads onto a fresh base to the same logits."""
+    from transformers import AutoModelForSequenceClassification
+
+    config = tiny_model("llama").config
+    config.num_labels, config.pad_token_id = 3, 0
+
+    def classifier():
+        torch.manual_seed(0)
+        base = AutoModelForSequenceClassification.from_config(config)
+        torch.manual_seed(1)
+        return peft.get_peft_model(base, peft.LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, lora_dropout=0.0,
+                                                         target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+
+    ref, model = classifier(), classifier()
+    t_ref = Trainer(model=ref, args=TrainingArguments(output_dir=str(tmp_path / "a"), **COMMON), train_dataset=_Labelled())
+    t_ref.train()
+    t = StrongholdTrainer(model=model, args=StrongholdTrainingArguments(output_dir=str(tmp_path / "b"), stronghold=True,
+                                                                        stronghold_window_size="1", **COMMON),
+                          train_dataset=_Labelled())
+    t.train()
+    assert _losses(t) == pytest.approx(_losses(t_ref), rel=1e-4)
+    head = [n for n, p in model.named_parameters() if p.requires_grad and "modules_to_save" in n]
+    assert head, "PEFT did not make the head trainable"
+    stats = t.stronghold_engine.memory_stats()
+    assert stats["offloaded_trainable_params"] == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-4, msg=lambda m: f"{n}: {m}")
+    untrained = classifier().base_model.model.score.original_module.weight.detach().clone()
+    assert not torch.allclose(model.base_model.model.score.modules_to_save["default"].weight.detach(), untrained)
+
+    t.save_model(str(tmp_path / "adapter"))
+    t_ref.save_model(str(tmp_path / "adapter_ref"))
+    b = {k: v for k, v in batch("llama", seed=5).items() if k != "labels"}
+    logits = {}
+    for name in ("adapter", "adapter_ref"):
+        torch.manual_seed(0)
+        fresh = AutoModelForSequenceClassification.from_config(config)
+        loaded = peft.PeftModel.from_pretrained(fresh, str(tmp_path / name)).eval()
+        with torch.no_grad():
+            logits[name] = loaded(**b).logits
+    torch.testing.assert_close(logits["adapter"], logits["adapter_ref"], rtol=1e-4, atol=1e-5)
+    ref.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(logits["adapter"], ref(**b).logits, rtol=1e-4, atol=1e-5)
