@@ -239,14 +239,22 @@ def training_mode(m: nn.Module) -> bool:
 class ModuleState:
     """What a probe's calls of a module may change besides their outputs, kept to be put back:
     each submodule's buffers and plain attributes (numbers, strings, flags: ``training`` among
-    them, and the expert capacity NLLB-MoE's router sets in an eval forward)."""
+    them, and the expert capacity NLLB-MoE's router sets in an eval forward).
+
+    A buffer is written back only when a call changed it (replaced it, or changed its values; a
+    kernel's own writes, as batch norm's running statistics, bump no version counter): writing
+    an unchanged one would bump its version, and the forward that is running may have saved it
+    for backward already (Gemma-3n's AltUp scales its router input by a buffer before its
+    submodules are probed)."""
 
     _PLAIN = (int, float, bool, str, type(None))
 
     def __init__(self, module: nn.Module) -> None:
         self.modules = list(module.modules())
         self._attrs = [{k: v for k, v in vars(m).items() if type(v) in self._PLAIN} for m in self.modules]
-        self._buffers = [(b, b.detach().clone()) for b in module.buffers()]
+        # (module, name, the buffer, its value, its version)
+        self._buffers = [(m, name, b, b.detach().clone(), b._version)
+                         for m in self.modules for name, b in m._buffers.items() if b is not None]
 
     def set_training(self, mode: Callable[[nn.Module], bool]) -> None:
         for m in self.modules:
@@ -259,9 +267,12 @@ class ModuleState:
                 if now.get(k, v) is not v:
                     setattr(m, k, v)
         with torch.no_grad():
-            for b, value in self._buffers:
-                if b.shape == value.shape:
+            for i, (m, name, b, value, version) in enumerate(self._buffers):
+                if m._buffers.get(name) is not b:
+                    m._buffers[name] = b  # replaced by a call: the buffer itself goes back
+                if b.shape == value.shape and (b._version != version or not torch.equal(b, value)):
                     b.copy_(value)
+                    self._buffers[i] = (m, name, b, value, b._version)
 
 
 def _relative_change(got: Tensor, want: Tensor) -> float:
@@ -391,7 +402,7 @@ class TileSite:
         self.cls = cls  # the class before the swap, whose forward computes each tile
         self.block = block  # id() of the block being decided when it was swapped
         self.name = name  # relative to that block, for the log
-        self.lead = lead  # the block input's leading shape [..., s]: a candidate's input has it
+        self.lead = lead  # the block input's leading shape [..., s]: a candidate's input shares its tokens
         self.state = _State.PROBING
         self.slot: int | str | None = None  # where the call passes the tensor to tile
         self.saved_bytes_per_token = 0
@@ -521,6 +532,17 @@ def _stack_siblings(model: nn.Module, stack, blocks: dict[int, nn.Module]) -> li
             continue  # holds blocks (another stack): its own blocks are judged as such
         found.append((f"{parent_name}.{name}" if parent_name else name, child))
     return found
+
+
+def _same_tokens(lead: torch.Size, block_lead: torch.Size) -> bool:
+    """Whether a call's leading shape ``[..., s]`` holds the block input's tokens: the same
+    shape, or one ends the other, as when a block stacks its hidden states along a leading
+    axis (Gemma-3n's AltUp holds ``[2, b, s, h]`` and runs its MLP on ``[b, s, h]``). Only a
+    cheap filter: `probe` proves a candidate per-token."""
+    if lead == block_lead:
+        return True
+    n = min(len(lead), len(block_lead))
+    return n >= 2 and lead[-n:] == block_lead[-n:]
 
 
 def _never_swapped(module: nn.Module) -> bool:
@@ -656,7 +678,7 @@ class SequenceTiling:
         if self._probing:  # called by the probe of a module around it: as it is
             return site.cls.forward(module, *args, **kwargs)
         found = _one_tensor(args, kwargs)
-        if found is None or not found[1].is_floating_point() or found[1].shape[:-1] != site.lead:
+        if found is None or not found[1].is_floating_point() or not _same_tokens(found[1].shape[:-1], site.lead):
             verdict = None  # not a candidate: not called with one [..., s, h] tensor
         elif _observed(module):
             verdict = Verdict(False, "hooks observe it or a submodule")

@@ -91,6 +91,14 @@ CASES = {
     "nllb_moe": ("AutoModelForSeq2SeqLM", "NllbMoeConfig",
                  dict(_BART_LIKE, num_experts=4, expert_capacity=64, encoder_sparse_step=2, decoder_sparse_step=2,
                       moe_token_dropout=0.0, activation_dropout=0.0)),
+    # AltUp: the block's hidden states are stacked [2, b, s, h], its MLP and norms run on
+    # [b, s, h] (tiled only since candidates may drop a leading axis of the block's input), and a
+    # buffer its router reads is saved for backward before its submodules are probed (the
+    # probe must not bump its version by writing back an unchanged buffer).
+    "gemma3n_text": ("AutoModelForCausalLM", "Gemma3nTextConfig",
+                     dict(_LLAMA_LIKE, head_dim=16, num_kv_shared_layers=0, laurel_rank=4, altup_num_inputs=2,
+                          hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, intermediate_size=[64, 64],
+                          activation_sparsity_pattern=[0.0, 0.0], layer_types=["sliding_attention", "full_attention"])),
     "llama_classification": ("AutoModelForSequenceClassification", "LlamaConfig",
                              dict(_LLAMA_LIKE, num_labels=3, pad_token_id=0)),
     "roberta_tokens": ("AutoModelForTokenClassification", "RobertaConfig", dict(_BERT_LIKE, num_labels=5)),
