@@ -257,6 +257,29 @@ def _text_with_an_image(step):
                 labels=ids.clone())
 
 
+
+def _qwen2_5_vl():
+    text = dict(_LLAMA_LIKE, max_position_embeddings=256,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 2, 4], "rope_theta": 10000.0})
+    vision = dict(depth=2, hidden_size=32, out_hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                  spatial_merge_size=2, in_channels=3, temporal_patch_size=2, window_size=8, fullatt_block_indexes=[1])
+    return T.Qwen2_5_VLForConditionalGeneration(T.Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision, image_token_id=_IMAGE_TOKEN, video_token_id=VOCAB - 2,
+        vision_start_token_id=VOCAB - 3, vision_end_token_id=VOCAB - 4))
+
+
+def _text_with_flat_patches(step):
+    """One sequence: an image of 4 x 4 patches (flattened, as Qwen-VL's processor gives them),
+    merged 2 x 2 into 4 image tokens between its start and end tokens, inside 14 text tokens."""
+    g = _generator(step)
+    ids = torch.randint(1, VOCAB - 5, (1, 14), generator=g)
+    image = torch.tensor([[VOCAB - 3] + [_IMAGE_TOKEN] * 4 + [VOCAB - 4]])
+    ids = torch.cat([ids[:, :2], image, ids[:, 2:]], dim=1)
+    return dict(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=torch.randn(16, 3 * 2 * 4 * 4, generator=g),
+                image_grid_thw=torch.tensor([[1, 4, 4]]), mm_token_type_ids=(ids == _IMAGE_TOKEN).long(),
+                labels=ids.clone())
+
+
 #: Models whose inputs are not token ids: name -> (build, batch of a step).
 OTHER_INPUTS = {
     "vit": (lambda: T.AutoModelForImageClassification.from_config(_vit(num_labels=3)), _images(16)),
@@ -280,6 +303,9 @@ OTHER_INPUTS = {
     "clip": (_clip, _image_and_text),
     # An image tower whose patches, projected, replace the image tokens of a Llama's input.
     "llava": (_llava, _text_with_an_image),
+    # Flattened patches, a vision tower with windowed and full attention blocks, and a text stack
+    # whose rotary positions are three-dimensional (M-RoPE: time, height, width).
+    "qwen2_5_vl": (_qwen2_5_vl, _text_with_flat_patches),
 }
 
 
