@@ -94,6 +94,19 @@ def test_window_size_and_config_through_hf_argument_parser(cls, monkeypatch, tmp
     assert args.stronghold_config_resolved.cpu_threads == 1 and args.stronghold_config_resolved.window_size == "auto"
 
 
+@pytest.mark.parametrize("value, match", [
+    ("{window_size: 2}", r"--stronghold_config is not valid JSON .*window_size"),
+    ('{"windw": 1}', r"Unknown stronghold config key.*windw"),
+    ("no/such/file.json", r"no/such/file.json"),
+])
+def test_bad_stronghold_config_on_the_command_line_names_the_option(value, match, tmp_path):
+    """A malformed ``--stronghold_config`` is refused at parse time, naming the option, with or
+    without ``--stronghold`` (not a bare JSONDecodeError from TrainingArguments)."""
+    for flag in (["--stronghold"], []):
+        with pytest.raises(ValueError, match=match):
+            _parse(StrongholdTrainingArguments, [*flag, "--stronghold_config", value], tmp_path)
+
+
 @pytest.mark.parametrize("name, value, match", [
     ("STRONGHOLD", "maybe", r"STRONGHOLD='maybe' is not a boolean"),
     ("STRONGHOLD_WINDOW_SIZE", "0", r"STRONGHOLD_WINDOW_SIZE='0' is not a valid window_size"),

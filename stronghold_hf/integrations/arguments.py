@@ -25,6 +25,8 @@ Everything is validated in ``__post_init__``, before a model or an accelerator e
 
 from __future__ import annotations
 
+import json
+
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,6 +116,17 @@ def env_config() -> str | None:
         except (TypeError, ValueError) as err:
             raise type(err)(f"Environment variable {ENV_CONFIG}: {err}") from None
     return value
+
+
+def _check_json_object(value: Any) -> None:
+    """Refuses ``--stronghold_config '{...}'`` that is not valid JSON, naming the option
+    (TrainingArguments parses it into a dict next, and would raise a bare JSONDecodeError)."""
+    if isinstance(value, str) and value.startswith("{"):
+        try:
+            json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--stronghold_config is not valid JSON ({err}): {value!r}. Pass a JSON object, "
+                             "for example '{\"window_size\": 2}', or the path of a JSON file.") from None
 
 
 def resolve_stronghold_config(config: Any, window_size: Any) -> StrongholdConfig:
@@ -206,6 +219,7 @@ class StrongholdArgumentsMixin:
             # Before TrainingArguments.__post_init__, which would already import DeepSpeed or set
             # up FSDP for a combination refused anyway.
             refuse_incompatible_options(self, flag="--stronghold")
+        _check_json_object(self.stronghold_config)
         super().__post_init__()  # type: ignore[misc]
         # Always validate, even with the flag off: a typo in the config should not wait for the
         # day someone turns the flag on.
