@@ -483,12 +483,26 @@ def offload_model(model: nn.Module, config: StrongholdConfig | dict | None = Non
             "device_map=... or passed through cpu_offload/dispatch_model, which move weights on their own. Load it "
             "without device_map (on the CPU); STRONGHOLD then streams its blocks to the GPU itself."
         )
+    on_meta = next((name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta), None)
+    if on_meta is not None:
+        raise ValueError(
+            f"{type(model).__name__} has tensors on the meta device ({on_meta}, ...): they hold no values to train "
+            "or stream. Build the model with its weights (from_pretrained, or from_config outside init_empty_weights "
+            "and torch.device('meta')) on the CPU, then offload it."
+        )
     config = StrongholdConfig.from_any(config)
-    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    try:
+        device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    except RuntimeError as err:
+        raise ValueError(f"offload_model: device {device!r} is not a device ({err}); use 'cuda' or 'cpu'.") from None
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"offload_model: device {device} is not supported; use 'cuda' or 'cpu'.")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"offload_model: device {device} was asked for, but torch sees no CUDA device (torch "
+                         f"{torch.__version__}, CUDA build: {torch.version.cuda is not None}); use device='cpu' or "
+                         "install a CUDA build of torch on a machine with a GPU.")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     engine = WindowEngine(model, config, device)
     tiling = SequenceTiling.install(model, config.sequence_tiling, config.tile_tokens, config.block_classes)
     engine._handles.append(tiling)

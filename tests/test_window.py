@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from stronghold_hf import StrongholdConfig, offload_model
+from stronghold_hf import StrongholdConfig, get_engine, offload_model
 from stronghold_hf.unit import Residency
 from stronghold_hf.testing import simulated_device
 from tiny_models import batch, is_seq2seq, tiny_model
@@ -296,6 +296,26 @@ def test_a_model_dispatched_by_accelerate_is_refused():
     with pytest.raises(ValueError, match="accelerate dispatch hooks .* Load it without device_map"):
         offload_model(model, StrongholdConfig(window_size=1), device="cpu")
 
+
+
+def test_a_model_on_the_meta_device_and_a_missing_gpu_are_refused_by_name():
+    """A model built under ``init_empty_weights`` has no values to stream; ``device="cuda"``
+    without a GPU, or a device torch does not know, names the device and what to do. The model
+    is left as it was (not offloaded)."""
+    import transformers as T
+
+    with torch.device("meta"):
+        empty = T.GPT2LMHeadModel(tiny_model("gpt2").config)
+    with pytest.raises(ValueError, match=r"meta device \(transformer\.wte\.weight.*from_pretrained"):
+        offload_model(empty, device="cpu")
+    model = tiny_model("gpt2")
+    with pytest.raises(ValueError, match="'tpu' is not a device"):
+        offload_model(model, device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="torch sees no CUDA device.*device='cpu'"):
+            offload_model(model, device="cuda")
+    assert get_engine(model) is None
+    offload_model(model, device="cpu").close()  # nothing was half done
 
 def test_model_without_blocks_refused():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
