@@ -115,8 +115,9 @@ class ReadGuard:
         self.guarded = False
 
     def guard(self) -> None:
-        guard(self.params)
-        self.guarded = True
+        if not self.guarded:  # (a speculated unit is guarded at its record and again at its task's submission)
+            guard(self.params)
+            self.guarded = True
 
     def unguard(self) -> None:
         if self.guarded:

@@ -101,6 +101,9 @@ class NativeLibrary:
         self._lock = threading.Lock()
 
     def load(self) -> ctypes.CDLL | None:
+        lib = self._lib
+        if lib is not None or self._error is not None:  # decided: no lock (every update calls this)
+            return lib
         with self._lock:
             if self._lib is None and self._error is None:
                 try:
@@ -117,7 +120,8 @@ class NativeLibrary:
                         for fn, argtypes in self.signatures.items():
                             getattr(handle, fn).argtypes = argtypes
                             getattr(handle, fn).restype = None
-                    self._lib, self._lib_holding_gil = lib, held
+                    self._lib_holding_gil = held  # first: `load` returns without the lock once _lib is set
+                    self._lib = lib
                 except Exception as err:  # any failure means: use the torch path
                     self._error = f"{type(err).__name__}: {err}; {self.fallback}"
             return self._lib
