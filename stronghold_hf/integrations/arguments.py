@@ -26,7 +26,6 @@ Everything is validated in ``__post_init__``, before a model or an accelerator e
 from __future__ import annotations
 
 import json
-
 import os
 from dataclasses import dataclass, field
 from typing import Any
