@@ -18,6 +18,7 @@ head, a norm outside the blocks), cover what the default cannot:
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -31,38 +32,78 @@ def install_state_dict_hooks(u: Unit, *, schedule, coordinator, reads) -> list[A
     (host_reads.py) says whether every rank is gathering (``full_state_dict``)."""
     handles = []
     loaded: list[str] = []  # sharded load_state_dict: keys the pre-hooks took, until the post-hook reads them
+    values = _ValuesOfOneCall()  # shared by the unit's modules: a tied weight gets one tensor under both names
     for module, names in u.owners:
         handles += [
-            module.register_state_dict_post_hook(_state_dict_hook(reads, coordinator, u, names)),
+            module.register_state_dict_post_hook(_state_dict_hook(reads, coordinator, u, names, values)),
             module._register_load_state_dict_pre_hook(_load_pre_hook(schedule, coordinator, u, names, loaded)),
             module.register_load_state_dict_post_hook(_load_post_hook(u, names, loaded)),
         ]
     return handles
 
 
-def _state_dict_hook(reads, coordinator, u: Unit, names):
+class _ValuesOfOneCall:
+    """A unit's whole values as one ``state_dict()`` call read them, for the unit's other modules
+    in the same call: a weight tied across two modules (GPT-2's embedding and head) is read once
+    (gathered once under sharded state, mapped once from the file) and is one tensor under both
+    names, as in a plain model, so savers that drop tied duplicates (accelerate, safetensors)
+    find the pair. Keyed by the call's destination dict, held weakly; let go with it."""
+
+    __slots__ = ("_destination", "_values", "__weakref__")
+
+    def __init__(self) -> None:
+        self._destination = None
+        self._values = None
+
+    def get(self, destination) -> list[torch.Tensor] | None:
+        return self._values if self._destination is not None and self._destination() is destination else None
+
+    def put(self, destination, values: list[torch.Tensor]) -> None:
+        me = weakref.ref(self)
+
+        def forget(_) -> None:
+            kept = me()
+            if kept is not None:
+                kept._destination = kept._values = None
+
+        try:
+            self._destination, self._values = weakref.ref(destination, forget), values
+        except TypeError:  # a destination that cannot be referenced weakly: nothing is shared
+            self._destination = self._values = None
+
+
+def _state_dict_hook(reads, coordinator, u: Unit, names, shared: _ValuesOfOneCall):
     def hook(module, state_dict, prefix, local_metadata):
         coordinator.wait_update(u, forward=False)
-        if u.sharded:
-            if not reads.gathering:
-                raise RuntimeError(
-                    "stronghold: with sharded CPU state (data parallel) each rank holds a shard of the offloaded "
-                    "weights; model.state_dict() alone cannot assemble them. Call engine.full_state_dict() on "
-                    "every rank (the Trainer's save does), or use StrongholdConfig(shard_cpu_state=False)."
-                )
-            values = u.host.full_values()  # collective: every rank gathers this unit now, in the same order
-        elif u.host.masters_on_disk:
-            values = u.host.full_values()  # mapped from the file (nvme_masters)
-        elif u.state is not Residency.ON_HOST:  # mid-pass: the slot holds a compute copy
-            values = [v.detach() for v in u.host.param_views]
-        else:
-            return None
+        values = shared.get(state_dict)
+        if values is None:
+            values = _whole_values(reads, u)
+            if values is None:
+                return None
+            shared.put(state_dict, values)
         for name, k in names:
             if prefix + name in state_dict:
                 state_dict[prefix + name] = values[k]
         return None
 
     return hook
+
+
+def _whole_values(reads, u: Unit) -> list[torch.Tensor] | None:
+    """``u``'s values where the default ``state_dict`` would not read them whole; None where it does."""
+    if u.sharded:
+        if not reads.gathering:
+            raise RuntimeError(
+                "stronghold: with sharded CPU state (data parallel) each rank holds a shard of the offloaded "
+                "weights; model.state_dict() alone cannot assemble them. Call engine.full_state_dict() on "
+                "every rank (the Trainer's save does), or use StrongholdConfig(shard_cpu_state=False)."
+            )
+        return u.host.full_values()  # collective: every rank gathers this unit now, in the same order
+    if u.host.masters_on_disk:
+        return u.host.full_values()  # mapped from the file (nvme_masters)
+    if u.state is not Residency.ON_HOST:  # mid-pass: the slot holds a compute copy
+        return [v.detach() for v in u.host.param_views]
+    return None
 
 
 def _load_pre_hook(schedule, coordinator, u: Unit, names, loaded_keys: list[str]):

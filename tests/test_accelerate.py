@@ -82,25 +82,33 @@ def test_a_split_through_the_plugins_environment_matches_plain_accelerate(monkey
     engine.close()
 
 
-def test_save_state_and_load_state_keep_every_weight_and_resume_exactly(tmp_path):
+@pytest.mark.parametrize("masters_on_disk", [False, True], ids=["ram", "nvme_masters"])
+def test_save_state_and_load_state_keep_every_weight_and_resume_exactly(tmp_path, masters_on_disk):
     """``accelerator.save_state`` (and ``save_model``) of an offloaded (tied) GPT-2 writes every weight, and
     ``load_state`` in a fresh loop resumes it bit for bit. The parameters are views into their
     unit's host buffer: accelerate's safetensors cleaning used to keep one tensor per unit (and
-    drop the rest with a warning), and safetensors' ``load_model`` refused the views."""
+    drop the rest with a warning), and safetensors' ``load_model`` refused the views. With the
+    masters on disk, ``state_dict()`` read the tied weight once per module, as two tensors: both
+    names were saved, and ``load_state`` refused the file."""
     from safetensors.torch import load_file
+
+    disk = dict(nvme_path=str(tmp_path / "nvme"), nvme_masters=True) if masters_on_disk else {}
 
     def start():
         torch.manual_seed(0)
         accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
         model, optimizer, engine = prepare_stronghold(accelerator, tiny_model("gpt2"), dict(lr=1e-2, weight_decay=0.1),
-                                                      config=StrongholdConfig(window_size=1))
+                                                      config=StrongholdConfig(window_size=1, **disk))
         return accelerator, model, optimizer, engine
 
     accelerator, model, optimizer, engine = start()
     _loop(model, optimizer, accelerator, steps=2)
     accelerator.save_state(str(tmp_path / "state"))
     tail = _loop(model, optimizer, accelerator, steps=2)
-    want = {k: v.clone() for k, v in engine.full_state_dict().items()}
+    state = engine.full_state_dict()
+    tied = state["lm_head.weight"], state["transformer.wte.weight"]
+    assert tied[0].data_ptr() == tied[1].data_ptr()  # one storage under both names, as in a plain tied model
+    want = {k: v.clone() for k, v in state.items()}
     accelerator.save_model(model, str(tmp_path / "model"))
     engine.close()
     saved = load_file(str(tmp_path / "state" / "model.safetensors"))
