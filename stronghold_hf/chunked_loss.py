@@ -290,6 +290,7 @@ def chunked_linear_cross_entropy(
     transform: HeadTransform = HeadTransform(),
     chunk_tokens: ChunkTokens = "auto",
     vocab_piece_rows: int | None = None,
+    pieces=None,
 ) -> Tensor:
     """The loss transformers' ``ForCausalLMLoss`` gives for
     ``logits = transform(F.linear(hidden, weight, bias))``, without building those logits.
@@ -303,7 +304,8 @@ def chunked_linear_cross_entropy(
     ``vocab_piece_rows``: with fewer rows than the head has, each chunk's logits are made over
     pieces of that many vocabulary rows with an online log-sum-exp, so what the loss holds at
     once is a ``[chunk, piece]`` tile ([Note: vocabulary pieces]); ``None``: the whole
-    vocabulary per chunk.
+    vocabulary per chunk. ``pieces``: the engine's `vocab_pieces.VocabularyPieces` of ``weight``,
+    which is then never whole on the device (its pieces cross one at a time, outermost).
     """
     lead = hidden.shape[:-1]
     if shift_labels is None:
@@ -325,8 +327,15 @@ def chunked_linear_cross_entropy(
     if vocab_piece_rows is not None and (isinstance(vocab_piece_rows, bool) or not isinstance(vocab_piece_rows, int)
                                          or vocab_piece_rows < 1):
         raise ValueError(f"chunked_linear_cross_entropy: vocab_piece_rows={vocab_piece_rows!r}; pass an int >= 1 or None.")
-    total = ChunkedLinearCrossEntropy.apply(hidden, weight, bias, index, targets[index], transform, chunk, ignore_index,
-                                            vocab_piece_rows)
+    if pieces is not None:
+        if bias is not None:
+            raise ValueError("chunked_linear_cross_entropy: a head read in vocabulary pieces has no bias.")
+        from .vocab_ops import StreamedLinearCrossEntropy
+
+        total = StreamedLinearCrossEntropy.apply(hidden, weight, index, targets[index], transform, chunk, pieces)
+    else:
+        total = ChunkedLinearCrossEntropy.apply(hidden, weight, bias, index, targets[index], transform, chunk,
+                                                ignore_index, vocab_piece_rows)
     if num_items_in_batch is None:
         # HF's reduction="mean" over the non-ignored rows: 0 / 0 = nan when all are ignored.
         return total / index.numel()
@@ -360,6 +369,7 @@ class _ChunkedHead:
                  piece_numel: int | None = None):
         self.model, self.plan, self.chunk_tokens = model, plan, chunk_tokens
         self.piece_numel = piece_numel  # the largest piece of the head one tile of logits may use
+        self.vocab_pieces: dict[int, Any] = {}  # id(weight) -> its VocabularyPieces (vocab_pieces.py)
         self.promises = promises  # promises.Promises: the first training forward says whether chunking ran
         self.head: nn.Module = model.get_submodule(plan.head_path)
         self._reset()
@@ -440,7 +450,8 @@ class _ChunkedHead:
         return chunked_linear_cross_entropy(hidden, weight, bias, labels, shift_labels=shift_labels,
                                             ignore_index=ignore_index, num_items_in_batch=num_items,
                                             transform=self.plan.transform, chunk_tokens=self.chunk_tokens,
-                                            vocab_piece_rows=self.piece_rows(weight))
+                                            vocab_piece_rows=self.piece_rows(weight),
+                                            pieces=self.vocab_pieces.get(id(weight)))
 
     def piece_rows(self, weight: Tensor) -> int | None:
         return vocab_piece_rows(weight.shape[0], weight.shape[1], self.piece_numel)
@@ -550,6 +561,11 @@ class ChunkedLoss:
             logger.debug("chunked loss: %s", reason)
             heads.append(_ChunkedHead(model, plan, chunk_tokens, promises, piece_numel))
         return cls(heads)
+
+    def read_in_pieces(self, pieces) -> None:
+        """The heads whose weight is ``pieces.weight`` ask it for its pieces (vocab_pieces.py)."""
+        for head in self._heads:
+            head.vocab_pieces[id(pieces.weight)] = pieces
 
     @property
     def models(self) -> list[nn.Module]:

@@ -322,6 +322,18 @@ class StrongholdConfig:
     than one tile (a bidirectional block, BERT's or T5's encoder's, fails it and runs whole).
     Exact to fp32 rounding. ``tile_tokens="auto"`` is 8192 here (``query_tiling.AUTO_QUERY_TILE``)."""
 
+    vocab_pieces: bool = False
+    """Read a vocabulary-sized unit (an embedding or LM head of one ``[vocab, hidden]`` weight
+    larger than the largest block, tied or not) in row pieces of at most a block's size instead
+    of streaming it whole (``vocab_pieces.py``): the embedding sends only the rows a batch
+    uses, the head (its own forward and the chunked loss) fetches one piece at a time, and each
+    piece's gradient goes to the host when the piece is done. The device slots, gradient lanes
+    and staging are then sized by the largest block, whatever the vocabulary. The unit's host
+    side, optimizer state and checkpoints do not change. Code that reads the head's weight
+    outside the head's own forward (Liger, TRL's fused LM head) cannot use it: leave it off
+    there. A unit it cannot read in pieces (a head with a bias, sharded CPU state,
+    ``nvme_masters``) streams whole, with one log line."""
+
     tile_tokens: int | Literal["auto"] = "auto"
     """Tokens per tile of ``sequence_tiling`` (and of ``attention_tiling``). ``"auto"``: per module, the tokens whose saved
     intermediates (as the probe measured them, times the batch) cost about 256 MiB, at least

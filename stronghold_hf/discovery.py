@@ -256,6 +256,25 @@ class UnitPlan:
     def blocks(self) -> tuple[UnitSpec, ...]:
         return tuple(u for u in self.units if u.kind == "block")
 
+    def without_positions_of(self, dropped: set[int]) -> UnitPlan:
+        """The plan with units ``dropped`` (indices) taken out of the sequence: they are used
+        outside the window (vocab_pieces.py). The units themselves stay."""
+        if not dropped:
+            return self
+        new_position: dict[int, int] = {}
+        sequence: list[int] = []
+        for pos, u in enumerate(self.sequence):
+            if u in dropped:
+                continue
+            if not sequence or sequence[-1] != u:
+                sequence.append(u)
+            new_position[pos] = len(sequence) - 1
+        entry = {m: tuple(dict.fromkeys(new_position[p] for p in ps if p in new_position))
+                 for m, ps in self.entry_positions.items()}
+        heads = tuple(HeadRegion(h.model, h.start, h.unit, new_position[h.position]) for h in self.head_regions
+                      if h.unit not in dropped and h.position in new_position)
+        return UnitPlan(self.units, tuple(sequence), {m: ps for m, ps in entry.items() if ps}, heads)
+
 
 def _registrars(model: nn.Module) -> tuple[dict[int, list[tuple[nn.Module, str]]], list[tuple[str, nn.Module]]]:
     """``id(param) -> [(module, local name), ...]`` over every registration, and every module path."""

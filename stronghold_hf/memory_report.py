@@ -97,7 +97,9 @@ class MemoryReport:
         # training step fetches 2 x positions - W + rest units (the turn is free).
         out["sequence_length"] = len(schedule.sequence)
         out["rest_units"] = len(schedule.rest_units)
-        streamed = [u for u in units if u.kind != "rest"]
+        streamed = [u for u in units if u.kind != "rest" and u.vocab_pieces is None]
+        out["vocab_piece_bytes"] = max((u.vocab_pieces.piece_bytes for u in units if u.vocab_pieces is not None),
+                                       default=0)
         out["slot_bytes"] = max((u.slot_bytes for u in streamed), default=0)
         out["window_bound_bytes"] = sum(sorted((u.slot_bytes for u in streamed), reverse=True)[: window_size + 1])
         out["rest_unit_bytes"] = sum(u.slot_bytes for u in schedule.rest_units)

@@ -428,6 +428,10 @@ class WindowSchedule:
         u = self.units[use.unit_index]
         u.pending_backward = max(0, u.pending_backward - 1)
 
+    def enter_backward(self) -> None:
+        """A backward pass is running: the schedule's backward phase begins (once per pass)."""
+        self._enter_backward()
+
     def _enter_backward(self) -> None:
         task = current_graph_task()
         if self._backward_task == task:

@@ -118,6 +118,9 @@ class Unit:
 
         self.state = Residency.ON_HOST
         self._h2d_events: list = []
+        # A vocabulary-sized unit read in row pieces outside the window (vocab_pieces.py): it
+        # stays ON_HOST, and that object is its device side.
+        self.vocab_pieces = None
         # ---- use counting (driven by the schedule)
         self.forward_holds = 0  # forward calls of this block in progress (0 or 1, more when re-entered)
         self.backward_holds = 0  # uses whose backward started and is not done

@@ -465,6 +465,11 @@ class UnitGrads:
             self._widen_grads(f"a {value.dtype} gradient was set by hand")
         return self.grad_views[k]
 
+    def widen(self, why: str) -> None:
+        """From now on the host gradient is fp32 (nothing if it is already)."""
+        if self.grad_flat is not None and self.grad_flat.dtype != torch.float32:
+            self._widen_grads(why)
+
     def _widen_grads(self, why: str) -> None:
         """From now on this unit keeps fp32 host gradients: the bf16 values move over exactly,
         and every ``.grad`` that pointed at the old buffer points at the new one."""

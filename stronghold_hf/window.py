@@ -52,6 +52,7 @@ from .query_tiling import QueryTiling
 from .tiling import SequenceTiling
 from .transfer import FetchStaging, TransferContext
 from .unit import Unit
+from .vocab_pieces import VocabularyPieces, why_not_pieced
 from .workers import HostWorker
 
 logger = logging.getLogger("stronghold_hf")
@@ -121,12 +122,15 @@ class WindowEngine:
                       if u.host.fetch_staging is not None and u.kind == "block"]
             self.fetch_staging.buffer_bytes = max(blocks or converted)
         self.blocks = [u for u in self.units if u.kind == "block"]
+        # Vocabulary-sized units read in row pieces, outside the window (vocab_pieces.py).
+        pieced = self._units_read_in_pieces(config)
+        plan = plan.without_positions_of({u.index for u in pieced})
         self._unit_of_param = {id(p): u for u in self.units for p in u.params}
         self._resident_parameters = ParametersOutside(model, self._unit_of_param)
         inline = config.host_worker == "inline" or (config.host_worker == "auto" and not self.transfer.is_async
                                                     and device.type == "cpu")
         self.worker = HostWorker(config.resolved_cpu_threads(), inline=inline)
-        streamed = [u for u in self.units if u.kind != "rest"]
+        streamed = [u for u in self.units if u.kind != "rest" and u not in pieced]
         resident = [u for u in self.units if u.kind == "rest" and u.trainable]
         # Pinned staging of the largest block's gradient shard: larger units cross in pieces (grads.py).
         blocks = [self._shard_bytes(u) for u in streamed if u.kind == "block"]
@@ -160,7 +164,7 @@ class WindowEngine:
             cap = None
             if config.gpu_memory is not None:  # the budget's rest, and the slots the plan counted already
                 split = self.split
-                slot = max(u.slot_bytes for u in self.units if u.kind != "rest")
+                slot = max(u.slot_bytes for u in streamed)
                 cap = split.budget - split.resident_bytes - split.streamed_bytes + (window_size + 1) * slot
             self.schedule.probe = AutoWindowProbe(self.blocks, device, window_bytes_cap=cap)
         self.schedule.activations = ActivationStore(
@@ -178,7 +182,16 @@ class WindowEngine:
         self._closed = False
         from . import lifecycle
         lifecycle.register(self)  # threads and process groups stopped before interpreter exit
-        self._handles: list[Any] = install_module_hooks(self.schedule, model, plan, self.units)
+        self._handles: list[Any] = install_module_hooks(self.schedule, model, plan,
+                                                        [u for u in self.units if u not in pieced])
+        from .chunked_loss import vocab_piece_rows
+
+        for u in pieced:
+            rows = vocab_piece_rows(*u.layout.entries[0].shape, self._largest_block_numel()) or u.params[0].shape[0]
+            u.vocab_pieces = VocabularyPieces(u, rows, transfer=self.transfer, ledger=self.ledger, host=self.host,
+                                              coordinator=self.coordinator, stats=self.stats,
+                                              enter_backward=self.schedule.enter_backward)
+            self._handles.extend(u.vocab_pieces.install())
         if self.dp is not None:
             self.schedule.average_resident_grads = self.dp.resident_grad_averaging(self._resident_parameters.get)
         self._handles.append(self.schedule.checkpoint_watch)  # removing it gives back the checkpoint functions
@@ -198,9 +211,10 @@ class WindowEngine:
         if config.chunked_loss is True or (config.chunked_loss == "auto" and self.units):
             from .chunked_loss import ChunkedLoss
 
-            largest_block = max((sum(p.numel() for p in u.params) for u in self.blocks), default=0)
             self.chunked_loss = ChunkedLoss.install(model, config.loss_chunk_tokens, promises=self.promises,
-                                                    piece_numel=largest_block or None)
+                                                    piece_numel=self._largest_block_numel() or None)
+            for u in pieced:
+                self.chunked_loss.read_in_pieces(u.vocab_pieces)
         setattr(model, _ENGINE_ATTR, self)
         self.memory_report = MemoryReport(model=model, ledger=self.ledger, transfer=self.transfer,
                                           coordinator=self.coordinator, schedule=self.schedule,
@@ -218,6 +232,25 @@ class WindowEngine:
         )
         if not self.split.streams_everything:
             logger.info("stronghold: %s: %s", self.split.reason, ", ".join(self.split.resident))
+
+    def _largest_block_numel(self) -> int:
+        return max((sum(p.numel() for p in u.params) for u in self.blocks), default=0)
+
+    def _units_read_in_pieces(self, config: StrongholdConfig) -> list[Unit]:
+        """With ``vocab_pieces``, the units larger than a block that cross in row pieces; each
+        other unit that is larger than a block says once why it streams whole."""
+        if not config.vocab_pieces:
+            return []
+        largest = self._largest_block_numel()
+        pieced = []
+        for u in self.units:
+            reason = why_not_pieced(u, largest)
+            if reason is None:
+                u.pool = None  # never in a window slot
+                pieced.append(u)
+            elif u.kind == "streamed" and sum(p.numel() for p in u.params) > largest:
+                logger.info("stronghold: %s streams whole (vocab_pieces: %s)", u.fqn, reason)
+        return pieced
 
     @staticmethod
     def _shard_bytes(u: Unit) -> int:

@@ -87,16 +87,19 @@ def batch(family: str, seed: int, batch_size: int = 2, seq: int = 12) -> dict:
 
 
 def engine_losses(model, engine, family: str, *, lr: float, steps: int = 2, seq: int = 12,
-                  bf16: bool = False, batches=None) -> list[float]:
-    """``steps`` steps of the engine's optimizer on `batch`es (``batches(step)``: others; clipping
-    at 1.0, bf16 autocast on request), then a synchronize; the losses."""
+                  bf16: bool = False, batches=None, micro_batches: int = 1) -> list[float]:
+    """``steps`` steps of the engine's optimizer on `batch`es (``batches(i)``: others; clipping
+    at 1.0, bf16 autocast on request; ``micro_batches`` backward passes of ``loss / micro_batches``
+    per step), then a synchronize; the losses."""
     opt = engine.build_optimizer(lr=lr)
     losses = []
     for step in range(steps):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss = model(**(batch(family, seed=step, seq=seq) if batches is None else batches(step))).loss
-        loss.backward()
-        losses.append(loss.item())
+        for i in range(step * micro_batches, (step + 1) * micro_batches):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = model(**(batch(family, seed=i, seq=seq) if batches is None else batches(i))).loss
+            loss = loss / micro_batches if micro_batches > 1 else loss
+            loss.backward()
+            losses.append(loss.item())
         engine.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad()

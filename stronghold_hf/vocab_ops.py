@@ -1,0 +1,192 @@
+"""The autograd functions that compute with a weight crossing in row pieces (vocab_pieces.py).
+
+Each one asks its `VocabularyPieces` for one piece of rows at a time (``fetch``, then
+``release``), in forward and again in backward (nothing of the weight is saved for backward),
+and hands each piece's gradient to the host as soon as the piece is done (``add_piece_grad``);
+the embedding's rows go and come back as rows. The weight itself is an input only so that
+autograd runs the backward when it needs a gradient; the functions return none for it.
+
+* `EmbeddingRows`: ``F.embedding`` of the input ids.
+* `PiecewiseLinear`: ``F.linear`` on the whole vocabulary, logits made a piece of columns at a
+  time (evaluation, ``generate``, a loss the chunked path does not take).
+* `StreamedLinearCrossEntropy`: the chunked loss (chunked_loss.py) with the pieces outermost:
+  each piece crosses once per forward and once per backward, whatever the number of chunks.
+  Per row it keeps the running maximum, sum and target logit (fp32) across pieces, the same
+  online log-sum-exp as the chunked loss's pieces, in the same order, so the loss and the
+  gradients are the ones the chunked loss gives with the whole weight on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .chunked_loss import _rows, _uncached
+
+
+def _autocast_state(device_type: str) -> dict:
+    return dict(device_type=device_type, enabled=torch.is_autocast_enabled(device_type),
+                dtype=torch.get_autocast_dtype(device_type), cache_enabled=torch.is_autocast_cache_enabled())
+
+
+class EmbeddingRows(torch.autograd.Function):
+    """``F.embedding(ids, weight, padding_idx)`` from the rows of ``ids`` alone."""
+
+    @staticmethod
+    def forward(ctx, ids: Tensor, weight: Tensor, pieces, padding_idx: int | None) -> Tensor:
+        ctx.pieces, ctx.padding_idx = pieces, padding_idx
+        ctx.save_for_backward(ids)
+        return pieces.gather_rows(ids)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        if ctx.needs_input_grad[1]:
+            (ids,) = ctx.saved_tensors
+            ctx.pieces.add_row_grads(ids, grad, ctx.padding_idx)
+        return None, None, None, None
+
+
+class PiecewiseLinear(torch.autograd.Function):
+    """``F.linear(x, weight)`` for a ``[vocab, hidden]`` weight, a piece of output columns at a time."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, pieces) -> Tensor:
+        device_type = x.device.type
+        ctx.autocast, ctx.pieces = _autocast_state(device_type), pieces
+        ctx.save_for_backward(x)
+        lead = x.shape[:-1]
+        if x.numel() == 0:  # the chunked loss's shrunk head input: nothing to fetch
+            dtype = ctx.autocast["dtype"] if ctx.autocast["enabled"] else x.dtype
+            return x.new_empty((*lead, pieces.vocab), dtype=dtype)
+        out = None
+        for k, (v0, v1) in enumerate(pieces.bounds):
+            w = pieces.fetch(k)
+            y = F.linear(x, w)
+            pieces.release(k)
+            if out is None:
+                out = x.new_empty((*lead, pieces.vocab), dtype=y.dtype)
+            out[..., v0:v1] = y
+            del w, y
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (x,) = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[:2]
+        pieces = ctx.pieces
+        if x.numel() == 0 or not (need_x or need_w):
+            return (x.new_zeros(x.shape) if need_x else None), None, None
+        gx = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if need_x else None
+        for k, (v0, v1) in enumerate(pieces.bounds):
+            w = pieces.fetch(k)
+            with torch.enable_grad(), torch.autocast(**ctx.autocast):  # its cast of the piece dies with it
+                xl = x.detach().requires_grad_(need_x)
+                wl = w.detach().requires_grad_(need_w)
+                y = F.linear(xl, wl)
+                wanted = [t for t, need in ((xl, need_x), (wl, need_w)) if need]
+                grads = list(torch.autograd.grad(y, wanted, grad[..., v0:v1]))
+            if need_x:
+                gx += grads.pop(0)
+            if need_w:
+                pieces.add_piece_grad(k, grads.pop(0))
+            pieces.release(k)
+            del w, wl, y, grads, wanted
+        return (gx.to(x.dtype) if need_x else None), None, None
+
+
+class StreamedLinearCrossEntropy(torch.autograd.Function):
+    """`chunked_loss.ChunkedLinearCrossEntropy` (no bias) with the head's pieces outermost."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, index: Tensor, targets: Tensor, transform, chunk_tokens: int,
+                pieces) -> Tensor:
+        ctx.autocast = _autocast_state(hidden.device.type)
+        ctx.transform, ctx.chunk_tokens, ctx.pieces = transform, chunk_tokens, pieces
+        n = index.numel()
+        torch._assert_async(((targets >= 0) & (targets < pieces.vocab)).all(),
+                            "chunked loss: a label is outside [0, vocab_size)")
+        top = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        total = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        picked = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        chunks = range(0, n, chunk_tokens)
+        for k, (v0, v1) in enumerate(pieces.bounds):
+            w = pieces.fetch(k)
+            for start in chunks:
+                end = min(start + chunk_tokens, n)
+                x = hidden[_rows(hidden, index[start:end])]
+                t = targets[start:end]
+                logits = transform(F.linear(x, w)).float()
+                tile_top = logits.amax(dim=1)
+                if k == 0:
+                    top[start:end] = tile_top
+                    total[start:end] = torch.exp(logits - tile_top[:, None]).sum(dim=1)
+                else:
+                    old = top[start:end]
+                    new_top = torch.maximum(old, tile_top)
+                    total[start:end] = (total[start:end] * torch.exp(old - new_top)
+                                        + torch.exp(logits - new_top[:, None]).sum(dim=1))
+                    top[start:end] = new_top
+                inside = (t >= v0) & (t < v1)
+                column = (t - v0).clamp(0, logits.shape[1] - 1)
+                picked[start:end] = torch.where(inside, logits.gather(1, column[:, None]).squeeze(1),
+                                                picked[start:end])
+                del x, logits  # one tile at a time
+            pieces.release(k)
+            del w
+        lse = top + torch.log(total)
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in chunks:  # summed chunk by chunk, as the chunked loss does
+            loss += (lse[start:start + chunk_tokens] - picked[start:start + chunk_tokens]).sum()
+        ctx.save_for_backward(hidden, index, targets, lse)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_total: Tensor):
+        hidden, index, targets, lse = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        pieces = ctx.pieces
+        if not (need_hidden or need_weight):
+            return (None,) * 7
+        n = index.numel()
+        chunks = range(0, n, ctx.chunk_tokens)
+        # The rows' gradient summed over the pieces in fp32, rounded once (as the chunked loss).
+        gx_all = torch.zeros((n, hidden.shape[-1]), dtype=torch.float32, device=hidden.device) if need_hidden else None
+        for k, (v0, v1) in enumerate(pieces.bounds):
+            w = pieces.fetch(k)
+            gw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_weight else None
+            # A context per piece: autocast's cached cast of the piece is freed with it.
+            with torch.enable_grad(), torch.autocast(**ctx.autocast):
+                wl = w.detach().requires_grad_(need_weight)
+                for start in chunks:
+                    end = min(start + ctx.chunk_tokens, n)
+                    x = hidden[_rows(hidden, index[start:end])].detach().requires_grad_(need_hidden)
+                    t = targets[start:end]
+                    logits = ctx.transform(F.linear(_uncached(x, ctx.autocast), wl)).float()
+                    with torch.no_grad():
+                        g = torch.exp(logits - lse[start:end, None])
+                        inside = ((t >= v0) & (t < v1)).to(g.dtype)
+                        g.scatter_add_(1, (t - v0).clamp(0, g.shape[1] - 1)[:, None], -inside[:, None])
+                        g *= grad_total
+                    wanted = [u for u, need in ((x, need_hidden), (wl, need_weight)) if need]
+                    grads = list(torch.autograd.grad(logits, wanted, g))
+                    if need_hidden:
+                        gx_all[start:end] += grads.pop(0)
+                    if need_weight:
+                        gw += grads.pop(0)
+                    del logits, g, grads, wanted, x
+            del wl
+            if need_weight:
+                pieces.add_piece_grad(k, gw.to(w.dtype))
+            pieces.release(k)
+            del w, gw
+        grad_hidden = None
+        if need_hidden:
+            grad_hidden = hidden.new_zeros(hidden.shape)
+            for start in chunks:
+                rows = _rows(hidden, index[start:start + ctx.chunk_tokens])
+                grad_hidden[rows] = gx_all[start:start + ctx.chunk_tokens].to(grad_hidden.dtype)
+        return grad_hidden, None, None, None, None, None, None
+
+
+__all__ = ["EmbeddingRows", "PiecewiseLinear", "StreamedLinearCrossEntropy"]

@@ -1,0 +1,260 @@
+"""A vocabulary-sized weight that crosses to the device in row pieces, never whole.
+
+Llama-3's embedding and untied head are 525M parameters each, its largest block 218M. Streamed
+as one unit, such a weight sets the size of a device slot, a gradient lane and the staging:
+the device budget then grows with the vocabulary, not with a block. With
+``StrongholdConfig(vocab_pieces=True)`` a unit that is one ``[vocab, hidden]`` weight larger
+than the largest block is used a *piece* of rows at a time instead (`VocabularyPieces`):
+
+* the input embedding gathers the rows a batch uses on the host and sends only those (row
+  fetch); its backward sends the rows' gradient back and adds it into the host gradient;
+* the head (``F.linear`` on the weight, in the model's own forward, and the chunked loss,
+  which asks for pieces itself: ``vocab_ops.py``) fetches one piece of at most a block's rows
+  at a time, and each piece's gradient goes to the host as soon as the piece is done.
+
+So the device holds a piece of the weight and a piece of its gradient, never ``vocab x
+hidden``. The unit's host side is unchanged: one master, one image, one host gradient, one
+optimizer entry, one checkpoint tensor, and between steps the parameter is its host master as
+for every unit. The unit is not in the window's sequence (the window's slots, lanes and staging
+are sized by the blocks); the forwards of the modules that register the weight are routed here
+while they run (`_VocabCalls`), and the weight's other uses are refused by name.
+
+What stays whole (the unit streams through the window as before): a unit of several
+parameters (a head with a bias; BERT's tied decoder), sharded CPU state, masters on disk, no
+host image of a bf16 weight (``host_image=False``), a weight used by a module that is neither
+an embedding nor a linear layer.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from .fastpath import engine_access as _engine_access
+
+logger = logging.getLogger("stronghold_hf")
+
+
+def why_not_pieced(u, largest_block: int) -> str | None:
+    """Why unit ``u`` keeps streaming whole (None: it can cross in row pieces)."""
+    if u.kind != "streamed":
+        return "not a unit outside the blocks"
+    if len(u.params) != 1 or u.params[0].dim() != 2:
+        return "not one [vocab, hidden] weight"
+    if u.params[0].numel() <= largest_block:
+        return "no larger than a block"
+    if u.sharded:
+        return "its CPU state is sharded across ranks"
+    if u.host.masters_on_disk:
+        return "its masters are on disk (nvme_masters)"
+    if u.host.image_views[0] is None:
+        return "no host image to read rows from (host_image=False)"
+    owners = [m for m, _ in u.owners]
+    if not all(isinstance(m, (nn.Embedding, nn.Linear)) for m in owners):
+        return "a module other than an embedding or a linear layer registers it"
+    return None
+
+
+class VocabularyPieces:
+    """One vocabulary-sized unit's device side, a row piece at a time; see the module docstring.
+
+    ``enter_backward``: the schedule's start of a backward pass (the host gradient takes what
+    the user left in ``.grad`` first); the head's backward runs before any block's."""
+
+    def __init__(self, unit, rows_per_piece: int, *, transfer, ledger, host, coordinator, stats,
+                 enter_backward) -> None:
+        self.unit = unit
+        self.weight: nn.Parameter = unit.params[0]
+        self.vocab, self.width = unit.layout.entries[0].shape
+        self.dtype = unit.layout.entries[0].device_dtype
+        self.rows_per_piece = max(1, min(int(rows_per_piece), self.vocab))
+        self.bounds = [(r0, min(r0 + self.rows_per_piece, self.vocab))
+                       for r0 in range(0, self.vocab, self.rows_per_piece)]
+        self.transfer = transfer
+        self.ledger = ledger
+        self.coordinator = coordinator
+        self.stats = stats
+        self._enter_backward = enter_backward
+        self._host = host
+        self._device = transfer.device
+        self._alias = transfer.mode == "sync"  # CPU compute: the image rows are the device rows
+        self._staging: torch.Tensor | None = None  # pinned, one piece's gradient in the grad dtype
+        self.trainable = unit.trainable
+        if self.trainable and unit.grads.grad_flat.dtype != torch.float32:
+            unit.grads.widen("its gradient arrives in row pieces and rows, added on the host")
+        self.piece_bytes = self.rows_per_piece * self.width * self.dtype.itemsize
+        self.fetches = 0
+
+    # ------------------------------------------------------------------ host state
+    def _image(self) -> torch.Tensor:
+        """The ``[vocab, hidden]`` rows a fetch reads (compute dtype), current: the CPU update of
+        the unit is done and writes made between steps are taken in."""
+        u = self.unit
+        self.coordinator.wait_update(u)
+        with _engine_access():
+            u.host.adopt_host_writes()
+            u.host.refresh_image()
+        return u.host.image_views[0]
+
+    def _host_grad(self) -> torch.Tensor:
+        return self.unit.grads.grad_views[0]
+
+    def _begin_grad(self) -> torch.Tensor:
+        """A gradient contribution of this backward pass: the host gradient to add into."""
+        self._enter_backward()
+        u, g = self.unit, self.unit.grads
+        if g.spec is not None:  # more gradient after a speculative update read the old one
+            self.coordinator.undo_speculation(u)
+        hg = self._host_grad()
+        if not g.grad_valid[0]:
+            hg.zero_()
+            g.grad_valid[0] = True
+            g.flushes += 1
+        if g.flushes_this_pass == 0:
+            g.flushes_this_pass = 1
+        g.device_norm = None  # the norm is taken on the host at clip
+        return hg
+
+    # ------------------------------------------------------------------ pieces of the weight
+    def fetch(self, k: int) -> torch.Tensor:
+        """Piece ``k``'s rows on the device, ``[rows, hidden]`` in the compute dtype; give it
+        back with `release`."""
+        r0, r1 = self.bounds[k]
+        rows = self._image()[r0:r1]
+        nbytes = rows.numel() * rows.element_size()
+        self.ledger.device_alloc(nbytes)
+        self.fetches += 1
+        if self._alias:
+            self.ledger.count_h2d(nbytes, fetch=True)
+            return rows
+        dst = torch.empty(rows.shape, dtype=rows.dtype, device=self._device)
+        self.transfer.device_wait(self.transfer.copy_h2d(dst, rows, fetch=True))
+        return dst
+
+    def release(self, k: int) -> None:
+        r0, r1 = self.bounds[k]
+        self.ledger.device_free((r1 - r0) * self.width * self.dtype.itemsize)
+
+    def add_piece_grad(self, k: int, grad: torch.Tensor) -> None:
+        """Adds piece ``k``'s gradient (device, ``[rows, hidden]``) into the host gradient."""
+        r0, r1 = self.bounds[k]
+        hg = self._begin_grad()
+        nbytes = grad.numel() * grad.element_size()
+        if self._alias:
+            self.ledger.count_d2h(nbytes)
+            hg[r0:r1].add_(grad)
+            return
+        if self._staging is None or self._staging.numel() < self.rows_per_piece * self.width * grad.element_size():
+            self._staging = self._host.allocate(self.rows_per_piece * self.width * grad.element_size(), transfer=True)
+        staged = self._staging[:nbytes].view(grad.dtype).view(grad.shape)
+        self.transfer.host_wait(self.transfer.copy_d2h(staged, grad))
+        hg[r0:r1].add_(staged)
+
+    # ------------------------------------------------------------------ rows (the embedding)
+    def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of ``ids`` on the device, ``ids.shape + [hidden]``: gathered on the host,
+        only those cross."""
+        image = self._image()
+        flat = ids.reshape(-1).to("cpu")
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.vocab):
+            raise IndexError(f"stronghold: an input id is outside [0, {self.vocab}) for {self.unit.fqn}.")
+        rows = image.index_select(0, flat)
+        self.ledger.count_h2d(rows.numel() * rows.element_size(), fetch=True)
+        return rows.to(self._device).view(*ids.shape, self.width)
+
+    def add_row_grads(self, ids: torch.Tensor, grad: torch.Tensor, padding_idx: int | None) -> None:
+        """Adds the gradient of the rows of ``ids`` into the host gradient (the padding row
+        gets none, as ``F.embedding`` gives it)."""
+        hg = self._begin_grad()
+        flat = ids.reshape(-1).to("cpu")
+        g = grad.reshape(-1, self.width)
+        self.ledger.count_d2h(g.numel() * g.element_size())
+        g = g.to("cpu")
+        if padding_idx is not None:
+            keep = flat != padding_idx
+            flat, g = flat[keep], g[keep]
+        hg.index_add_(0, flat, g.to(hg.dtype))
+
+    # ------------------------------------------------------------------ routing the owners' calls
+    def install(self) -> list:
+        """Routes the forwards of the modules that register the weight here; returns handles."""
+        handles = []
+        seen: set[int] = set()
+        for m, _ in self.unit.owners:
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            stack: list[_VocabCalls] = []
+
+            def enter(module, args, _stack=stack):
+                mode = _VocabCalls(self)
+                mode.__enter__()
+                _stack.append(mode)
+
+            def leave(module, args, output, _stack=stack):
+                if _stack:
+                    _stack.pop().__exit__(None, None, None)
+
+            handles.append(m.register_forward_pre_hook(enter))
+            handles.append(m.register_forward_hook(leave, always_call=True))
+        return handles
+
+    def embedding(self, ids, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
+                  sparse=False):
+        if max_norm is not None or scale_grad_by_freq or sparse:
+            raise NotImplementedError(
+                f"stronghold: {self.unit.fqn} is read in vocabulary pieces, which do not support an embedding with "
+                "max_norm, scale_grad_by_freq or sparse gradients. Use StrongholdConfig(vocab_pieces=False).")
+        if padding_idx is not None and padding_idx < 0:
+            padding_idx += self.vocab
+        from .vocab_ops import EmbeddingRows
+
+        return EmbeddingRows.apply(ids, weight, self, padding_idx)
+
+    def linear(self, x, weight, bias=None):
+        from .vocab_ops import PiecewiseLinear
+
+        out = PiecewiseLinear.apply(x, weight, self)
+        return out if bias is None else out + bias
+
+
+def _is_attribute_read(func) -> bool:
+    return getattr(func, "__name__", "") == "__get__"
+
+
+class _VocabCalls(TorchFunctionMode):
+    """While a module that registers the weight runs: its ``F.embedding`` and ``F.linear`` on the
+    weight go through the pieces; any other op on the weight is refused by name."""
+
+    def __init__(self, pieces: VocabularyPieces) -> None:
+        super().__init__()
+        self.pieces = pieces
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        weight = self.pieces.weight
+        if len(args) > 1 and args[1] is weight:
+            if func is F.embedding:
+                return self.pieces.embedding(*args, **kwargs)
+            if func is F.linear:
+                return self.pieces.linear(*args, **kwargs)
+        if not any(a is weight for a in args):
+            return func(*args, **kwargs)
+        if _is_attribute_read(func):  # .shape, .dtype: fine; a tensor (.T, .data) would carry the weight on
+            out = func(*args, **kwargs)
+            if not isinstance(out, torch.Tensor):
+                return out
+            name = f".{getattr(func.__self__, '__name__', '?')}"
+        else:
+            name = f"{getattr(func, '__name__', func)}()"
+        raise RuntimeError(
+            f"stronghold: {self.pieces.unit.fqn} is read in vocabulary pieces (StrongholdConfig(vocab_pieces=True)), and "
+            f"its module used {name} on the whole weight; only F.embedding and F.linear are routed through the pieces. "
+            "Use StrongholdConfig(vocab_pieces=False) for this model.")
+
+
+__all__ = ["VocabularyPieces", "why_not_pieced"]

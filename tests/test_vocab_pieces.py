@@ -1,0 +1,202 @@
+"""No unit bigger than a block: a vocabulary-sized weight read in row pieces (vocab_pieces.py).
+
+With ``StrongholdConfig(vocab_pieces=True)`` an embedding or LM head larger than the largest
+block never crosses whole: the embedding sends the rows a batch uses, the head one piece of
+rows at a time, and each piece's gradient goes to the host when the piece is done. Each test
+trains next to an untouched copy (plain torch AdamW, global clipping), and reads the device
+promises off the ledger: slots, lanes and staging sized by a block, a device peak that does
+not grow with the vocabulary.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers as T
+
+from stronghold_hf import StrongholdConfig, offload_model
+from stronghold_hf.testing import simulated_device
+from test_non_block_units import FAMILIES, _device_bound, _lm_loss, _pair, _train_both
+from tiny_models import batch, engine_losses, logged_losses, tiny_model
+
+BIG_VOCAB = dict(vocab_size=1024)  # 1024 x 32: about three blocks of the tiny models
+
+
+def _largest_block(engine) -> int:
+    return max(sum(p.numel() for p in u.params) for u in engine.units if u.kind == "block")
+
+
+def _pieced(engine):
+    return [u for u in engine.units if u.vocab_pieces is not None]
+
+
+@pytest.mark.parametrize("chunk", [None, 5], ids=["whole-logits", "chunked-loss"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "t5", "qwen2", "opt"])
+def test_parity_with_the_vocabulary_in_pieces(family, chunk):
+    """GPT-2's tied embedding (used at both ends), Llama's and Qwen2's untied pair, T5's shared
+    embedding (encoder, decoder and head), OPT's tied decoder embedding: trained like plain HF,
+    through the head's own forward (whole logits, a piece of columns at a time) and through the
+    chunked loss (pieces outermost)."""
+    config = dict(window_size=1, vocab_pieces=True, **({"loss_chunk_tokens": chunk} if chunk else {}))
+    ref, model, engine = _pair(lambda: tiny_model(family, **BIG_VOCAB, **FAMILIES[family]), **config)
+    pieced = _pieced(engine)
+    assert pieced and all(u.params[0].numel() > _largest_block(engine) for u in pieced)
+    _train_both(ref, model, engine, _lm_loss(family))
+    stats = engine.memory_stats()
+    # Nothing on the device is sized by the vocabulary: slots, lanes and staging follow the
+    # largest block; a piece is at most a block's rows (and at least 1/64 of the vocabulary).
+    block_slot = max(u.slot_bytes for u in engine.units if u.kind == "block")
+    assert stats["slot_bytes"] == block_slot
+    assert stats["grad_buffer_bytes"] <= block_slot
+    assert 0 < stats["vocab_piece_bytes"] <= block_slot
+    assert stats["device_peak_bytes"] <= _device_bound(stats) + stats["vocab_piece_bytes"]
+    assert stats["device_bytes"] == 0
+    assert engine.stats.as_dict()["late_gradients"] == 0
+    for u in pieced:
+        assert u.state.value == "on_host"  # never fetched whole
+    head = model.get_output_embeddings().weight
+    head_unit = engine.unit_of(head)
+    if head_unit.vocab_pieces is not None:
+        # The head's pieces cross once in forward and once in backward per step, whatever the
+        # number of chunks (the embedding's rows cross as rows, not as pieces).
+        assert head_unit.vocab_pieces.fetches == 3 * 2 * len(head_unit.vocab_pieces.bounds)
+
+
+def test_device_peak_does_not_grow_with_the_vocabulary():
+    """The strict bound on a vocabulary of many blocks: the same device peak at 1k and 8k rows
+    (8k x 32 is about 28 blocks), where streaming it whole grows it with the vocabulary."""
+    peaks = {}
+    for vocab in (1024, 8192):
+        for pieces in (False, True):
+            ref, model, engine = _pair(lambda: tiny_model("llama", vocab_size=vocab, tie_word_embeddings=False),
+                                       window_size=1, vocab_pieces=pieces, loss_chunk_tokens=5)
+            _train_both(ref, model, engine, _lm_loss("llama"), steps=2)
+            stats = engine.memory_stats()
+            peaks[vocab, pieces] = stats["device_peak_bytes"]
+            if pieces:
+                block_slot = max(u.slot_bytes for u in engine.units if u.kind == "block")
+                # W + 1 block slots, the lanes (block-sized), the rest unit and its lane, one piece.
+                bound = (2 * block_slot + stats["grad_lanes"] * block_slot + stats["rest_unit_bytes"]
+                         + stats["rest_grad_bytes"] + block_slot)
+                assert stats["device_peak_bytes"] <= bound, (vocab, stats["device_peak_bytes"], bound)
+    assert peaks[8192, True] == peaks[1024, True]
+    assert peaks[8192, False] > 4 * peaks[1024, False]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_parity_under_delayed_copies(family):
+    """The GPU-like mode: pieces are copied into device buffers and their gradients come back
+    through pinned staging, on copy threads."""
+    with simulated_device(0.002):
+        ref, model, engine = _pair(lambda: tiny_model(family, **BIG_VOCAB, **FAMILIES[family]), window_size=2,
+                                   vocab_pieces=True, loss_chunk_tokens=5)
+        assert engine.transfer.mode == "delayed" and _pieced(engine)
+        _train_both(ref, model, engine, _lm_loss(family), steps=2)
+
+
+def test_gradient_accumulation_and_bf16_match_the_whole_unit():
+    """Two micro-batches per step under bf16 autocast: the pieces give the losses and weights
+    the engine gives with the unit whole."""
+    runs = []
+    for pieces in (False, True):
+        model = tiny_model("gpt2", **BIG_VOCAB)
+        engine = offload_model(model, StrongholdConfig(window_size=1, vocab_pieces=pieces, loss_chunk_tokens=5),
+                               device="cpu")
+        losses = engine_losses(model, engine, "gpt2", lr=1e-2, bf16=True, micro_batches=2)
+        runs.append((losses, {n: p.detach().clone() for n, p in model.named_parameters()}))
+    assert runs[1][0] == pytest.approx(runs[0][0], rel=1e-5)
+    for name, value in runs[0][1].items():
+        torch.testing.assert_close(runs[1][1][name], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_trainer_through_hf_argument_parser(tmp_path):
+    """The user's path: ``--stronghold --stronghold_config '{"vocab_pieces": true}'``."""
+    from stronghold_hf import StrongholdTrainer, StrongholdTrainingArguments
+
+    items = [{k: v[0] for k, v in batch("gpt2", seed=i, batch_size=1, seq=16).items()} for i in range(8)]
+    argv = ["--per_device_train_batch_size", "2", "--max_steps", "3", "--learning_rate", "1e-2", "--logging_steps",
+            "1", "--report_to", "none", "--use_cpu", "--save_strategy", "no", "--seed", "0",
+            "--dataloader_num_workers", "0", "--disable_tqdm", "true"]
+    (args,) = T.HfArgumentParser(StrongholdTrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path / "sh"), "--stronghold", "--stronghold_config", '{"vocab_pieces": true}', *argv])
+    (plain_args,) = T.HfArgumentParser(T.TrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path / "plain"), *argv])
+    assert args.stronghold_config_resolved.vocab_pieces is True
+    reference = tiny_model("gpt2", **BIG_VOCAB)
+    model = copy.deepcopy(reference)
+    plain = T.Trainer(model=reference, args=plain_args, train_dataset=items)
+    plain.train()
+    trainer = StrongholdTrainer(model=model, args=args, train_dataset=items)
+    trainer.train()
+    engine = trainer.stronghold_engine
+    assert [u.fqn for u in _pieced(engine)] == ["transformer.wte"]
+    assert logged_losses(trainer) == pytest.approx(logged_losses(plain), rel=1e-4)
+    trainer.save_model(str(tmp_path / "saved"))
+    loaded = T.AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"))
+    for (name, p), (_, q) in zip(loaded.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-3, msg=lambda m: f"{name}: {m}")
+
+
+def test_lora_on_a_frozen_base_with_the_vocabulary_in_pieces():
+    peft = pytest.importorskip("peft")
+
+    def make():
+        base = tiny_model("llama", tie_word_embeddings=False, **BIG_VOCAB)
+        torch.manual_seed(1)
+        cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "lm_head"], lora_dropout=0.0,
+                              init_lora_weights=False)
+        return peft.get_peft_model(base, cfg)
+
+    ref, model, engine = _pair(make, window_size=1, vocab_pieces=True, loss_chunk_tokens=5)
+    assert {u.fqn.rsplit(".", 1)[-1] for u in _pieced(engine)} >= {"embed_tokens", "base_layer"}
+    assert all(not u.trainable for u in _pieced(engine))
+    _train_both(ref, model, engine, _lm_loss("llama"))
+
+
+def test_generate_reads_the_pieces():
+    ref, model, engine = _pair(lambda: tiny_model("llama", tie_word_embeddings=False, **BIG_VOCAB), window_size=1,
+                               vocab_pieces=True)
+    _train_both(ref, model, engine, _lm_loss("llama"), steps=1)
+    ids = batch("llama", seed=5)["input_ids"][:1, :6]
+    for m in (ref, model):
+        m.eval()
+        m.generation_config.pad_token_id = 0
+    with torch.no_grad():
+        expected = ref.generate(ids, max_new_tokens=4, do_sample=False)
+        assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), expected)
+
+
+def test_units_that_cannot_be_pieced_stream_whole_and_say_why(caplog):
+    """BERT's MLM decoder has a bias next to the tied weight: one unit of two parameters."""
+    with caplog.at_level("INFO", logger="stronghold_hf"):
+        ref, model, engine = _pair(lambda: tiny_model("bert", **BIG_VOCAB), window_size=1, vocab_pieces=True)
+    assert not _pieced(engine)
+    assert "streams whole (vocab_pieces: not one [vocab, hidden] weight)" in caplog.text
+    _train_both(ref, model, engine, _lm_loss("bert"), steps=2)
+
+
+def test_another_use_of_the_weight_is_refused_by_name():
+    """A head whose module multiplies by the weight itself, and code that reads the embedding
+    outside its module: both refused, naming the option (on a GPU: instead of a host tensor in
+    a device op)."""
+
+    class MatmulHead(torch.nn.Linear):
+        def forward(self, x):
+            return x @ self.weight.T
+
+    model = tiny_model("llama", tie_word_embeddings=False, **BIG_VOCAB)
+    old = model.lm_head
+    model.lm_head = MatmulHead(old.in_features, old.out_features, bias=False)
+    model.lm_head.weight = old.weight
+    offload_model(model, StrongholdConfig(window_size=1, vocab_pieces=True), device="cpu")
+    with pytest.raises(RuntimeError, match=r"vocab_pieces=False"):
+        model(**batch("llama", seed=0))
+
+    model = tiny_model("llama", tie_word_embeddings=False, **BIG_VOCAB)
+    offload_model(model, StrongholdConfig(window_size=1, vocab_pieces=True), device="cpu")
+    embeds = torch.nn.functional.embedding(batch("llama", seed=0)["input_ids"], model.model.embed_tokens.weight)
+    loss = model(inputs_embeds=embeds, labels=batch("llama", seed=0)["labels"]).loss
+    with pytest.raises(RuntimeError, match=r"outside the forward of the modules that register it.*vocab_pieces=False"):
+        loss.backward()
