@@ -25,6 +25,7 @@ Output: one JSON line per depth and per sweep point, then a summary line (the la
     python benchmarks/bench_memory.py                      # CPU: 4, 16, 64 blocks, width 64, and the sweeps
     python benchmarks/bench_memory.py --device cuda --width 1024 --depths 4,16,64 --cap_third
     python benchmarks/bench_memory.py --sweeps none        # the depth rows only
+    python benchmarks/bench_memory.py --depths "" --sweeps vocab --vocab_pieces on   # no unit bigger than a block
 """
 
 from __future__ import annotations
@@ -274,7 +275,8 @@ def sweep_point(kind: str, value: int, layers: int, vocab: int, seq: int, args) 
     ref = copy.deepcopy(model).to(device)
     ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(0)).to(device)
     engine = offload_model(model, StrongholdConfig(resident=False, window_size=args.window, grad_buffers=args.grad_buffers,
-                                                   offload_activations=True), device=device)
+                                                   offload_activations=True, vocab_pieces=args.vocab_pieces == "on"),
+                           device=device)
     engine_saved, engine_loss = _measure(model, ids, args.steps, engine)
     stats = engine.memory_stats()
     engine.close()
@@ -284,6 +286,8 @@ def sweep_point(kind: str, value: int, layers: int, vocab: int, seq: int, args) 
     row = {
         "sweep": kind, kind: value, "layers": layers, "vocab": vocab, "seq": seq, "hidden": args.sweep_hidden,
         "params": n,
+        "vocab_pieces": args.vocab_pieces, "slot_bytes": stats["slot_bytes"],
+        "vocab_piece_bytes": stats["vocab_piece_bytes"],
         "engine_owned_bytes": stats["device_peak_bytes"],
         "engine_checkpoint_bytes": stats["activation_device_peak_bytes"],
         "engine_saved_bytes": engine_saved,
@@ -345,6 +349,8 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab_sweep", default="4096,16384,32768,65536,131072")
     ap.add_argument("--seq_sweep", default="512,1024,2048,4096,8192")
     ap.add_argument("--depth_sweep", default="2,4,8,16,32")
+    ap.add_argument("--vocab_pieces", choices=["on", "off"], default="off",
+                    help="the sweeps' engine reads a vocabulary larger than a block in row pieces (vocab_pieces.py)")
     args = ap.parse_args(argv)
     args.record = args.record == "on"
     rows = []
@@ -362,6 +368,7 @@ def main(argv=None) -> int:
                 "engine_owned_bytes": [r["engine_owned_bytes"] for r in sweeps if r["sweep"] == kind],
                 "plain_device_bytes": [r["plain_device_bytes"] for r in sweeps if r["sweep"] == kind],
                 "engine_growth": _growth(sweeps, kind, "engine_device_bytes"),
+                "engine_owned_growth": _growth(sweeps, kind, "engine_owned_bytes"),
                 "plain_growth": _growth(sweeps, kind, "plain_device_bytes"),
             }
             for kind in ("vocab", "seq", "depth") if any(r["sweep"] == kind for r in sweeps)

@@ -154,7 +154,7 @@ class StreamedLinearCrossEntropy(torch.autograd.Function):
         gx_all = torch.zeros((n, hidden.shape[-1]), dtype=torch.float32, device=hidden.device) if need_hidden else None
         for k, (v0, v1) in enumerate(pieces.bounds):
             w = pieces.fetch(k)
-            gw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_weight else None
+            gw = pieces.new_grad(k) if need_weight else None
             # A context per piece: autocast's cached cast of the piece is freed with it.
             with torch.enable_grad(), torch.autocast(**ctx.autocast):
                 wl = w.detach().requires_grad_(need_weight)
@@ -177,7 +177,7 @@ class StreamedLinearCrossEntropy(torch.autograd.Function):
                     del logits, g, grads, wanted, x
             del wl
             if need_weight:
-                pieces.add_piece_grad(k, gw.to(w.dtype))
+                pieces.add_piece_grad(k, gw.to(w.dtype), summed=True)
             pieces.release(k)
             del w, gw
         grad_hidden = None

@@ -139,9 +139,19 @@ class VocabularyPieces:
         r0, r1 = self.bounds[k]
         self.ledger.device_free((r1 - r0) * self.width * self.dtype.itemsize)
 
-    def add_piece_grad(self, k: int, grad: torch.Tensor) -> None:
-        """Adds piece ``k``'s gradient (device, ``[rows, hidden]``) into the host gradient."""
+    def new_grad(self, k: int) -> torch.Tensor:
+        """A zeroed fp32 sum for piece ``k``'s gradient on the device (booked in the ledger until
+        `add_piece_grad` takes it)."""
         r0, r1 = self.bounds[k]
+        self.ledger.device_alloc((r1 - r0) * self.width * 4)
+        return torch.zeros((r1 - r0, self.width), dtype=torch.float32, device=self._device)
+
+    def add_piece_grad(self, k: int, grad: torch.Tensor, summed: bool = False) -> None:
+        """Adds piece ``k``'s gradient (device, ``[rows, hidden]``) into the host gradient;
+        ``summed``: it was cast from the sum `new_grad` gave, whose booking ends here."""
+        r0, r1 = self.bounds[k]
+        if summed:
+            self.ledger.device_free((r1 - r0) * self.width * 4)
         hg = self._begin_grad()
         nbytes = grad.numel() * grad.element_size()
         if self._alias:

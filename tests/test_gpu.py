@@ -525,3 +525,48 @@ def test_query_tiled_llama_on_cuda_matches_and_holds_less():
     print(f"allocator peak of one step at 8192 tokens: whole {peaks['whole'] / 2**20:.0f} MiB, "
           f"query tiles {peaks['tiled'] / 2**20:.0f} MiB")
     assert peaks["tiled"] < 0.8 * peaks["whole"], peaks
+
+
+def test_vocabulary_in_pieces_on_cuda_trains_like_plain_and_holds_less():
+    """``vocab_pieces=True`` on CUDA: the embedding's rows and the head's pieces cross through
+    real copies and pinned staging; parity with plain training, and the allocator's peak over a
+    step below the whole unit's and within the estimate."""
+    from stronghold_hf.estimate import estimate_for_model
+
+    peaks = {}
+    for pieces in (False, True):
+        ref = tiny_model("llama", vocab_size=32768, tie_word_embeddings=False).cuda()
+        model = copy.deepcopy(ref).cpu()
+        est = estimate_for_model(model, seq_len=12, batch_size=2, window_size=1, gpu_memory_bytes=1 << 40,
+                                 cpu_memory_bytes=1 << 40, vocab_pieces=pieces, loss_chunk_tokens=5)
+        engine = offload_model(model, StrongholdConfig(resident=False, window_size=1, vocab_pieces=pieces,
+                                                       loss_chunk_tokens=5), device="cuda")
+        assert bool([u for u in engine.units if u.vocab_pieces is not None]) == pieces
+        opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        opt = engine.build_optimizer(lr=1e-2)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        for step in range(3):
+            b = _cuda_batch("llama", step)
+            loss_ref, loss = ref(**b).loss, model(**b).loss
+            torch.testing.assert_close(loss, loss_ref, rtol=1e-4, atol=1e-5)
+            loss_ref.backward()
+            loss.backward()
+            opt_ref.step()
+            opt.step()
+            opt_ref.zero_grad()
+            opt.zero_grad()
+        engine.synchronize()
+        torch.cuda.synchronize()
+        peaks[pieces] = torch.cuda.max_memory_allocated() - base
+        assert peaks[pieces] <= est.gpu_bytes_needed - est.gpu_workspace_bytes + (8 << 20), (peaks, est.table())
+        assert engine.stats.as_dict()["late_gradients"] == 0
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(model.state_dict()[k].cuda().float(), v.float(), rtol=1e-4, atol=6e-4,
+                                       msg=lambda m: f"{k}: {m}")
+        model.eval()
+        out = model.generate(torch.tensor([[5, 6, 7]], device="cuda"), max_new_tokens=4, do_sample=False)
+        assert out.shape == (1, 7)
+        engine.close()
+    assert peaks[True] < peaks[False] / 2, peaks

@@ -200,3 +200,25 @@ def test_another_use_of_the_weight_is_refused_by_name():
     loss = model(inputs_embeds=embeds, labels=batch("llama", seed=0)["labels"]).loss
     with pytest.raises(RuntimeError, match=r"outside the forward of the modules that register it.*vocab_pieces=False"):
         loss.backward()
+
+
+def test_the_estimator_counts_pieces_as_the_engine_holds_them():
+    """``estimate --vocab_pieces true``: the slot and lanes are a block's, the vocabulary is one
+    piece outside the window, and the estimate still bounds what the ledger measures."""
+    from stronghold_hf.estimate import estimate_for_model
+
+    measured = {}
+    for pieces in (False, True):
+        e = estimate_for_model(tiny_model("llama", vocab_size=8192, tie_word_embeddings=False), seq_len=12, batch_size=2,
+                               window_size=1, vocab_pieces=pieces)
+        ref, model, engine = _pair(lambda: tiny_model("llama", vocab_size=8192, tie_word_embeddings=False),
+                                   window_size=1, vocab_pieces=pieces, loss_chunk_tokens=5)
+        _train_both(ref, model, engine, _lm_loss("llama"), steps=2)
+        stats = engine.memory_stats()
+        assert e.gpu_slot_bytes == stats["slot_bytes"]
+        assert stats["device_peak_bytes"] <= e.gpu_engine_bytes
+        measured[pieces] = (e, stats, max(u.slot_bytes for u in engine.units if u.kind == "block"))
+    (whole, _, _), (pieced, stats, block_slot) = measured[False], measured[True]
+    assert pieced.gpu_slot_bytes == block_slot < whole.gpu_slot_bytes
+    assert pieced.gpu_vocab_piece_bytes == 2 * stats["vocab_piece_bytes"]  # fp32: the piece and its gradient sum
+    assert pieced.gpu_engine_bytes < whole.gpu_engine_bytes / 10

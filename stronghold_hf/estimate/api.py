@@ -89,6 +89,7 @@ def estimate(
     attn_implementation: str | None = None, sequence_tiling: bool | str = "auto", tile_tokens: int | str = "auto",
     attention_tiling: bool = False, cpu_reserve: int | str = "auto", gpu_reserve: int | str = "auto",
     nvme_activations: bool | str = "auto", device_checkpoints: int | str = "auto", device: str = "cuda",
+    vocab_pieces: bool = False,
 ) -> Estimate:
     """Estimates STRONGHOLD and plain-training memory for a config (built on the meta device).
 
@@ -120,6 +121,8 @@ def estimate(
     ``attention_tiling``: `StrongholdConfig`'s (each causal block in query tiles, counts.layer_memory);
     ``device_checkpoints``: `StrongholdConfig`'s (offloaded checkpointed inputs kept at the turn).
     ``cpu_reserve``, ``gpu_reserve``: `StrongholdConfig`'s headroom ("fits" keeps them free).
+    ``vocab_pieces``: `StrongholdConfig`'s (a vocabulary-sized unit on the device a row piece at a
+    time, outside the window).
     ``device``: the type of device the engine computes on, ``"cuda"`` or ``"cpu"``: which
     attention kernels run there (a query tile's causal mask is materialized on the CPU,
     counts.lower_right_mask_bytes).
@@ -143,6 +146,7 @@ def estimate(
         host_image=host_image, host_grads=host_grads, gradient_accumulation_steps=gradient_accumulation_steps,
         nvme_memory_bytes=None if nvme_memory_bytes is None else parse_memory(nvme_memory_bytes),
         nvme=nvme, nvme_masters=nvme_masters, nvme_activations=nvme_activations, device_type=device,
+        vocab_pieces=vocab_pieces,
     )
 
 
@@ -158,7 +162,7 @@ def estimate_for_model(
     nvme_masters: bool | str = "auto", resident: int | bool | str = False, resident_budget_bytes: int | None = None,
     attn_implementation: str | None = None, sequence_tiling: bool | str = "auto", tile_tokens: int | str = "auto",
     attention_tiling: bool = False, cpu_reserve: int | str = "auto", gpu_reserve: int | str = "auto",
-    nvme_activations: bool | str = "auto", device_checkpoints: int | str = "auto",
+    nvme_activations: bool | str = "auto", device_checkpoints: int | str = "auto", vocab_pieces: bool = False,
 ) -> Estimate:
     """The same estimate from a live, already built model (call before moving it to the GPU).
 
@@ -202,5 +206,5 @@ def estimate_for_model(
         loss_chunk_tokens=loss_chunk_tokens, host_memory=host_memory, host_image=host_image, host_grads=host_grads,
         gradient_accumulation_steps=gradient_accumulation_steps, nvme_memory_bytes=nvme_memory_bytes, nvme=nvme,
         nvme_ring_buffers=nvme_ring_buffers, nvme_masters=nvme_masters, nvme_activations=nvme_activations,
-        device_type=_device_type(device),
+        device_type=_device_type(device), vocab_pieces=vocab_pieces,
     )

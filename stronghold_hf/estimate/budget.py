@@ -93,6 +93,30 @@ def _workspace(other: int) -> int:
     return -(-other * GPU_WORKSPACE_PERCENT // 100)
 
 
+def _read_in_pieces(counts: _Counts, largest: int, c: int) -> tuple[_Counts, int]:
+    """``counts`` with the units `vocab_pieces` reads in row pieces taken out of the sequence,
+    and the device bytes the largest piece holds at its use (its rows, and for a trainable
+    unit its gradient's fp32 sum and that sum's cast: vocab_ops.py)."""
+    from ..chunked_loss import vocab_piece_rows
+
+    pieced, piece_bytes = set(), 0
+    for i, u in enumerate(counts.units):
+        if u.kind != "streamed" or not u.vocab_rows or u.params <= largest:
+            continue
+        pieced.add(i)
+        rows = vocab_piece_rows(u.vocab_rows, u.vocab_width, largest) or u.vocab_rows
+        share = rows / u.vocab_rows
+        # The gradient: its fp32 sum, and the sum's cast to the compute dtype (none in fp32).
+        grad = int(u.trainable / u.params * u.device_bytes * share) * 4 // c
+        cast = grad * c // 4 if c != 4 else 0
+        piece_bytes = max(piece_bytes, int(u.device_bytes * share) + (grad + cast if u.trainable else 0))
+    sequence: list[int] = []
+    for i in counts.sequence:
+        if i not in pieced and (not sequence or sequence[-1] != i):
+            sequence.append(i)
+    return dataclasses.replace(counts, sequence=tuple(sequence)), piece_bytes
+
+
 def _window_bytes(counts: _Counts, window: int) -> int:
     """The most device bytes ``window + 1`` consecutive positions of the sequence hold."""
     seq = counts.sequence
@@ -113,7 +137,7 @@ def _assemble(
     nvme: bool | str = "auto", nvme_ring_buffers: int = 3, nvme_masters: bool | str = "auto", split: Any = None,
     attention: str = "eager", sequence_tiling: bool | str = "auto", tile_tokens: int | str = "auto",
     attention_tiling: bool = False, device_checkpoints: int | str = "auto", cpu_reserve: int | str = "auto", gpu_reserve: int | str = "auto",
-    nvme_activations: bool | str = "auto", device_type: str = "cuda",
+    nvme_activations: bool | str = "auto", device_type: str = "cuda", vocab_pieces: bool = False,
 ) -> Estimate:
     if nvme not in (True, False, "auto"):
         raise ValueError(f"nvme={nvme!r}; use \"auto\", True or False.")
@@ -140,14 +164,19 @@ def _assemble(
     # What the run may use on each side: the memory less the reserve (headroom).
     gpu_room = None if gpu_memory_bytes is None else gpu_memory_bytes - gpu_res
     cpu_room = None if cpu_memory_bytes is None else cpu_memory_bytes - cpu_res
-    positions = len(counts.sequence)
     largest = max(layer.params for layer in counts.layers)
+    # vocab_pieces (vocab_pieces.py): a vocabulary-sized unit leaves the window's sequence; on the
+    # device it holds one piece of rows (and, trainable, the piece's gradient: its fp32 sum and
+    # its cast) at a time.
+    counts, piece_bytes = _read_in_pieces(counts, largest, c) if vocab_pieces else (counts, 0)
+    positions = len(counts.sequence)
     requested: int | str = "auto" if window_size in (None, "auto") else parse_window_size(window_size)
     w = min(DEFAULT_WINDOW_SIZE if requested == "auto" else requested, positions)
     if requested != "auto" and requested > positions:
         notes.append(f"window_size={requested} exceeds the {positions} streamed units; evaluated at {positions}")
     units = counts.units
-    streamed = [u for u in units if u.kind != "rest"]
+    in_window = set(counts.sequence)
+    streamed = [u for i, u in enumerate(units) if u.kind != "rest" and (i in in_window or not piece_bytes)]
     resident = [u for u in units if u.kind == "rest"]
 
     # CPU: every unit's host bytes (masters, gradients, Adam state, pinned images; frozen:
@@ -247,6 +276,10 @@ def _assemble(
             tile_width = vocab_piece_rows(counts.logits_width, hidden, largest or None) or counts.logits_width
             head_grad = counts.logits_width * counts.hidden * (4 + (counts.head_device_bytes if
                                                                     counts.head_device_bytes != 4 else 0))
+            if piece_bytes and counts.logits_width * counts.hidden > largest:
+                # Read in pieces (vocab_ops.py): a piece's gradient is in piece_bytes; the rows'
+                # gradient is summed over the pieces in fp32 instead.
+                head_grad = tokens * hidden * 4
             # BYTES_PER_LOGIT: a chunk's backward, in fp32 or 16 bits alike (measured: 16.4 B in
             # fp32, 14.4 in bf16, benchmarks' RSS of a child).
             head += chunk * tile_width * BYTES_PER_LOGIT + head_grad
@@ -271,7 +304,7 @@ def _assemble(
         outside = state_per_param * counts.resident_params + counts.buffer_bytes
     # The split's resident units: parameters, fp32 gradients, AdamW state; autocast's 16-bit copy.
     split_bytes = 0 if split is None else split.resident_bytes + (c * split.resident_params if c != 4 else 0)
-    outside += split_bytes
+    outside += split_bytes + piece_bytes
 
     # The loss and the layers' backward do not hold memory at the same time: the loss's chunks
     # and the final norm are freed before the last layer's backward starts, so what the layers
@@ -412,7 +445,7 @@ def _assemble(
         nvme_adam=on_disk, nvme_bytes_needed=on_nvme, nvme_memory_bytes=nvme_memory_bytes,
         cpu_nvme_ring_bytes=nvme_ring(masters_on_disk) if on_disk else 0, nvme_masters=masters_on_disk,
         gpu_resident_bytes=outside, gpu_window_bytes=window_bytes,
-        gpu_slot_bytes=max((u.device_bytes for u in streamed), default=0),
+        gpu_slot_bytes=max((u.device_bytes for u in streamed), default=0), gpu_vocab_piece_bytes=piece_bytes,
         gpu_grad_buffer_bytes=lanes, gpu_engine_bytes=window_bytes + lanes + (outside - counts.buffer_bytes
                                                                                if offload_non_block else split_bytes),
         gpu_block_activation_bytes=block_act, gpu_head_activation_bytes=head, gpu_activation_peak_bytes=act_peak,

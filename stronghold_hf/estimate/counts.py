@@ -85,6 +85,10 @@ class _Unit:
     trainable_image_bytes: int  # of image_bytes, the trainable parameters' compute-dtype copy (0 in fp32)
     lean_adam_bytes: int  # its Adam state with host_memory="lean" (8-bit moments of the large tensors)
     trainable_tensors: int = 0  # how many trainable parameters (the NVMe tier cuts one vocabulary tensor with its masters)
+    # One [rows, width] weight that embeddings and linear layers use (vocab_pieces.py can read it
+    # in row pieces); 0 for any other unit.
+    vocab_rows: int = 0
+    vocab_width: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,9 +143,13 @@ def _count(model: nn.Module, block_classes: tuple[str, ...] | None, encoder_deco
         image = sum(p.numel() * dev[id(p)] for p in trainable if dev[id(p)] != 4)
         masters = sum(4 * p.numel() for p in trainable)
         frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)
+        (_, first), *more = spec.params
+        vocab = (spec.kind == "streamed" and not more and first.dim() == 2
+                 and all(isinstance(m, (nn.Embedding, nn.Linear)) for m, _ in spec.owners))
         units.append(_Unit(
             kind=spec.kind, params=sum(p.numel() for _, p in spec.params), trainable=sum(p.numel() for p in trainable),
-            trainable_tensors=len(trainable),
+            trainable_tensors=len(trainable), vocab_rows=first.shape[0] if vocab else 0,
+            vocab_width=first.shape[1] if vocab else 0,
             device_bytes=sum(p.numel() * dev[id(p)] for p in trainable) + frozen_bytes,
             grad_bytes=sum(p.numel() * dev[id(p)] for p in trainable),
             host_bytes=masters + (4 + ADAM_STATE_BYTES) * sum(p.numel() for p in trainable) + image + frozen_bytes,

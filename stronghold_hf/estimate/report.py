@@ -103,6 +103,7 @@ class Estimate:
     gpu_layer_peak_bytes: int = 0
     layer_largest_tensor: str = ""
     gpu_bounded_by: str = ""
+    gpu_vocab_piece_bytes: int = 0  # vocab_pieces: the largest piece of a vocabulary unit, with its gradient
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -86,7 +86,7 @@ class FitCheck:
             host_memory=cfg.host_memory, host_image=cfg.host_image, host_grads=cfg.host_grads,
             gradient_accumulation_steps=args.gradient_accumulation_steps, resident=cfg.resident,
             resident_budget_bytes=cfg.gpu_memory, sequence_tiling=cfg.sequence_tiling, tile_tokens=cfg.tile_tokens,
-            attention_tiling=cfg.attention_tiling, device_checkpoints=cfg.device_checkpoints, cpu_reserve=cfg.cpu_reserve, gpu_reserve=cfg.gpu_reserve,
+            attention_tiling=cfg.attention_tiling, vocab_pieces=cfg.vocab_pieces, device_checkpoints=cfg.device_checkpoints, cpu_reserve=cfg.cpu_reserve, gpu_reserve=cfg.gpu_reserve,
             **_nvme_estimate_args(cfg), **shape,
         )
 
