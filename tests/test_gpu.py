@@ -527,44 +527,52 @@ def test_query_tiled_llama_on_cuda_matches_and_holds_less():
     assert peaks["tiled"] < 0.8 * peaks["whole"], peaks
 
 
+def _steps_alone(model, opt, clip, family="llama", steps=3):
+    """``steps`` steps of one model on its own (nothing else's state on the device): the losses,
+    and the allocator's peak over them above what was allocated before."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    losses = []
+    for step in range(steps):
+        loss = model(**_cuda_batch(family, step)).loss
+        loss.backward()
+        clip(1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    torch.cuda.synchronize()
+    return losses, torch.cuda.max_memory_allocated() - base
+
+
 def test_vocabulary_in_pieces_on_cuda_trains_like_plain_and_holds_less():
     """``vocab_pieces=True`` on CUDA: the embedding's rows and the head's pieces cross through
-    real copies and pinned staging; parity with plain training, and the allocator's peak over a
-    step below the whole unit's and within the estimate."""
+    real copies and pinned staging; the losses and weights of plain training, and the
+    allocator's peak over the steps below the whole unit's and within the estimate."""
     from stronghold_hf.estimate import estimate_for_model
 
+    ref = tiny_model("llama", vocab_size=32768, tie_word_embeddings=False)
+    start = copy.deepcopy(ref)
+    params = list(ref.cuda().parameters())
+    losses_ref, _ = _steps_alone(ref, torch.optim.AdamW(params, lr=1e-2),
+                                 lambda n: torch.nn.utils.clip_grad_norm_(params, n))
+    final_ref = {k: v.float().cpu() for k, v in ref.state_dict().items()}
     peaks = {}
     for pieces in (False, True):
-        ref = tiny_model("llama", vocab_size=32768, tie_word_embeddings=False).cuda()
-        model = copy.deepcopy(ref).cpu()
+        model = copy.deepcopy(start)
         est = estimate_for_model(model, seq_len=12, batch_size=2, window_size=1, gpu_memory_bytes=1 << 40,
                                  cpu_memory_bytes=1 << 40, vocab_pieces=pieces, loss_chunk_tokens=5)
         engine = offload_model(model, StrongholdConfig(resident=False, window_size=1, vocab_pieces=pieces,
                                                        loss_chunk_tokens=5), device="cuda")
         assert bool([u for u in engine.units if u.vocab_pieces is not None]) == pieces
-        opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-        opt = engine.build_optimizer(lr=1e-2)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        for step in range(3):
-            b = _cuda_batch("llama", step)
-            loss_ref, loss = ref(**b).loss, model(**b).loss
-            torch.testing.assert_close(loss, loss_ref, rtol=1e-4, atol=1e-5)
-            loss_ref.backward()
-            loss.backward()
-            opt_ref.step()
-            opt.step()
-            opt_ref.zero_grad()
-            opt.zero_grad()
+        losses, peaks[pieces] = _steps_alone(model, engine.build_optimizer(lr=1e-2), engine.clip_grad_norm_)
         engine.synchronize()
-        torch.cuda.synchronize()
-        peaks[pieces] = torch.cuda.max_memory_allocated() - base
+        assert losses == pytest.approx(losses_ref, rel=1e-4)
+        for k, v in final_ref.items():
+            torch.testing.assert_close(model.state_dict()[k].float().cpu(), v, rtol=1e-4, atol=6e-4,
+                                       msg=lambda m: f"{k}: {m}")
         assert peaks[pieces] <= est.gpu_bytes_needed - est.gpu_workspace_bytes + (8 << 20), (peaks, est.table())
         assert engine.stats.as_dict()["late_gradients"] == 0
-        for k, v in ref.state_dict().items():
-            torch.testing.assert_close(model.state_dict()[k].cuda().float(), v.float(), rtol=1e-4, atol=6e-4,
-                                       msg=lambda m: f"{k}: {m}")
         model.eval()
         out = model.generate(torch.tensor([[5, 6, 7]], device="cuda"), max_new_tokens=4, do_sample=False)
         assert out.shape == (1, 7)
