@@ -63,13 +63,14 @@ AUTO_CHUNK_MIN, AUTO_CHUNK_MAX = 128, 8192
 MAX_VOCAB_PIECES = 64
 
 
-def vocab_piece_rows(vocab: int, hidden: int, piece_numel: int | None) -> int | None:
+def vocab_piece_rows(vocab: int, hidden: int, piece_numel: int | None,
+                     max_pieces: int = MAX_VOCAB_PIECES) -> int | None:
     """Vocabulary rows per piece of a ``[vocab, hidden]`` head: a head of more than
     ``piece_numel`` elements is read in pieces of at most that many, and in at most
-    `MAX_VOCAB_PIECES`; None: whole (no ``piece_numel``, or the head is no larger)."""
+    ``max_pieces``; None: whole (no ``piece_numel``, or the head is no larger)."""
     if piece_numel is None or vocab * hidden <= piece_numel:
         return None
-    return max(piece_numel // hidden, -(-vocab // MAX_VOCAB_PIECES), 1)
+    return max(piece_numel // hidden, -(-vocab // max_pieces), 1)
 
 
 def resolve_chunk_tokens(chunk_tokens: ChunkTokens, vocab_size: int) -> int:

@@ -20,7 +20,8 @@ are sized by the blocks); the forwards of the modules that register the weight a
 while they run (`_VocabCalls`), and the weight's other uses are refused by name.
 
 What stays whole (the unit streams through the window as before): a unit of several
-parameters (a head with a bias; BERT's tied decoder), sharded CPU state, masters on disk, no
+parameters (a head with a bias; BERT's tied decoder), data parallel over several ranks (the
+pieces' gradients are not reduced across them), sharded CPU state, masters on disk, no
 host image of a bf16 weight (``host_image=False``), a weight used by a module that is neither
 an embedding nor a linear layer.
 """
@@ -38,6 +39,17 @@ from .fastpath import engine_access as _engine_access
 
 logger = logging.getLogger("stronghold_hf")
 
+#: At most this many pieces per weight: a piece is a block's rows unless a tiny block sits next to
+#: a vocabulary of more than this many blocks (a Python iteration and a copy per piece and pass).
+MAX_PIECES = 1024
+
+
+def piece_rows(vocab: int, hidden: int, largest_block: int) -> int:
+    """Rows per piece of a ``[vocab, hidden]`` weight: a block's worth, at most `MAX_PIECES` pieces."""
+    from .chunked_loss import vocab_piece_rows
+
+    return vocab_piece_rows(vocab, hidden, largest_block, MAX_PIECES) or vocab
+
 
 def why_not_pieced(u, largest_block: int) -> str | None:
     """Why unit ``u`` keeps streaming whole (None: it can cross in row pieces)."""
@@ -49,6 +61,8 @@ def why_not_pieced(u, largest_block: int) -> str | None:
         return "no larger than a block"
     if u.sharded:
         return "its CPU state is sharded across ranks"
+    if u.dp is not None and u.dp.world > 1:
+        return "data parallel across ranks (its pieces' gradients are not reduced across them)"
     if u.host.masters_on_disk:
         return "its masters are on disk (nvme_masters)"
     if u.host.image_views[0] is None:
@@ -267,4 +281,4 @@ class _VocabCalls(TorchFunctionMode):
             "Use StrongholdConfig(vocab_pieces=False) for this model.")
 
 
-__all__ = ["VocabularyPieces", "why_not_pieced"]
+__all__ = ["MAX_PIECES", "VocabularyPieces", "piece_rows", "why_not_pieced"]

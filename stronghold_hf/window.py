@@ -52,7 +52,7 @@ from .query_tiling import QueryTiling
 from .tiling import SequenceTiling
 from .transfer import FetchStaging, TransferContext
 from .unit import Unit
-from .vocab_pieces import VocabularyPieces, why_not_pieced
+from .vocab_pieces import VocabularyPieces, piece_rows, why_not_pieced
 from .workers import HostWorker
 
 logger = logging.getLogger("stronghold_hf")
@@ -184,10 +184,8 @@ class WindowEngine:
         lifecycle.register(self)  # threads and process groups stopped before interpreter exit
         self._handles: list[Any] = install_module_hooks(self.schedule, model, plan,
                                                         [u for u in self.units if u not in pieced])
-        from .chunked_loss import vocab_piece_rows
-
         for u in pieced:
-            rows = vocab_piece_rows(*u.layout.entries[0].shape, self._largest_block_numel()) or u.params[0].shape[0]
+            rows = piece_rows(*u.layout.entries[0].shape, self._largest_block_numel())
             u.vocab_pieces = VocabularyPieces(u, rows, transfer=self.transfer, ledger=self.ledger, host=self.host,
                                               coordinator=self.coordinator, stats=self.stats,
                                               enter_backward=self.schedule.enter_backward)

@@ -208,10 +208,13 @@ def test_resume_with_another_world_size_recuts_the_optimizer_state(tmp_path):
     assert all(float(e["step"]) == 5 for e in _full_adam_state(went_on).values())
 
 
+@pytest.mark.parametrize("pieces", [False, True], ids=["", "vocab_pieces"])
 @pytest.mark.parametrize("shard", [True, False])
-def test_a_process_group_of_one_takes_the_data_parallel_path_exactly(shard):
+def test_a_process_group_of_one_takes_the_data_parallel_path_exactly(shard, pieces):
     """In-process gloo group of one: every collective of the sharded (or replicated) path runs,
-    and training equals plain training. (tests/test_gpu.py does the same under NCCL.)"""
+    and training equals plain training. (tests/test_gpu.py does the same under NCCL.) With
+    ``vocab_pieces`` (T5's shared embedding of 1024 rows): read in pieces when replicated over one
+    rank, streamed whole when sharded."""
     import copy
 
     import torch.distributed as dist
@@ -221,10 +224,12 @@ def test_a_process_group_of_one_takes_the_data_parallel_path_exactly(shard):
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1)
     try:
-        ref = tiny_model("t5")
+        ref = tiny_model("t5", **(dict(vocab_size=1024) if pieces else {}))
         model = copy.deepcopy(ref)
-        engine = offload_model(model, StrongholdConfig(window_size=1, shard_cpu_state=shard), device="cpu")
+        engine = offload_model(model, StrongholdConfig(window_size=1, shard_cpu_state=shard, vocab_pieces=pieces),
+                               device="cpu")
         assert engine.dp is not None and engine.dp.sharded is shard and engine.blocks[0].sharded is shard
+        assert [u.fqn for u in engine.units if u.vocab_pieces is not None] == (["shared"] if pieces and not shard else [])
         opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
         opt = engine.build_optimizer(lr=1e-2, weight_decay=0.1)
         for step in range(3):

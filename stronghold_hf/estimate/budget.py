@@ -97,14 +97,14 @@ def _read_in_pieces(counts: _Counts, largest: int, c: int) -> tuple[_Counts, int
     """``counts`` with the units `vocab_pieces` reads in row pieces taken out of the sequence,
     and the device bytes the largest piece holds at its use (its rows, and for a trainable
     unit its gradient's fp32 sum and that sum's cast: vocab_ops.py)."""
-    from ..chunked_loss import vocab_piece_rows
+    from ..vocab_pieces import piece_rows
 
     pieced, piece_bytes = set(), 0
     for i, u in enumerate(counts.units):
         if u.kind != "streamed" or not u.vocab_rows or u.params <= largest:
             continue
         pieced.add(i)
-        rows = vocab_piece_rows(u.vocab_rows, u.vocab_width, largest) or u.vocab_rows
+        rows = piece_rows(u.vocab_rows, u.vocab_width, largest)
         share = rows / u.vocab_rows
         # The gradient: its fp32 sum, and the sum's cast to the compute dtype (none in fp32).
         grad = int(u.trainable / u.params * u.device_bytes * share) * 4 // c
