@@ -459,6 +459,7 @@ class WindowSchedule:
             if u.state is not Residency.ON_HOST and u.holds == 0:
                 slots.release(u, backward=True)
         gradients.drain()
+        self._drain_vocab_pieces()
         self.coordinator.speculating = False
         self.transfer.collect_timings()
         if self.activations is not None:
@@ -474,6 +475,13 @@ class WindowSchedule:
         if self.probe is not None and self.probe.complete():
             self.apply_window_choice()
 
+    def _drain_vocab_pieces(self) -> None:
+        """The gradients of units read in vocabulary pieces (vocab_pieces.py) are in their host
+        gradient, like the lanes' after `GradientFlush.drain`."""
+        for u in self.units:
+            if u.vocab_pieces is not None:
+                u.vocab_pieces.drain()
+
     def _abort_backward(self) -> None:
         """A backward raised half-way: drop its gradients, keep what earlier backwards left."""
         self._backward_task = None
@@ -486,6 +494,7 @@ class WindowSchedule:
                 gradients.discard(u)
             u.grads.drop_stray_grads()  # late gradients of the failed pass
         gradients.drain()
+        self._drain_vocab_pieces()
         self.coordinator.speculating = False
         if self.activations is not None:
             self.activations.end_backward()

@@ -28,6 +28,7 @@ an embedding nor a linear layer.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -79,7 +80,7 @@ class VocabularyPieces:
     ``enter_backward``: the schedule's start of a backward pass (the host gradient takes what
     the user left in ``.grad`` first); the head's backward runs before any block's."""
 
-    def __init__(self, unit, rows_per_piece: int, *, transfer, ledger, host, coordinator, stats,
+    def __init__(self, unit, rows_per_piece: int, *, transfer, ledger, host, coordinator, worker,
                  enter_backward) -> None:
         self.unit = unit
         self.weight: nn.Parameter = unit.params[0]
@@ -91,12 +92,16 @@ class VocabularyPieces:
         self.transfer = transfer
         self.ledger = ledger
         self.coordinator = coordinator
-        self.stats = stats
+        self.worker = worker
         self._enter_backward = enter_backward
         self._host = host
         self._device = transfer.device
         self._alias = transfer.mode == "sync"  # CPU compute: the image rows are the device rows
-        self._staging: torch.Tensor | None = None  # pinned, one piece's gradient in the grad dtype
+        # Two pinned buffers of a piece's gradient: one landing while the other is added on the host.
+        self._staging: list[torch.Tensor | None] = [None, None]
+        self._staging_ticket: list = [None, None]
+        self._turn = 0
+        self._folds: list = []  # this backward's folds on the host worker (tickets)
         self.trainable = unit.trainable
         if self.trainable and unit.grads.grad_flat.dtype != torch.float32:
             unit.grads.widen("its gradient arrives in row pieces and rows, added on the host")
@@ -117,9 +122,21 @@ class VocabularyPieces:
     def _host_grad(self) -> torch.Tensor:
         return self.unit.grads.grad_views[0]
 
+    def _fold(self, what: str, task) -> None:
+        """Runs ``task`` (an add into the host gradient) on the host worker, in order with the
+        unit's other work; the schedule's end of the backward waits for it (`drain`)."""
+        self._folds.append(self.worker.submit((what, self.unit.fqn), task, unit=self.unit.index, urgent=True))
+
+    def drain(self) -> None:
+        """Every fold so far has landed in the host gradient (the end of a backward, before
+        anything reads it: the exposed ``.grad``, a norm, the step)."""
+        folds, self._folds = self._folds, []
+        for ticket in folds:
+            ticket.wait()
+
     def _begin_grad(self) -> torch.Tensor:
         """A gradient contribution of this backward pass: the host gradient to add into."""
-        self._enter_backward()
+        self._enter_backward()  # the schedule's end of this backward drains the folds
         u, g = self.unit, self.unit.grads
         if g.spec is not None:  # more gradient after a speculative update read the old one
             self.coordinator.undo_speculation(u)
@@ -172,11 +189,17 @@ class VocabularyPieces:
             self.ledger.count_d2h(nbytes)
             hg[r0:r1].add_(grad)
             return
-        if self._staging is None or self._staging.numel() < self.rows_per_piece * self.width * grad.element_size():
-            self._staging = self._host.allocate(self.rows_per_piece * self.width * grad.element_size(), transfer=True)
-        staged = self._staging[:nbytes].view(grad.dtype).view(grad.shape)
-        self.transfer.host_wait(self.transfer.copy_d2h(staged, grad))
-        hg[r0:r1].add_(staged)
+        turn, self._turn = self._turn, 1 - self._turn
+        if self._staging_ticket[turn] is not None:
+            self._staging_ticket[turn].wait()  # its last piece was added: the buffer is free
+        if self._staging[turn] is None or self._staging[turn].numel() < nbytes:
+            self._staging[turn] = self._host.allocate(self.rows_per_piece * self.width * grad.element_size(),
+                                                      transfer=True)
+        staged = self._staging[turn][:nbytes].view(grad.dtype).view(grad.shape)
+        landed = self.transfer.copy_d2h(staged, grad)
+        self._fold("a vocabulary piece's gradient of ",
+                   functools.partial(_land_and_add, self.transfer, landed, grad, staged, hg[r0:r1]))
+        self._staging_ticket[turn] = self._folds[-1]
 
     # ------------------------------------------------------------------ rows (the embedding)
     def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -198,10 +221,8 @@ class VocabularyPieces:
         g = grad.reshape(-1, self.width)
         self.ledger.count_d2h(g.numel() * g.element_size())
         g = g.to("cpu")
-        if padding_idx is not None:
-            keep = flat != padding_idx
-            flat, g = flat[keep], g[keep]
-        hg.index_add_(0, flat, g.to(hg.dtype))
+
+        self._fold("the embedding rows' gradient of ", functools.partial(_add_rows, hg, flat, g, padding_idx))
 
     # ------------------------------------------------------------------ routing the owners' calls
     def install(self) -> list:
@@ -244,6 +265,22 @@ class VocabularyPieces:
 
         out = PiecewiseLinear.apply(x, weight, self)
         return out if bias is None else out + bias
+
+
+def _land_and_add(transfer, landed, src: torch.Tensor, staged: torch.Tensor, dst: torch.Tensor) -> None:
+    """Host worker: once the copy of device ``src`` into ``staged`` has landed, adds it into
+    ``dst``. ``src`` is held here until then ([Note: D2H lifetime] in transfer.py)."""
+    transfer.host_wait(landed)
+    dst.add_(staged)
+    del src
+
+
+def _add_rows(grad: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, padding_idx: int | None) -> None:
+    """Host worker: ``grad[ids] += values`` (duplicates summed), the padding row left out."""
+    if padding_idx is not None:
+        keep = ids != padding_idx
+        ids, values = ids[keep], values[keep]
+    grad.index_add_(0, ids, values.to(grad.dtype))
 
 
 def _is_attribute_read(func) -> bool:
