@@ -222,3 +222,23 @@ def test_the_estimator_counts_pieces_as_the_engine_holds_them():
     assert pieced.gpu_slot_bytes == block_slot < whole.gpu_slot_bytes
     assert pieced.gpu_vocab_piece_bytes == 2 * stats["vocab_piece_bytes"]  # fp32: the piece and its gradient sum
     assert pieced.gpu_engine_bytes < whole.gpu_engine_bytes / 10
+
+
+def test_a_resume_matches_the_uninterrupted_run(tmp_path):
+    """Checkpoints hold the unit whole (one optimizer entry, one tensor): stopped at step 3 and
+    resumed in a fresh Trainer, the run ends where the uninterrupted one does."""
+    from stronghold_hf import StrongholdTrainer
+    from test_trainer import TinyDataset, _resume_args
+
+    def run(name, model, resume=None):
+        args = _resume_args(tmp_path, name, stronghold_config={"vocab_pieces": True})
+        trainer = StrongholdTrainer(model=model, args=args, train_dataset=TinyDataset("gpt2"))
+        trainer.train(resume_from_checkpoint=resume)
+        assert _pieced(trainer.stronghold_engine)
+        return model
+
+    full = run("full", tiny_model("gpt2", **BIG_VOCAB))
+    run("first", tiny_model("gpt2", **BIG_VOCAB))
+    resumed = run("resumed", tiny_model("gpt2", seed=123, **BIG_VOCAB), str(tmp_path / "first" / "checkpoint-3"))
+    for k, v in full.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
