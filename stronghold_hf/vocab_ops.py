@@ -77,22 +77,22 @@ class PiecewiseLinear(torch.autograd.Function):
         pieces = ctx.pieces
         if x.numel() == 0 or not (need_x or need_w):
             return (x.new_zeros(x.shape) if need_x else None), None, None
-        gx = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if need_x else None
+        # F.linear's own gradients, in the dtype it computed in (autocast's, or x's), without
+        # computing the logits again: grad_x = g @ W, grad_W = g^T @ x, a piece of columns at a time.
+        dtype = ctx.autocast["dtype"] if ctx.autocast["enabled"] and x.is_floating_point() else x.dtype
+        xc = x.reshape(-1, x.shape[-1]).to(dtype)
+        g = grad.reshape(-1, grad.shape[-1]).to(dtype)
+        gx = torch.zeros(xc.shape, dtype=torch.float32, device=x.device) if need_x else None
         for k, (v0, v1) in enumerate(pieces.bounds):
             w = pieces.fetch(k)
-            with torch.enable_grad(), torch.autocast(**ctx.autocast):  # its cast of the piece dies with it
-                xl = x.detach().requires_grad_(need_x)
-                wl = w.detach().requires_grad_(need_w)
-                y = F.linear(xl, wl)
-                wanted = [t for t, need in ((xl, need_x), (wl, need_w)) if need]
-                grads = list(torch.autograd.grad(y, wanted, grad[..., v0:v1]))
+            wc = w.to(dtype)
             if need_x:
-                gx += grads.pop(0)
+                gx += (g[:, v0:v1] @ wc).float()
             if need_w:
-                pieces.add_piece_grad(k, grads.pop(0))
+                pieces.add_piece_grad(k, (g[:, v0:v1].t() @ xc).to(w.dtype))
             pieces.release(k)
-            del w, wl, y, grads, wanted
-        return (gx.to(x.dtype) if need_x else None), None, None
+            del w, wc
+        return (gx.view(x.shape).to(x.dtype) if need_x else None), None, None
 
 
 class StreamedLinearCrossEntropy(torch.autograd.Function):
