@@ -21,9 +21,9 @@ while they run (`_VocabCalls`), and the weight's other uses are refused by name.
 
 What stays whole (the unit streams through the window as before): a unit of several
 parameters (a head with a bias; BERT's tied decoder), data parallel over several ranks (the
-pieces' gradients are not reduced across them), sharded CPU state, masters on disk, no
-host image of a bf16 weight (``host_image=False``), a weight used by a module that is neither
-an embedding nor a linear layer.
+pieces' gradients are not reduced across them), sharded CPU state, masters on disk, a weight
+used by a module that is neither an embedding nor a linear layer. Without a host image
+(``host_image=False``) the rows are converted from the fp32 masters on the way.
 """
 
 from __future__ import annotations
@@ -66,8 +66,6 @@ def why_not_pieced(u, largest_block: int) -> str | None:
         return "data parallel across ranks (its pieces' gradients are not reduced across them)"
     if u.host.masters_on_disk:
         return "its masters are on disk (nvme_masters)"
-    if u.host.image_views[0] is None:
-        return "no host image to read rows from (host_image=False)"
     owners = [m for m, _ in u.owners]
     if not all(isinstance(m, (nn.Embedding, nn.Linear)) for m in owners):
         return "a module other than an embedding or a linear layer registers it"
@@ -110,14 +108,16 @@ class VocabularyPieces:
 
     # ------------------------------------------------------------------ host state
     def _image(self) -> torch.Tensor:
-        """The ``[vocab, hidden]`` rows a fetch reads (compute dtype), current: the CPU update of
-        the unit is done and writes made between steps are taken in."""
+        """The ``[vocab, hidden]`` rows a fetch reads, current (the CPU update of the unit is done
+        and writes made between steps are taken in): the compute-dtype image, or without one
+        (``host_image=False``) the fp32 masters, converted by the caller."""
         u = self.unit
         self.coordinator.wait_update(u)
         with _engine_access():
             u.host.adopt_host_writes()
             u.host.refresh_image()
-        return u.host.image_views[0]
+        image = u.host.image_views[0]
+        return image if image is not None else u.host.param_views[0]
 
     def _host_grad(self) -> torch.Tensor:
         return self.unit.grads.grad_views[0]
@@ -155,7 +155,7 @@ class VocabularyPieces:
         """Piece ``k``'s rows on the device, ``[rows, hidden]`` in the compute dtype; give it
         back with `release`."""
         r0, r1 = self.bounds[k]
-        rows = self._image()[r0:r1]
+        rows = self._image()[r0:r1].to(self.dtype)
         nbytes = rows.numel() * rows.element_size()
         self.ledger.device_alloc(nbytes)
         self.fetches += 1
@@ -209,7 +209,7 @@ class VocabularyPieces:
         flat = ids.reshape(-1).to("cpu")
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.vocab):
             raise IndexError(f"stronghold: an input id is outside [0, {self.vocab}) for {self.unit.fqn}.")
-        rows = image.index_select(0, flat)
+        rows = image.index_select(0, flat).to(self.dtype)
         self.ledger.count_h2d(rows.numel() * rows.element_size(), fetch=True)
         return rows.to(self._device).view(*ids.shape, self.width)
 

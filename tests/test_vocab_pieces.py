@@ -96,19 +96,28 @@ def test_parity_under_delayed_copies(family):
         _train_both(ref, model, engine, _lm_loss(family), steps=2)
 
 
-def test_gradient_accumulation_and_bf16_match_the_whole_unit():
-    """Two micro-batches per step under bf16 autocast: the pieces give the losses and weights
-    the engine gives with the unit whole."""
+def _trains_as_the_whole_unit(make, config: dict, check=None, **train) -> None:
+    """The same model trained with the unit whole and in pieces (`engine_losses` with ``train``):
+    the same losses and weights. ``check(model, engine, pieces)`` looks at each before training."""
     runs = []
     for pieces in (False, True):
-        model = tiny_model("gpt2", **BIG_VOCAB)
-        engine = offload_model(model, StrongholdConfig(window_size=1, vocab_pieces=pieces, loss_chunk_tokens=5),
-                               device="cpu")
-        losses = engine_losses(model, engine, "gpt2", lr=1e-2, bf16=True, micro_batches=2)
+        model = make()
+        engine = offload_model(model, StrongholdConfig(vocab_pieces=pieces, **config), device="cpu")
+        assert bool(_pieced(engine)) == pieces
+        if check is not None:
+            check(model, engine, pieces)
+        losses = engine_losses(model, engine, model.config.model_type, lr=1e-2, **train)
         runs.append((losses, {n: p.detach().clone() for n, p in model.named_parameters()}))
     assert runs[1][0] == pytest.approx(runs[0][0], rel=1e-5)
     for name, value in runs[0][1].items():
         torch.testing.assert_close(runs[1][1][name], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_gradient_accumulation_and_bf16_match_the_whole_unit():
+    """Two micro-batches per step under bf16 autocast: the pieces give the losses and weights
+    the engine gives with the unit whole."""
+    _trains_as_the_whole_unit(lambda: tiny_model("gpt2", **BIG_VOCAB), dict(window_size=1, loss_chunk_tokens=5),
+                              bf16=True, micro_batches=2)
 
 
 def test_trainer_through_hf_argument_parser(tmp_path):
@@ -242,3 +251,16 @@ def test_a_resume_matches_the_uninterrupted_run(tmp_path):
     resumed = run("resumed", tiny_model("gpt2", seed=123, **BIG_VOCAB), str(tmp_path / "first" / "checkpoint-3"))
     for k, v in full.state_dict().items():
         torch.testing.assert_close(resumed.state_dict()[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("host_image", [True, False], ids=["image", "no-image"])
+def test_bf16_compute_reads_the_image_or_converts_the_masters(host_image):
+    """``param_dtype=bf16``: an untied head's pieces cross in bf16, from the pinned image or,
+    with ``host_image=False``, converted from the fp32 masters; both train as the whole unit does."""
+
+    def check(model, engine, pieces):
+        assert (engine.unit_of(model.lm_head.weight).host.image_trainable is not None) == host_image
+
+    _trains_as_the_whole_unit(lambda: tiny_model("llama", tie_word_embeddings=False, **BIG_VOCAB),
+                              dict(window_size=1, param_dtype=torch.bfloat16, host_image=host_image,
+                                   loss_chunk_tokens=5), check, bf16=True)
