@@ -248,8 +248,8 @@ class VocabularyPieces:
             handles.append(m.register_forward_hook(leave, always_call=True))
         return handles
 
-    def embedding(self, ids, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
-                  sparse=False):
+    def embedding(self, input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
+                  sparse=False):  # F.embedding's signature
         if max_norm is not None or scale_grad_by_freq or sparse:
             raise NotImplementedError(
                 f"stronghold: {self.unit.fqn} is read in vocabulary pieces, which do not support an embedding with "
@@ -258,12 +258,12 @@ class VocabularyPieces:
             padding_idx += self.vocab
         from .vocab_ops import EmbeddingRows
 
-        return EmbeddingRows.apply(ids, weight, self, padding_idx)
+        return EmbeddingRows.apply(input, weight, self, padding_idx)
 
-    def linear(self, x, weight, bias=None):
+    def linear(self, input, weight, bias=None):  # F.linear's signature
         from .vocab_ops import PiecewiseLinear
 
-        out = PiecewiseLinear.apply(x, weight, self)
+        out = PiecewiseLinear.apply(input, weight, self)
         return out if bias is None else out + bias
 
 
@@ -298,12 +298,12 @@ class _VocabCalls(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         weight = self.pieces.weight
-        if len(args) > 1 and args[1] is weight:
+        if (args[1] if len(args) > 1 else kwargs.get("weight")) is weight:
             if func is F.embedding:
                 return self.pieces.embedding(*args, **kwargs)
             if func is F.linear:
                 return self.pieces.linear(*args, **kwargs)
-        if not any(a is weight for a in args):
+        if not any(a is weight for a in (*args, *kwargs.values())):
             return func(*args, **kwargs)
         if _is_attribute_read(func):  # .shape, .dtype: fine; a tensor (.T, .data) would carry the weight on
             out = func(*args, **kwargs)

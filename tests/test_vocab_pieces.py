@@ -264,3 +264,20 @@ def test_bf16_compute_reads_the_image_or_converts_the_masters(host_image):
     _trains_as_the_whole_unit(lambda: tiny_model("llama", tie_word_embeddings=False, **BIG_VOCAB),
                               dict(window_size=1, param_dtype=torch.bfloat16, host_image=host_image,
                                    loss_chunk_tokens=5), check, bf16=True)
+
+
+def test_a_head_calling_f_linear_by_keyword_is_read_in_pieces():
+    class KeywordHead(torch.nn.Linear):
+        def forward(self, x):
+            return torch.nn.functional.linear(input=x, weight=self.weight)
+
+    def make():
+        model = tiny_model("llama", tie_word_embeddings=False, **BIG_VOCAB)
+        head = KeywordHead(model.lm_head.in_features, model.lm_head.out_features, bias=False)
+        head.weight = model.lm_head.weight
+        model.lm_head = head
+        return model
+
+    ref, model, engine = _pair(make, window_size=1, vocab_pieces=True)
+    _train_both(ref, model, engine, _lm_loss("llama"), steps=2)
+    assert engine.unit_of(model.lm_head.weight).vocab_pieces.fetches > 0
