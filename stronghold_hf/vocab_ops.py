@@ -150,17 +150,23 @@ class StreamedLinearCrossEntropy(torch.autograd.Function):
             return (None,) * 7
         n = index.numel()
         chunks = range(0, n, ctx.chunk_tokens)
-        # The rows' gradient summed over the pieces in fp32, rounded once (as the chunked loss).
-        gx_all = torch.zeros((n, hidden.shape[-1]), dtype=torch.float32, device=hidden.device) if need_hidden else None
+        # The rows' gradient summed over the pieces in fp32 and rounded once, as the chunked loss
+        # does: in the gradient itself when the hidden states are fp32, else in an fp32 sum of
+        # the rows (tokens x hidden x 4 bytes, which the estimator counts).
+        rows_of = [_rows(hidden, index[start:start + ctx.chunk_tokens]) for start in chunks]
+        grad_hidden = hidden.new_zeros(hidden.shape) if need_hidden else None
+        direct = need_hidden and hidden.dtype == torch.float32
+        gx_all = (torch.zeros((n, hidden.shape[-1]), dtype=torch.float32, device=hidden.device)
+                  if need_hidden and not direct else None)
         for k, (v0, v1) in enumerate(pieces.bounds):
             w = pieces.fetch(k)
             gw = pieces.new_grad(k) if need_weight else None
             # A context per piece: autocast's cached cast of the piece is freed with it.
             with torch.enable_grad(), torch.autocast(**ctx.autocast):
                 wl = w.detach().requires_grad_(need_weight)
-                for start in chunks:
+                for start, rows in zip(chunks, rows_of):
                     end = min(start + ctx.chunk_tokens, n)
-                    x = hidden[_rows(hidden, index[start:end])].detach().requires_grad_(need_hidden)
+                    x = hidden[rows].detach().requires_grad_(need_hidden)
                     t = targets[start:end]
                     logits = ctx.transform(F.linear(_uncached(x, ctx.autocast), wl)).float()
                     with torch.no_grad():
@@ -170,7 +176,9 @@ class StreamedLinearCrossEntropy(torch.autograd.Function):
                         g *= grad_total
                     wanted = [u for u, need in ((x, need_hidden), (wl, need_weight)) if need]
                     grads = list(torch.autograd.grad(logits, wanted, g))
-                    if need_hidden:
+                    if direct:
+                        grad_hidden[rows] += grads.pop(0)
+                    elif need_hidden:
                         gx_all[start:end] += grads.pop(0)
                     if need_weight:
                         gw += grads.pop(0)
@@ -180,11 +188,8 @@ class StreamedLinearCrossEntropy(torch.autograd.Function):
                 pieces.add_piece_grad(k, gw.to(w.dtype), summed=True)
             pieces.release(k)
             del w, gw
-        grad_hidden = None
-        if need_hidden:
-            grad_hidden = hidden.new_zeros(hidden.shape)
-            for start in chunks:
-                rows = _rows(hidden, index[start:start + ctx.chunk_tokens])
+        if gx_all is not None:
+            for start, rows in zip(chunks, rows_of):
                 grad_hidden[rows] = gx_all[start:start + ctx.chunk_tokens].to(grad_hidden.dtype)
         return grad_hidden, None, None, None, None, None, None
 
