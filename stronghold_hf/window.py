@@ -187,7 +187,7 @@ class WindowEngine:
         for u in pieced:
             rows = piece_rows(*u.layout.entries[0].shape, self._largest_block_numel())
             u.vocab_pieces = VocabularyPieces(u, rows, transfer=self.transfer, ledger=self.ledger, host=self.host,
-                                              coordinator=self.coordinator, stats=self.stats,
+                                              coordinator=self.coordinator, worker=self.worker,
                                               enter_backward=self.schedule.enter_backward)
             self._handles.extend(u.vocab_pieces.install())
         if self.dp is not None:
