@@ -249,7 +249,8 @@ class StepCoordinator:
             if self._first_ticket is ticket:
                 self._account_first_block()
             unit = self.units[index]
-            if unit.grads.spec is None and not unit.sharded:
+            # A shard or masters on disk stay guarded: a read must not see the placeholder.
+            if unit.grads.spec is None and not unit.guard_on_host:
                 unit.read_guard.unguard()
 
     # ------------------------------------------------------------------ speculation

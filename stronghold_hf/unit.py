@@ -88,7 +88,7 @@ class Unit:
                                host=host, sharded=self.sharded, compute_grads=compute_grads,
                                read_guard=self.read_guard)
         # A read on the host must not see a placeholder: refused (a shard) or mapped (on disk).
-        self._guard_on_host = self.sharded or self.host.masters_on_disk
+        self.guard_on_host = self.sharded or self.host.masters_on_disk
 
         # ---- device slot: one flat allocation, storage freed while on the host
         S, lo = lay.shard_numel, self.host.shard_lo
@@ -206,7 +206,7 @@ class Unit:
                     p.data = view
             self.host.record_versions()
         self.state = Residency.ON_HOST
-        if self._guard_on_host:
+        if self.guard_on_host:
             self.read_guard.guard()  # a read must not see the placeholder: refused (a shard) or mapped (on disk)
 
     # ------------------------------------------------------------------ teardown

@@ -107,7 +107,7 @@ def test_the_masters_leave_the_host_in_the_ledger(tmp_path):
 
 
 def test_parameters_stay_safe_to_touch_between_steps(tmp_path):
-    """Reads see the value (mapped from the file), an in-place write and a ``.data``
+    """Reads see the value (mapped from the file; after ``engine.synchronize()`` too), an in-place write and a ``.data``
     replacement reach the masters, ``state_dict`` and ``load_state_dict`` round-trip, and
     ``close`` gives an ordinary model: all as with the masters in RAM."""
     ref = tiny_model("llama")
@@ -121,6 +121,8 @@ def test_parameters_stay_safe_to_touch_between_steps(tmp_path):
             model(**batch("llama", seed=step)).loss.backward()
             opt.step()
             opt.zero_grad()
+            if step == 2:
+                engine.synchronize()  # the update done: the parameter must still read its value, not a placeholder
             w = model.model.layers[1].mlp.up_proj.weight
             seen.append(float(w.detach().double().sum()))  # a read between steps (waits for the update)
             if step == 0:
