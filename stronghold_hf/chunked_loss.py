@@ -329,11 +329,11 @@ def chunked_linear_cross_entropy(
                                          or vocab_piece_rows < 1):
         raise ValueError(f"chunked_linear_cross_entropy: vocab_piece_rows={vocab_piece_rows!r}; pass an int >= 1 or None.")
     if pieces is not None:
-        if bias is not None:
-            raise ValueError("chunked_linear_cross_entropy: a head read in vocabulary pieces has no bias.")
         from .vocab_ops import StreamedLinearCrossEntropy
 
-        total = StreamedLinearCrossEntropy.apply(hidden, weight, index, targets[index], transform, chunk, pieces)
+        if bias is not None and bias is not pieces.bias:
+            raise ValueError("chunked_linear_cross_entropy: a head read in vocabulary pieces takes the bias of its unit.")
+        total = StreamedLinearCrossEntropy.apply(hidden, weight, bias, index, targets[index], transform, chunk, pieces)
     else:
         total = ChunkedLinearCrossEntropy.apply(hidden, weight, bias, index, targets[index], transform, chunk,
                                                 ignore_index, vocab_piece_rows)

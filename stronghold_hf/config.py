@@ -331,8 +331,9 @@ class StrongholdConfig:
     and staging are then sized by the largest block, whatever the vocabulary. The unit's host
     side, optimizer state and checkpoints do not change. Code that reads the head's weight
     outside the head's own forward (Liger, TRL's fused LM head) cannot use it: leave it off
-    there. A unit it cannot read in pieces (a head with a bias, data parallel over several
-    ranks, ``nvme_masters``) streams whole, with one log line."""
+    there. A head's ``[vocab]`` bias crosses with its pieces. A unit it cannot read in pieces
+    (other parameters besides the weight and its bias, data parallel over several ranks,
+    ``nvme_masters``) streams whole, with one log line."""
 
     tile_tokens: int | Literal["auto"] = "auto"
     """Tokens per tile of ``sequence_tiling`` (and of ``attention_tiling``). ``"auto"``: per module, the tokens whose saved

@@ -50,6 +50,11 @@ def _name(func: Any) -> str:
     return name
 
 
+def reads_no_values(func: Any) -> bool:
+    """Whether a torch function reads no values of its tensors (metadata: shape, dtype, ``.grad``, ``data_ptr``)."""
+    return _name(func) in _METADATA
+
+
 class GuardedParameter(nn.Parameter):
     """An ``nn.Parameter`` whose unit has work pending; see the module docstring."""
 
@@ -125,4 +130,5 @@ class ReadGuard:
             self.guarded = False
 
 
-__all__ = ["GuardedParameter", "ReadGuard", "register", "unregister", "guard", "unguard", "is_guarded"]
+__all__ = ["GuardedParameter", "ReadGuard", "register", "unregister", "guard", "unguard", "is_guarded",
+           "reads_no_values"]

@@ -48,12 +48,13 @@ class EmbeddingRows(torch.autograd.Function):
 
 
 class PiecewiseLinear(torch.autograd.Function):
-    """``F.linear(x, weight)`` for a ``[vocab, hidden]`` weight, a piece of output columns at a time."""
+    """``F.linear(x, weight, bias)`` for a ``[vocab, hidden]`` weight (and the unit's ``[vocab]``
+    bias, or None), a piece of output columns at a time."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, pieces) -> Tensor:
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, pieces) -> Tensor:
         device_type = x.device.type
-        ctx.autocast, ctx.pieces = _autocast_state(device_type), pieces
+        ctx.autocast, ctx.pieces, ctx.has_bias = _autocast_state(device_type), pieces, bias is not None
         ctx.save_for_backward(x)
         lead = x.shape[:-1]
         if x.numel() == 0:  # the chunked loss's shrunk head input: nothing to fetch
@@ -62,7 +63,7 @@ class PiecewiseLinear(torch.autograd.Function):
         out = None
         for k, (v0, v1) in enumerate(pieces.bounds):
             w = pieces.fetch(k)
-            y = F.linear(x, w)
+            y = F.linear(x, w, pieces.fetch_bias(k) if bias is not None else None)
             pieces.release(k)
             if out is None:
                 out = x.new_empty((*lead, pieces.vocab), dtype=y.dtype)
@@ -73,17 +74,22 @@ class PiecewiseLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         (x,) = ctx.saved_tensors
-        need_x, need_w = ctx.needs_input_grad[:2]
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
         pieces = ctx.pieces
-        if x.numel() == 0 or not (need_x or need_w):
-            return (x.new_zeros(x.shape) if need_x else None), None, None
+        if x.numel() == 0 or not (need_x or need_w or need_b):
+            return (x.new_zeros(x.shape) if need_x else None), None, None, None
         # F.linear's own gradients, in the dtype it computed in (autocast's, or x's), without
-        # computing the logits again: grad_x = g @ W, grad_W = g^T @ x, a piece of columns at a time.
+        # computing the logits again: grad_x = g @ W, grad_W = g^T @ x, grad_b = the sum of g
+        # over the rows, a piece of columns at a time.
         dtype = ctx.autocast["dtype"] if ctx.autocast["enabled"] and x.is_floating_point() else x.dtype
         xc = x.reshape(-1, x.shape[-1]).to(dtype)
         g = grad.reshape(-1, grad.shape[-1]).to(dtype)
         gx = torch.zeros(xc.shape, dtype=torch.float32, device=x.device) if need_x else None
         for k, (v0, v1) in enumerate(pieces.bounds):
+            if need_b:
+                pieces.add_bias_grad(k, g[:, v0:v1].sum(0).to(pieces.bias.dtype))
+            if not (need_x or need_w):
+                continue
             w = pieces.fetch(k)
             wc = w.to(dtype)
             if need_x:
@@ -92,16 +98,17 @@ class PiecewiseLinear(torch.autograd.Function):
                 pieces.add_piece_grad(k, (g[:, v0:v1].t() @ xc).to(w.dtype))
             pieces.release(k)
             del w, wc
-        return (gx.view(x.shape).to(x.dtype) if need_x else None), None, None
+        return (gx.view(x.shape).to(x.dtype) if need_x else None), None, None, None
 
 
 class StreamedLinearCrossEntropy(torch.autograd.Function):
-    """`chunked_loss.ChunkedLinearCrossEntropy` (no bias) with the head's pieces outermost."""
+    """`chunked_loss.ChunkedLinearCrossEntropy` with the head's pieces outermost (``bias``: the
+    unit's own, or None)."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, index: Tensor, targets: Tensor, transform, chunk_tokens: int,
-                pieces) -> Tensor:
-        ctx.autocast = _autocast_state(hidden.device.type)
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, index: Tensor, targets: Tensor, transform,
+                chunk_tokens: int, pieces) -> Tensor:
+        ctx.autocast, ctx.has_bias = _autocast_state(hidden.device.type), bias is not None
         ctx.transform, ctx.chunk_tokens, ctx.pieces = transform, chunk_tokens, pieces
         n = index.numel()
         torch._assert_async(((targets >= 0) & (targets < pieces.vocab)).all(),
@@ -112,11 +119,12 @@ class StreamedLinearCrossEntropy(torch.autograd.Function):
         chunks = range(0, n, chunk_tokens)
         for k, (v0, v1) in enumerate(pieces.bounds):
             w = pieces.fetch(k)
+            b = pieces.fetch_bias(k) if bias is not None else None
             for start in chunks:
                 end = min(start + chunk_tokens, n)
                 x = hidden[_rows(hidden, index[start:end])]
                 t = targets[start:end]
-                logits = transform(F.linear(x, w)).float()
+                logits = transform(F.linear(x, w, b)).float()
                 tile_top = logits.amax(dim=1)
                 if k == 0:
                     top[start:end] = tile_top
@@ -133,7 +141,7 @@ class StreamedLinearCrossEntropy(torch.autograd.Function):
                                                 picked[start:end])
                 del x, logits  # one tile at a time
             pieces.release(k)
-            del w
+            del w, b
         lse = top + torch.log(total)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in chunks:  # summed chunk by chunk, as the chunked loss does
@@ -144,10 +152,10 @@ class StreamedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total: Tensor):
         hidden, index, targets, lse = ctx.saved_tensors
-        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         pieces = ctx.pieces
-        if not (need_hidden or need_weight):
-            return (None,) * 7
+        if not (need_hidden or need_weight or need_bias):
+            return (None,) * 8
         n = index.numel()
         chunks = range(0, n, ctx.chunk_tokens)
         # The rows' gradient summed over the pieces in fp32 and rounded once, as the chunked loss
@@ -161,20 +169,23 @@ class StreamedLinearCrossEntropy(torch.autograd.Function):
         for k, (v0, v1) in enumerate(pieces.bounds):
             w = pieces.fetch(k)
             gw = pieces.new_grad(k) if need_weight else None
+            b = pieces.fetch_bias(k) if ctx.has_bias else None
+            gb = torch.zeros(b.shape, dtype=torch.float32, device=b.device) if need_bias else None
             # A context per piece: autocast's cached cast of the piece is freed with it.
             with torch.enable_grad(), torch.autocast(**ctx.autocast):
                 wl = w.detach().requires_grad_(need_weight)
+                bl = None if b is None else b.detach().requires_grad_(need_bias)
                 for start, rows in zip(chunks, rows_of):
                     end = min(start + ctx.chunk_tokens, n)
                     x = hidden[rows].detach().requires_grad_(need_hidden)
                     t = targets[start:end]
-                    logits = ctx.transform(F.linear(_uncached(x, ctx.autocast), wl)).float()
+                    logits = ctx.transform(F.linear(_uncached(x, ctx.autocast), wl, bl)).float()
                     with torch.no_grad():
                         g = torch.exp(logits - lse[start:end, None])
                         inside = ((t >= v0) & (t < v1)).to(g.dtype)
                         g.scatter_add_(1, (t - v0).clamp(0, g.shape[1] - 1)[:, None], -inside[:, None])
                         g *= grad_total
-                    wanted = [u for u, need in ((x, need_hidden), (wl, need_weight)) if need]
+                    wanted = [u for u, need in ((x, need_hidden), (wl, need_weight), (bl, need_bias)) if need]
                     grads = list(torch.autograd.grad(logits, wanted, g))
                     if direct:
                         grad_hidden[rows] += grads.pop(0)
@@ -182,16 +193,20 @@ class StreamedLinearCrossEntropy(torch.autograd.Function):
                         gx_all[start:end] += grads.pop(0)
                     if need_weight:
                         gw += grads.pop(0)
+                    if need_bias:
+                        gb += grads.pop(0)
                     del logits, g, grads, wanted, x
-            del wl
+            del wl, bl
             if need_weight:
                 pieces.add_piece_grad(k, gw.to(w.dtype), summed=True)
+            if need_bias:
+                pieces.add_bias_grad(k, gb.to(b.dtype))
             pieces.release(k)
-            del w, gw
+            del w, gw, b, gb
         if gx_all is not None:
             for start, rows in zip(chunks, rows_of):
                 grad_hidden[rows] = gx_all[start:start + ctx.chunk_tokens].to(grad_hidden.dtype)
-        return grad_hidden, None, None, None, None, None, None
+        return grad_hidden, None, None, None, None, None, None, None
 
 
 __all__ = ["EmbeddingRows", "PiecewiseLinear", "StreamedLinearCrossEntropy"]

@@ -19,8 +19,9 @@ for every unit. The unit is not in the window's sequence (the window's slots, la
 are sized by the blocks); the forwards of the modules that register the weight are routed here
 while they run (`_VocabCalls`), and the weight's other uses are refused by name.
 
-What stays whole (the unit streams through the window as before): a unit of several
-parameters (a head with a bias; BERT's tied decoder), data parallel over several ranks (the
+A head's ``[vocab]`` bias (BERT's MLM decoder, Phi's head) is part of the unit and crosses with
+each piece. What stays whole (the unit streams through the window as before): a unit of other
+parameters besides, data parallel over several ranks (the
 pieces' gradients are not reduced across them), sharded CPU state, masters on disk, a weight
 used by a module that is neither an embedding nor a linear layer. Without a host image
 (``host_image=False``) the rows are converted from the fp32 masters on the way.
@@ -37,6 +38,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .fastpath import engine_access as _engine_access
+from .read_guard import reads_no_values
 
 logger = logging.getLogger("stronghold_hf")
 
@@ -56,9 +58,10 @@ def why_not_pieced(u, largest_block: int) -> str | None:
     """Why unit ``u`` keeps streaming whole (None: it can cross in row pieces)."""
     if u.kind != "streamed":
         return "not a unit outside the blocks"
-    if len(u.params) != 1 or u.params[0].dim() != 2:
-        return "not one [vocab, hidden] weight"
-    if u.params[0].numel() <= largest_block:
+    weight, *bias = u.params
+    if weight.dim() != 2 or len(bias) > 1 or (bias and tuple(bias[0].shape) != (weight.shape[0],)):
+        return "not one [vocab, hidden] weight (with a [vocab] bias at most)"
+    if sum(p.numel() for p in u.params) <= largest_block:
         return "no larger than a block"
     if u.sharded:
         return "its CPU state is sharded across ranks"
@@ -66,9 +69,10 @@ def why_not_pieced(u, largest_block: int) -> str | None:
         return "data parallel across ranks (its pieces' gradients are not reduced across them)"
     if u.host.masters_on_disk:
         return "its masters are on disk (nvme_masters)"
-    owners = [m for m, _ in u.owners]
-    if not all(isinstance(m, (nn.Embedding, nn.Linear)) for m in owners):
-        return "a module other than an embedding or a linear layer registers it"
+    # An embedding, a linear layer, or a module that registers only the bias (BERT's prediction
+    # head, whose decoder uses it): their forwards are routed, and any other use refused.
+    if not all(isinstance(m, (nn.Embedding, nn.Linear)) or all(k == 1 for _, k in names) for m, names in u.owners):
+        return "a module other than an embedding or a linear layer registers its weight"
     return None
 
 
@@ -82,6 +86,7 @@ class VocabularyPieces:
                  enter_backward) -> None:
         self.unit = unit
         self.weight: nn.Parameter = unit.params[0]
+        self.bias: nn.Parameter | None = unit.params[1] if len(unit.params) > 1 else None
         self.vocab, self.width = unit.layout.entries[0].shape
         self.dtype = unit.layout.entries[0].device_dtype
         self.rows_per_piece = max(1, min(int(rows_per_piece), self.vocab))
@@ -107,20 +112,18 @@ class VocabularyPieces:
         self.fetches = 0
 
     # ------------------------------------------------------------------ host state
-    def _image(self) -> torch.Tensor:
-        """The ``[vocab, hidden]`` rows a fetch reads, current (the CPU update of the unit is done
-        and writes made between steps are taken in): the compute-dtype image, or without one
-        (``host_image=False``) the fp32 masters, converted by the caller."""
+    def _image(self, i: int = 0) -> torch.Tensor:
+        """The rows a fetch reads of parameter ``i`` (the weight, or the bias), current (the CPU
+        update of the unit is done and writes made between steps are taken in): the
+        compute-dtype image, or without one (``host_image=False``) the fp32 masters, converted by
+        the caller."""
         u = self.unit
         self.coordinator.wait_update(u)
         with _engine_access():
             u.host.adopt_host_writes()
             u.host.refresh_image()
-        image = u.host.image_views[0]
-        return image if image is not None else u.host.param_views[0]
-
-    def _host_grad(self) -> torch.Tensor:
-        return self.unit.grads.grad_views[0]
+        image = u.host.image_views[i]
+        return image if image is not None else u.host.param_views[i]
 
     def _fold(self, what: str, task) -> None:
         """Runs ``task`` (an add into the host gradient) on the host worker, in order with the
@@ -134,18 +137,19 @@ class VocabularyPieces:
         for ticket in folds:
             ticket.wait()
 
-    def _begin_grad(self) -> torch.Tensor:
-        """A gradient contribution of this backward pass: the host gradient to add into."""
+    def _begin_grad(self, i: int = 0) -> torch.Tensor:
+        """A gradient contribution of this backward pass to parameter ``i``: its host gradient,
+        to add into (zeroed first when it holds nothing yet)."""
         self._enter_backward()  # the schedule's end of this backward drains the folds
         u, g = self.unit, self.unit.grads
         if g.spec is not None:  # more gradient after a speculative update read the old one
             self.coordinator.undo_speculation(u)
-        hg = self._host_grad()
-        if not g.grad_valid[0]:
+        hg = g.grad_views[i]
+        if not g.grad_valid[i]:
             hg.zero_()
-            g.grad_valid[0] = True
-            g.flushes += 1
+            g.grad_valid[i] = True
         if g.flushes_this_pass == 0:
+            g.flushes += 1
             g.flushes_this_pass = 1
         g.device_norm = None  # the norm is taken on the host at clip
         return hg
@@ -165,6 +169,22 @@ class VocabularyPieces:
         dst = torch.empty(rows.shape, dtype=rows.dtype, device=self._device)
         self.transfer.device_wait(self.transfer.copy_h2d(dst, rows, fetch=True))
         return dst
+
+    def fetch_bias(self, k: int) -> torch.Tensor:
+        """Piece ``k``'s rows of the bias on the device (``[rows]``, a block's rows / hidden the
+        size of its weight's piece: not booked as a slot)."""
+        r0, r1 = self.bounds[k]
+        rows = self._image(1)[r0:r1].to(self.unit.layout.entries[1].device_dtype)
+        self.ledger.count_h2d(rows.numel() * rows.element_size(), fetch=True)
+        return rows if self._alias else rows.to(self._device)
+
+    def add_bias_grad(self, k: int, grad: torch.Tensor) -> None:
+        """Adds piece ``k``'s gradient of the bias (device, ``[rows]``) into its host gradient."""
+        r0, r1 = self.bounds[k]
+        hg = self._begin_grad(1)
+        self.ledger.count_d2h(grad.numel() * grad.element_size())
+        self._fold("a vocabulary piece's bias gradient of ", functools.partial(torch.Tensor.add_, hg[r0:r1],
+                                                                                 grad.to("cpu")))
 
     def release(self, k: int) -> None:
         r0, r1 = self.bounds[k]
@@ -263,8 +283,9 @@ class VocabularyPieces:
     def linear(self, input, weight, bias=None):  # F.linear's signature
         from .vocab_ops import PiecewiseLinear
 
-        out = PiecewiseLinear.apply(input, weight, self)
-        return out if bias is None else out + bias
+        ours = bias is not None and bias is self.bias
+        out = PiecewiseLinear.apply(input, weight, bias if ours else None, self)
+        return out if bias is None or ours else out + bias
 
 
 def _land_and_add(transfer, landed, src: torch.Tensor, staged: torch.Tensor, dst: torch.Tensor) -> None:
@@ -297,24 +318,23 @@ class _VocabCalls(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        weight = self.pieces.weight
+        weight, bias = self.pieces.weight, self.pieces.bias
         if (args[1] if len(args) > 1 else kwargs.get("weight")) is weight:
             if func is F.embedding:
                 return self.pieces.embedding(*args, **kwargs)
             if func is F.linear:
                 return self.pieces.linear(*args, **kwargs)
-        if not any(a is weight for a in (*args, *kwargs.values())):
-            return func(*args, **kwargs)
-        if _is_attribute_read(func):  # .shape, .dtype: fine; a tensor (.T, .data) would carry the weight on
-            out = func(*args, **kwargs)
-            if not isinstance(out, torch.Tensor):
-                return out
-            name = f".{getattr(func.__self__, '__name__', '?')}"
+        if reads_no_values(func) or not any(a is weight or (bias is not None and a is bias)
+                                            for a in (*args, *kwargs.values())):
+            return func(*args, **kwargs)  # metadata (shape, dtype, data_ptr), or not the weight
+        if _is_attribute_read(func):
+            name = f".{getattr(func.__self__, '__name__', '?')}"  # .T, .data: the whole weight carried on
         else:
             name = f"{getattr(func, '__name__', func)}()"
         raise RuntimeError(
             f"stronghold: {self.pieces.unit.fqn} is read in vocabulary pieces (StrongholdConfig(vocab_pieces=True)), and "
-            f"its module used {name} on the whole weight; only F.embedding and F.linear are routed through the pieces. "
+            f"its module used {name} on the whole weight or bias; only F.embedding and F.linear are routed through the "
+            "pieces. "
             "Use StrongholdConfig(vocab_pieces=False) for this model.")
 
 

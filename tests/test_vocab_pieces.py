@@ -177,13 +177,41 @@ def test_generate_reads_the_pieces():
         assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), expected)
 
 
-def test_units_that_cannot_be_pieced_stream_whole_and_say_why(caplog):
-    """BERT's MLM decoder has a bias next to the tied weight: one unit of two parameters."""
+@pytest.mark.parametrize("family", ["bert", "distilbert", "deberta-v2"])
+def test_a_masked_lm_head_with_its_bias_is_read_in_pieces(family):
+    """BERT's MLM decoder: the weight tied to the word embeddings, and a [vocab] bias that the
+    prediction head registers too; both cross in pieces, and train like plain HF."""
+    ref, model, engine = _pair(lambda: tiny_model(family, **BIG_VOCAB), window_size=1, vocab_pieces=True)
+    (unit,) = _pieced(engine)
+    assert len(unit.params) == 2 and unit.vocab_pieces.bias is unit.params[1]
+    _train_both(ref, model, engine, _lm_loss(family))
+    assert unit.vocab_pieces.fetches > 0 and engine.stats.as_dict()["late_gradients"] == 0
+
+
+def test_a_causal_head_with_a_bias_is_read_in_pieces_by_the_chunked_loss():
+    """Phi's LM head has a bias: its pieces cross with the weight's in the chunked loss."""
+    def make():
+        torch.manual_seed(0)
+        cfg = T.AutoConfig.for_model("phi", vocab_size=1024, hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=2, intermediate_size=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attention_dropout=0.0)
+        return T.AutoModelForCausalLM.from_config(cfg).train()
+
+    ref, model, engine = _pair(make, window_size=1, vocab_pieces=True, loss_chunk_tokens=5)
+    head = engine.unit_of(model.lm_head.weight)
+    assert head.vocab_pieces is not None and head.vocab_pieces.bias is model.lm_head.bias
+    _train_both(ref, model, engine, _lm_loss("llama"))
+    assert engine.promises.stats()["promise_chunked_loss"] == 1.0
+
+
+def test_units_that_cannot_be_pieced_stream_whole_and_say_why(caplog, tmp_path):
+    """Masters on disk (nvme_masters): the vocabulary streams whole, and the log says why."""
     with caplog.at_level("INFO", logger="stronghold_hf"):
-        ref, model, engine = _pair(lambda: tiny_model("bert", **BIG_VOCAB), window_size=1, vocab_pieces=True)
+        ref, model, engine = _pair(lambda: tiny_model("gpt2", **BIG_VOCAB), window_size=1, vocab_pieces=True,
+                                   nvme_path=str(tmp_path), nvme_masters=True)
     assert not _pieced(engine)
-    assert "streams whole (vocab_pieces: not one [vocab, hidden] weight)" in caplog.text
-    _train_both(ref, model, engine, _lm_loss("bert"), steps=2)
+    assert "transformer.wte streams whole (vocab_pieces: its masters are on disk (nvme_masters))" in caplog.text
+    _train_both(ref, model, engine, _lm_loss("gpt2"), steps=2)
 
 
 def test_another_use_of_the_weight_is_refused_by_name():

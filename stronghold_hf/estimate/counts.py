@@ -143,9 +143,11 @@ def _count(model: nn.Module, block_classes: tuple[str, ...] | None, encoder_deco
         image = sum(p.numel() * dev[id(p)] for p in trainable if dev[id(p)] != 4)
         masters = sum(4 * p.numel() for p in trainable)
         frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)
-        (_, first), *more = spec.params
-        vocab = (spec.kind == "streamed" and not more and first.dim() == 2
-                 and all(isinstance(m, (nn.Embedding, nn.Linear)) for m, _ in spec.owners))
+        (_, first), *more = spec.params  # vocab_pieces.why_not_pieced's test, on shapes and owners
+        vocab = (spec.kind == "streamed" and first.dim() == 2
+                 and (not more or (len(more) == 1 and tuple(more[0][1].shape) == (first.shape[0],)))
+                 and all(isinstance(m, (nn.Embedding, nn.Linear)) or all(k == 1 for _, k in names)
+                         for m, names in spec.owners))
         units.append(_Unit(
             kind=spec.kind, params=sum(p.numel() for _, p in spec.params), trainable=sum(p.numel() for p in trainable),
             trainable_tensors=len(trainable), vocab_rows=first.shape[0] if vocab else 0,
