@@ -259,6 +259,9 @@ def test_the_estimator_counts_pieces_as_the_engine_holds_them():
     assert pieced.gpu_slot_bytes == block_slot < whole.gpu_slot_bytes
     assert pieced.gpu_vocab_piece_bytes == 2 * stats["vocab_piece_bytes"]  # fp32: the piece and its gradient sum
     assert pieced.gpu_engine_bytes < whole.gpu_engine_bytes / 10
+    # Without the option, the estimate says it exists.
+    assert any("vocab_pieces=True" in note for note in whole.notes)
+    assert not any("vocab_pieces=True" in note for note in pieced.notes)
 
 
 def test_a_resume_matches_the_uninterrupted_run(tmp_path):

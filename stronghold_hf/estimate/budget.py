@@ -169,6 +169,14 @@ def _assemble(
     # device it holds one piece of rows (and, trainable, the piece's gradient: its fp32 sum and
     # its cast) at a time.
     counts, piece_bytes = _read_in_pieces(counts, largest, c) if vocab_pieces else (counts, 0)
+    if not vocab_pieces:
+        # Worth saying from two blocks up: a piece's fp32 gradient sum costs about what a
+        # vocabulary of one or two blocks saves.
+        whole = max((u.device_bytes for u in counts.units if u.kind == "streamed" and u.vocab_rows
+                     and u.params >= 2 * largest), default=0)
+        if whole:
+            notes.append(f"a vocabulary-sized unit ({_gib(whole)} on the device) streams whole, two blocks or more: "
+                         "StrongholdConfig(vocab_pieces=True) (--vocab_pieces true) reads it in pieces of a block")
     positions = len(counts.sequence)
     requested: int | str = "auto" if window_size in (None, "auto") else parse_window_size(window_size)
     w = min(DEFAULT_WINDOW_SIZE if requested == "auto" else requested, positions)
