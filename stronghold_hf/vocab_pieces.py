@@ -110,6 +110,7 @@ class VocabularyPieces:
             unit.grads.widen("its gradient arrives in row pieces and rows, added on the host")
         self.piece_bytes = self.rows_per_piece * self.width * self.dtype.itemsize
         self.fetches = 0
+        self._ahead: tuple | None = None  # (piece, device tensor, landed event): [Note: piece prefetch]
 
     # ------------------------------------------------------------------ host state
     def _image(self, i: int = 0) -> torch.Tensor:
@@ -157,18 +158,40 @@ class VocabularyPieces:
     # ------------------------------------------------------------------ pieces of the weight
     def fetch(self, k: int) -> torch.Tensor:
         """Piece ``k``'s rows on the device, ``[rows, hidden]`` in the compute dtype; give it
-        back with `release`."""
-        r0, r1 = self.bounds[k]
-        rows = self._image()[r0:r1].to(self.dtype)
-        nbytes = rows.numel() * rows.element_size()
-        self.ledger.device_alloc(nbytes)
+        back with `release`.
+
+        [Note: piece prefetch] Every use sweeps the pieces in order, from 0: a fetch of ``k``
+        also starts the copy of ``k + 1``, which lands while ``k`` computes (two pieces on the
+        device at once). A copy started for another piece than the one fetched is what a sweep
+        that stopped part-way (it raised) left behind: it is dropped, since the unit may have
+        been updated since."""
         self.fetches += 1
-        if self._alias:
+        if self._alias:  # the image rows are the device rows: nothing to copy ahead
+            rows = self._host_rows(k)
+            nbytes = rows.numel() * rows.element_size()
+            self.ledger.device_alloc(nbytes)
             self.ledger.count_h2d(nbytes, fetch=True)
             return rows
-        dst = torch.empty(rows.shape, dtype=rows.dtype, device=self._device)
-        self.transfer.device_wait(self.transfer.copy_h2d(dst, rows, fetch=True))
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] != k:
+            self.release(ahead[0])
+            ahead = None
+        dst, landed = ahead[1:] if ahead is not None else self._start_copy(k)
+        if k + 1 < len(self.bounds):
+            self._ahead = (k + 1, *self._start_copy(k + 1))
+        self.transfer.device_wait(landed)
         return dst
+
+    def _host_rows(self, k: int) -> torch.Tensor:
+        r0, r1 = self.bounds[k]
+        return self._image()[r0:r1].to(self.dtype)
+
+    def _start_copy(self, k: int):
+        """Books piece ``k`` on the device and starts its copy there; ``(tensor, landed event)``."""
+        rows = self._host_rows(k)
+        self.ledger.device_alloc(rows.numel() * rows.element_size())
+        dst = torch.empty(rows.shape, dtype=rows.dtype, device=self._device)
+        return dst, self.transfer.copy_h2d(dst, rows, fetch=True)
 
     def fetch_bias(self, k: int) -> torch.Tensor:
         """Piece ``k``'s rows of the bias on the device (``[rows]``, a block's rows / hidden the

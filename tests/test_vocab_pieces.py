@@ -257,7 +257,8 @@ def test_the_estimator_counts_pieces_as_the_engine_holds_them():
         measured[pieces] = (e, stats, max(u.slot_bytes for u in engine.units if u.kind == "block"))
     (whole, _, _), (pieced, stats, block_slot) = measured[False], measured[True]
     assert pieced.gpu_slot_bytes == block_slot < whole.gpu_slot_bytes
-    assert pieced.gpu_vocab_piece_bytes == 2 * stats["vocab_piece_bytes"]  # fp32: the piece and its gradient sum
+    # fp32: the piece, the next one on its way (on a GPU), and the piece's gradient sum.
+    assert pieced.gpu_vocab_piece_bytes == 3 * stats["vocab_piece_bytes"]
     assert pieced.gpu_engine_bytes < whole.gpu_engine_bytes / 10
     # Without the option, the estimate says it exists.
     assert any("vocab_pieces=True" in note for note in whole.notes)
@@ -312,3 +313,23 @@ def test_a_head_calling_f_linear_by_keyword_is_read_in_pieces():
     ref, model, engine = _pair(make, window_size=1, vocab_pieces=True)
     _train_both(ref, model, engine, _lm_loss("llama"), steps=2)
     assert engine.unit_of(model.lm_head.weight).vocab_pieces.fetches > 0
+
+
+def test_a_sweep_that_stopped_part_way_leaves_no_stale_piece_ahead():
+    """[Note: piece prefetch] in the GPU-like mode: a fetch starts the next piece's copy; a
+    sweep that stops after its first piece leaves that copy behind, and the next sweep, after
+    the weight changed, reads the new values and frees the old copy."""
+    with simulated_device(0.001):
+        model = tiny_model("llama", tie_word_embeddings=False, **BIG_VOCAB)
+        engine = offload_model(model, StrongholdConfig(window_size=1, vocab_pieces=True), device="cpu")
+        pieces = engine.unit_of(model.lm_head.weight).vocab_pieces
+        assert len(pieces.bounds) > 2
+        pieces.fetch(0)
+        pieces.release(0)  # piece 1 is on its way; the sweep stops here
+        with torch.no_grad():
+            model.lm_head.weight.mul_(2)  # a write between steps
+        expected = model.lm_head.weight.detach().clone()
+        for k, (r0, r1) in enumerate(pieces.bounds):
+            assert torch.equal(pieces.fetch(k), expected[r0:r1]), k
+            pieces.release(k)
+        assert engine.memory_stats()["device_bytes"] == 0

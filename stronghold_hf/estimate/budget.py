@@ -95,8 +95,8 @@ def _workspace(other: int) -> int:
 
 def _read_in_pieces(counts: _Counts, largest: int, c: int) -> tuple[_Counts, int]:
     """``counts`` with the units `vocab_pieces` reads in row pieces taken out of the sequence,
-    and the device bytes the largest piece holds at its use (its rows, and for a trainable
-    unit its gradient's fp32 sum and that sum's cast: vocab_ops.py)."""
+    and the device bytes the largest piece holds at its use (its rows, the next piece's on
+    their way, and for a trainable unit its gradient's fp32 sum and that sum's cast: vocab_ops.py)."""
     from ..vocab_pieces import piece_rows
 
     pieced, piece_bytes = set(), 0
@@ -109,7 +109,8 @@ def _read_in_pieces(counts: _Counts, largest: int, c: int) -> tuple[_Counts, int
         # The gradient: its fp32 sum, and the sum's cast to the compute dtype (none in fp32).
         grad = int(u.trainable / u.params * u.device_bytes * share) * 4 // c
         cast = grad * c // 4 if c != 4 else 0
-        piece_bytes = max(piece_bytes, int(u.device_bytes * share) + (grad + cast if u.trainable else 0))
+        # The piece, the next one on its way ([Note: piece prefetch]), and the piece's gradient.
+        piece_bytes = max(piece_bytes, 2 * int(u.device_bytes * share) + (grad + cast if u.trainable else 0))
     sequence: list[int] = []
     for i in counts.sequence:
         if i not in pieced and (not sequence or sequence[-1] != i):
