@@ -333,3 +333,20 @@ def test_a_sweep_that_stopped_part_way_leaves_no_stale_piece_ahead():
             assert torch.equal(pieces.fetch(k), expected[r0:r1]), k
             pieces.release(k)
         assert engine.memory_stats()["device_bytes"] == 0
+
+
+def test_the_padding_row_gets_no_gradient_as_in_f_embedding():
+    """Inputs that contain the padding id: F.embedding gives its row no gradient, and neither do
+    the rows sent back from the device (Llama with ``pad_token_id=0``, OPT's padding row 1)."""
+    for family, pad in (("llama", 0), ("opt", 1)):
+        def loss(m, step, pad=pad, family=family):
+            b = batch(family, seed=step)
+            b["input_ids"][:, :3] = pad
+            return m(**b).loss
+
+        overrides = dict(pad_token_id=pad, **({"tie_word_embeddings": False} if family == "llama" else {}))
+        ref, model, engine = _pair(lambda: tiny_model(family, **BIG_VOCAB, **overrides), window_size=1,
+                                   vocab_pieces=True)
+        embed = model.get_input_embeddings()
+        assert embed.padding_idx == pad and engine.unit_of(embed.weight).vocab_pieces is not None
+        _train_both(ref, model, engine, loss, steps=2)
