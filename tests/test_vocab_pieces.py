@@ -120,7 +120,7 @@ def test_gradient_accumulation_and_bf16_match_the_whole_unit():
                               bf16=True, micro_batches=2)
 
 
-def test_trainer_through_hf_argument_parser(tmp_path):
+def test_trainer_through_hf_argument_parser(tmp_path, caplog):
     """The user's path: ``--stronghold --stronghold_config '{"vocab_pieces": true}'``."""
     from stronghold_hf import StrongholdTrainer, StrongholdTrainingArguments
 
@@ -137,9 +137,13 @@ def test_trainer_through_hf_argument_parser(tmp_path):
     model = copy.deepcopy(reference)
     plain = T.Trainer(model=reference, args=plain_args, train_dataset=items)
     plain.train()
-    trainer = StrongholdTrainer(model=model, args=args, train_dataset=items)
+    with caplog.at_level("INFO", logger="transformers.trainer"):
+        trainer = StrongholdTrainer(model=model, args=args, train_dataset=items)
     trainer.train()
     engine = trainer.stronghold_engine
+    start = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("STRONGHOLD is on"))
+    rows = engine.unit_of(model.transformer.wte.weight).vocab_pieces.rows_per_piece
+    assert start.endswith(f"; transformer.wte in {-(-1024 // rows)} pieces of {rows} rows")
     assert [u.fqn for u in _pieced(engine)] == ["transformer.wte"]
     assert logged_losses(trainer) == pytest.approx(logged_losses(plain), rel=1e-4)
     trainer.save_model(str(tmp_path / "saved"))

@@ -75,6 +75,8 @@ class RunLog:
             f"({mem['offloaded_trainable_params'] / 1e6:.1f} M trainable), {_host_bytes(mem) / GiB:.2f} GiB of host "
             f"memory before the optimizer's state ({mem['host_bytes_per_param']:.1f} B per parameter; "
             f"host_memory={engine.config.host_memory} ({_MOMENTS[engine.config.host_memory]})); {engine.split.reason}"
+            + "".join(f"; {u.fqn} in {len(u.vocab_pieces.bounds)} pieces of {u.vocab_pieces.rows_per_piece} rows"
+                      for u in engine.units if u.vocab_pieces is not None)
         )
 
     def add_to(self, logs: dict[str, float], global_step: int) -> None:
