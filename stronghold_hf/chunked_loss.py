@@ -402,6 +402,12 @@ class _ChunkedHead:
         # A phase other than IDLE here is left by a forward whose always-called hook did not
         # run (torch.compile skips them on an exception): it belongs to no live call.
         self._reset()
+        if kwargs.get("fused_lm_head") and id(self.head.weight) in self.vocab_pieces:
+            # TRL's fused LM head (GRPO, RLOO) multiplies by the whole weight outside the head.
+            raise RuntimeError(
+                f"{type(model).__name__}: fused_lm_head=True reads {self.plan.head_path}.weight whole, but it is read "
+                "in vocabulary pieces (StrongholdConfig(vocab_pieces=True)). Use StrongholdConfig(vocab_pieces=False) "
+                "with TRL's fused LM head (GRPO, RLOO).")
         if (model.training and torch.is_grad_enabled() and torch.is_tensor(kwargs.get("labels"))
                 and not kwargs.get("fused_lm_head") and model.__dict__.get("_loss_function") is self.loss):
             self.phase = _Phase.ARMED

@@ -354,3 +354,17 @@ def test_the_padding_row_gets_no_gradient_as_in_f_embedding():
         embed = model.get_input_embeddings()
         assert embed.padding_idx == pad and engine.unit_of(embed.weight).vocab_pieces is not None
         _train_both(ref, model, engine, loss, steps=2)
+
+
+def test_trl_fused_lm_head_is_refused_before_it_reads_the_whole_weight():
+    """TRL's GRPO and RLOO call the model with ``fused_lm_head=True``, which multiplies by
+    ``lm_head.weight`` outside the head: refused up front, naming the option."""
+    pytest.importorskip("trl")
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = tiny_model("llama", tie_word_embeddings=False, **BIG_VOCAB)
+    add_fused_lm_head(model)
+    offload_model(model, StrongholdConfig(window_size=1, vocab_pieces=True), device="cpu")
+    with pytest.raises(RuntimeError, match=r"fused_lm_head=True .*vocab_pieces=False"):
+        model(**batch("llama", seed=0), fused_lm_head=True)
+    assert model(**batch("llama", seed=0)).loss.isfinite()  # the model's own path still runs
