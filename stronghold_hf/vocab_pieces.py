@@ -12,8 +12,8 @@ than the largest block is used a *piece* of rows at a time instead (`VocabularyP
   which asks for pieces itself: ``vocab_ops.py``) fetches one piece of at most a block's rows
   at a time, and each piece's gradient goes to the host as soon as the piece is done.
 
-So the device holds a piece of the weight and a piece of its gradient, never ``vocab x
-hidden``. The unit's host side is unchanged: one master, one image, one host gradient, one
+So the device holds a piece of the weight (two while the next one's copy lands: [Note: piece
+prefetch]) and a piece of its gradient, never ``vocab x hidden``. The unit's host side is unchanged: one master, one image, one host gradient, one
 optimizer entry, one checkpoint tensor, and between steps the parameter is its host master as
 for every unit. The unit is not in the window's sequence (the window's slots, lanes and staging
 are sized by the blocks); the forwards of the modules that register the weight are routed here
@@ -21,10 +21,10 @@ while they run (`_VocabCalls`), and the weight's other uses are refused by name.
 
 A head's ``[vocab]`` bias (BERT's MLM decoder, Phi's head) is part of the unit and crosses with
 each piece. What stays whole (the unit streams through the window as before): a unit of other
-parameters besides, data parallel over several ranks (the
-pieces' gradients are not reduced across them), sharded CPU state, masters on disk, a weight
-used by a module that is neither an embedding nor a linear layer. Without a host image
-(``host_image=False``) the rows are converted from the fp32 masters on the way.
+parameters besides, data parallel over several ranks (the pieces' gradients are not reduced
+across them), sharded CPU state, masters on disk, a weight used by a module that is neither an
+embedding nor a linear layer. Without a host image (``host_image=False``) the rows are
+converted from the fp32 masters on the way.
 """
 
 from __future__ import annotations
