@@ -23,11 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .chunked_loss import _rows, _uncached
-
-
-def _autocast_state(device_type: str) -> dict:
-    return dict(device_type=device_type, enabled=torch.is_autocast_enabled(device_type),
-                dtype=torch.get_autocast_dtype(device_type), cache_enabled=torch.is_autocast_cache_enabled())
+from .tiling import _autocast_state  # the forward's autocast, replayed in backward
 
 
 class EmbeddingRows(torch.autograd.Function):

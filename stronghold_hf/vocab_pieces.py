@@ -54,13 +54,30 @@ def piece_rows(vocab: int, hidden: int, largest_block: int) -> int:
     return vocab_piece_rows(vocab, hidden, largest_block, MAX_PIECES) or vocab
 
 
+def shape_problem(params, owners) -> str | None:
+    """Why parameters ``params`` registered by ``owners`` (a unit's, or its spec's) cannot be read
+    in row pieces whatever the engine's state; None: one ``[vocab, hidden]`` weight, with a
+    ``[vocab]`` bias at most, used by embeddings and linear layers. (The estimator asks too.)"""
+    weight, *bias = params
+    if weight.dim() != 2 or len(bias) > 1 or (bias and tuple(bias[0].shape) != (weight.shape[0],)):
+        return "not one [vocab, hidden] weight (with a [vocab] bias at most)"
+    # An embedding, a linear layer, or a module that registers only the bias (BERT's prediction
+    # head, whose decoder uses it): their forwards are routed, and any other use refused.
+    if not all(isinstance(m, (nn.Embedding, nn.Linear)) or all(k == 1 for _, k in names) for m, names in owners):
+        return "a module other than an embedding or a linear layer registers its weight"
+    if any(isinstance(m, nn.Embedding) and (m.max_norm is not None or m.scale_grad_by_freq or m.sparse)
+           for m, _ in owners):
+        return "an embedding with max_norm, scale_grad_by_freq or sparse gradients uses it"
+    return None
+
+
 def why_not_pieced(u, largest_block: int) -> str | None:
     """Why unit ``u`` keeps streaming whole (None: it can cross in row pieces)."""
     if u.kind != "streamed":
         return "not a unit outside the blocks"
-    weight, *bias = u.params
-    if weight.dim() != 2 or len(bias) > 1 or (bias and tuple(bias[0].shape) != (weight.shape[0],)):
-        return "not one [vocab, hidden] weight (with a [vocab] bias at most)"
+    problem = shape_problem(u.params, u.owners)
+    if problem is not None:
+        return problem
     if sum(p.numel() for p in u.params) <= largest_block:
         return "no larger than a block"
     if u.sharded:
@@ -69,10 +86,6 @@ def why_not_pieced(u, largest_block: int) -> str | None:
         return "data parallel across ranks (its pieces' gradients are not reduced across them)"
     if u.host.masters_on_disk:
         return "its masters are on disk (nvme_masters)"
-    # An embedding, a linear layer, or a module that registers only the bias (BERT's prediction
-    # head, whose decoder uses it): their forwards are routed, and any other use refused.
-    if not all(isinstance(m, (nn.Embedding, nn.Linear)) or all(k == 1 for _, k in names) for m, names in u.owners):
-        return "a module other than an embedding or a linear layer registers its weight"
     return None
 
 
@@ -105,8 +118,7 @@ class VocabularyPieces:
         self._staging_ticket: list = [None, None]
         self._turn = 0
         self._folds: list = []  # this backward's folds on the host worker (tickets)
-        self.trainable = unit.trainable
-        if self.trainable and unit.grads.grad_flat.dtype != torch.float32:
+        if unit.trainable:
             unit.grads.widen("its gradient arrives in row pieces and rows, added on the host")
         self.piece_bytes = self.rows_per_piece * self.width * self.dtype.itemsize
         self.fetches = 0
@@ -293,10 +305,11 @@ class VocabularyPieces:
 
     def embedding(self, input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
                   sparse=False):  # F.embedding's signature
-        if max_norm is not None or scale_grad_by_freq or sparse:
-            raise NotImplementedError(
-                f"stronghold: {self.unit.fqn} is read in vocabulary pieces, which do not support an embedding with "
-                "max_norm, scale_grad_by_freq or sparse gradients. Use StrongholdConfig(vocab_pieces=False).")
+        if max_norm is not None or scale_grad_by_freq or sparse:  # its module's attributes said otherwise
+            raise RuntimeError(
+                f"stronghold: {self.unit.fqn} is read in vocabulary pieces, and an F.embedding call on it asked for "
+                "max_norm, scale_grad_by_freq or sparse gradients, which pieces cannot give. Use "
+                "StrongholdConfig(vocab_pieces=False).")
         if padding_idx is not None and padding_idx < 0:
             padding_idx += self.vocab
         from .vocab_ops import EmbeddingRows
@@ -361,4 +374,4 @@ class _VocabCalls(TorchFunctionMode):
             "Use StrongholdConfig(vocab_pieces=False) for this model.")
 
 
-__all__ = ["MAX_PIECES", "VocabularyPieces", "piece_rows", "why_not_pieced"]
+__all__ = ["MAX_PIECES", "VocabularyPieces", "piece_rows", "shape_problem", "why_not_pieced"]

@@ -216,6 +216,13 @@ def test_units_that_cannot_be_pieced_stream_whole_and_say_why(caplog, tmp_path):
     assert not _pieced(engine)
     assert "transformer.wte streams whole (vocab_pieces: its masters are on disk (nvme_masters))" in caplog.text
     _train_both(ref, model, engine, _lm_loss("gpt2"), steps=2)
+    # An embedding that renormalizes its rows in place (max_norm) needs them all.
+    model = tiny_model("llama", tie_word_embeddings=False, **BIG_VOCAB)
+    model.model.embed_tokens.max_norm = 1.0
+    with caplog.at_level("INFO", logger="stronghold_hf"):
+        engine = offload_model(model, StrongholdConfig(window_size=1, vocab_pieces=True), device="cpu")
+    assert [u.fqn for u in _pieced(engine)] == ["lm_head"]
+    assert "model.embed_tokens streams whole (vocab_pieces: an embedding with max_norm" in caplog.text
 
 
 def test_another_use_of_the_weight_is_refused_by_name():

@@ -116,6 +116,7 @@ def _count(model: nn.Module, block_classes: tuple[str, ...] | None, encoder_deco
     they all hold activations."""
     from ..chunked_loss import analyse_causal_lm, is_causal_lm_class
     from ..discovery import plan_units, unit_device_dtype
+    from ..vocab_pieces import shape_problem
 
     stacks = find_block_stacks(model, block_classes)
     whole = plan_units(model, stacks, offload_non_block=offload_non_block)
@@ -143,11 +144,8 @@ def _count(model: nn.Module, block_classes: tuple[str, ...] | None, encoder_deco
         image = sum(p.numel() * dev[id(p)] for p in trainable if dev[id(p)] != 4)
         masters = sum(4 * p.numel() for p in trainable)
         frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)
-        (_, first), *more = spec.params  # vocab_pieces.why_not_pieced's test, on shapes and owners
-        vocab = (spec.kind == "streamed" and first.dim() == 2
-                 and (not more or (len(more) == 1 and tuple(more[0][1].shape) == (first.shape[0],)))
-                 and all(isinstance(m, (nn.Embedding, nn.Linear)) or all(k == 1 for _, k in names)
-                         for m, names in spec.owners))
+        first = spec.params[0][1]
+        vocab = spec.kind == "streamed" and shape_problem([p for _, p in spec.params], spec.owners) is None
         units.append(_Unit(
             kind=spec.kind, params=sum(p.numel() for _, p in spec.params), trainable=sum(p.numel() for p in trainable),
             trainable_tensors=len(trainable), vocab_rows=first.shape[0] if vocab else 0,
