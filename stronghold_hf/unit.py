@@ -90,16 +90,14 @@ class Unit:
         # A read on the host must not see a placeholder: refused (a shard) or mapped (on disk).
         self.guard_on_host = self.sharded or self.host.masters_on_disk
 
-        # ---- device slot: one flat allocation, storage freed while on the host
-        S, lo = lay.shard_numel, self.host.shard_lo
-        c = element_size(lay.grad_dtype) if lay.grad_dtype is not None else 0
-        self.slot = torch.empty(lay.slot_bytes, dtype=torch.uint8, device=device)
-        self.slot_views = [typed_view(self.slot, e.byte_offset, e.numel, e.device_dtype, e.shape) for e in lay.entries]
-        self.slot_trainable = self.slot[: lay.trainable_bytes]  # uint8: the region the ranks all-gather
-        self.slot_local = self.slot_trainable[lo * c : (lo + S) * c]  # this rank's shard
-        self._storage = self.slot.untyped_storage()
-        self.slot_bytes = self._storage.nbytes()
-        self._storage.resize_(0)
+        # ---- device slot: one flat allocation, storage freed while on the host. Allocated at
+        # the first fetch that copies (`_allocate_slot`), not here: a unit read in vocabulary
+        # pieces or aliasing the host never takes one, and a device never holds, even for a
+        # moment, a unit larger than a block that will not cross whole.
+        self._device = device
+        self.slot_bytes = lay.slot_bytes
+        self.slot = self.slot_trainable = self.slot_local = self._storage = None
+        self.slot_views: list[torch.Tensor] = []
         # [Note: aliasing the host on a CPU device] When the compute device is the CPU itself
         # (synchronous copies) and this rank holds the whole unit, a fetch would copy host
         # memory into more host memory: the parameters then point at the image itself while
@@ -136,7 +134,7 @@ class Unit:
     def holds_device_storage(self) -> bool:
         if self.alias_host:
             return self.state is not Residency.ON_HOST
-        return self._storage.nbytes() > 0
+        return self._storage is not None and self._storage.nbytes() > 0
 
     # ------------------------------------------------------------------ transitions
     def begin_fetch(self) -> None:
@@ -157,7 +155,10 @@ class Unit:
                         p.data = view
                 self.state = Residency.FETCHING
                 return
-            self._storage.resize_(self.slot_bytes)  # on the compute stream: [Note: allocation stream]
+            if self._storage is None:
+                self._allocate_slot()  # on the compute stream, like the resize: [Note: allocation stream]
+            else:
+                self._storage.resize_(self.slot_bytes)  # on the compute stream: [Note: allocation stream]
             events = []
             if host.image_trainable is not None:  # this rank's shard (everything, unsharded)
                 events.append(self.transfer.copy_h2d(self.slot_local, host.image_trainable, fetch=True))
@@ -171,6 +172,17 @@ class Unit:
             for p, view in zip(self.params, self.slot_views):
                 p.data = view
         self.state = Residency.FETCHING
+
+    def _allocate_slot(self) -> None:
+        """The slot and its views, at the first fetch that copies; later fetches resize its storage."""
+        lay = self.layout
+        S, lo = lay.shard_numel, self.host.shard_lo
+        c = element_size(lay.grad_dtype) if lay.grad_dtype is not None else 0
+        self.slot = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self._device)
+        self.slot_views = [typed_view(self.slot, e.byte_offset, e.numel, e.device_dtype, e.shape) for e in lay.entries]
+        self.slot_trainable = self.slot[: lay.trainable_bytes]  # uint8: the region the ranks all-gather
+        self.slot_local = self.slot_trainable[lo * c : (lo + S) * c]  # this rank's shard
+        self._storage = self.slot.untyped_storage()
 
     def _wait_copies(self) -> None:
         for event in self._h2d_events:

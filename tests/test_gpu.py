@@ -562,9 +562,16 @@ def test_vocabulary_in_pieces_on_cuda_trains_like_plain_and_holds_less():
         model = copy.deepcopy(start)
         est = estimate_for_model(model, seq_len=12, batch_size=2, window_size=1, gpu_memory_bytes=1 << 40,
                                  cpu_memory_bytes=1 << 40, vocab_pieces=pieces, loss_chunk_tokens=5)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
         engine = offload_model(model, StrongholdConfig(resident=False, window_size=1, vocab_pieces=pieces,
                                                        loss_chunk_tokens=5), device="cuda")
-        assert bool([u for u in engine.units if u.vocab_pieces is not None]) == pieces
+        pieced = [u for u in engine.units if u.vocab_pieces is not None]
+        assert bool(pieced) == pieces
+        if pieces:  # no slot of a pieced unit, not even for a moment while the engine is built
+            built_peak = torch.cuda.max_memory_allocated() - before
+            assert built_peak < min(u.slot_bytes for u in pieced), built_peak
         losses, peaks[pieces] = _steps_alone(model, engine.build_optimizer(lr=1e-2), engine.clip_grad_norm_)
         engine.synchronize()
         assert losses == pytest.approx(losses_ref, rel=1e-4)

@@ -94,6 +94,9 @@ def test_parity_under_delayed_copies(family):
                                    vocab_pieces=True, loss_chunk_tokens=5)
         assert engine.transfer.mode == "delayed" and _pieced(engine)
         _train_both(ref, model, engine, _lm_loss(family), steps=2)
+        # Its slot is never allocated (a slot is at a unit's first whole fetch), as the blocks' are.
+        assert all(u.slot is None for u in _pieced(engine))
+        assert all(b.slot is not None and not b.holds_device_storage for b in engine.blocks)
 
 
 def _trains_as_the_whole_unit(make, config: dict, check=None, **train) -> None:
