@@ -16,8 +16,9 @@ Variants, interleaved in one process (rounds rotate the order; medians):
   Adam on the worker), ``speculative_step="on"``;
 * ``gpu_default``: the engine as a GPU user gets it by default: the worker thread and
   ``speculative_step="auto"``, which does not speculate while steps clip (every step of this
-  benchmark clips at 1.0): what ``gpu_config`` costs beyond it is the price of forcing
-  speculation that misses;
+  benchmark clips at 1.0, its norm 1.5-1.8 times the limit, so ``"on"`` too speculates only in
+  the first steps, until a norm is known: a step that far over is followed by one that clips;
+  ``--max_grad_norm 0`` measures speculation that hits, every block of every step);
 * ``cpu_default``: the engine as it runs on a CPU device by default (host work inline).
 
 ``extra_us_per_block`` = the variant's slope - plain's; ``ratio`` = that over plain's slope

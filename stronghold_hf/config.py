@@ -284,8 +284,10 @@ class StrongholdConfig:
     ``"auto"`` speculates only after a step that did not clip, and pauses while the recent miss
     rate is high (early training clips on nearly every step at ``max_grad_norm=1.0``); it never
     speculates when the host work runs inline (a CPU compute device, see ``host_worker``).
-    ``"on"`` always speculates (a miss costs an undo and a redo per block, one fused pass where
-    they read the same gradients); ``"off"`` never."""
+    ``"on"`` speculates every step except right after one whose norm was more than 1.25 times
+    ``max_norm`` (the next nearly always clips too; a miss costs an undo and a redo per block,
+    one fused pass where they read the same gradients); ``"off"`` never. Either way a pass stops
+    speculating once the blocks folded so far exceed the last ``max_norm``."""
 
     chunked_loss: bool | Literal["auto"] = "auto"
     """Causal LMs compute the LM head and the cross-entropy in chunks of tokens during training

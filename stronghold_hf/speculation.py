@@ -11,7 +11,9 @@ The guess is "no clipping" (coefficient 1.0, the only coefficient that can be kn
 global norm is). HF clips at ``max_grad_norm=1.0`` by default, and early training clips on
 nearly every step, so a blind guess would miss constantly. `SpeculationPolicy` therefore
 speculates only after a step that did not clip or overflow and whose norm stayed below
-``NORM_MARGIN`` of the limit, and stops while the recent miss rate is high. Within a pass, a running sum of the blocks' squared gradient norms (each copied
+``NORM_MARGIN`` of the limit, and stops while the recent miss rate is high; ``"on"``, forced,
+still skips the step right after one whose norm was over the limit by more than the same
+margin (1 / ``NORM_MARGIN``, 1.25 times), which nearly always clips too. Within a pass, a running sum of the blocks' squared gradient norms (each copied
 to the host with its gradient) stops further speculation as soon as it exceeds ``max_norm²``:
 the step will clip, whatever the remaining blocks hold.
 
@@ -76,7 +78,9 @@ class SpeculationPolicy:
         if self.mode == "off":
             return False
         if self.mode == "on":
-            return True
+            # Forced, except right after a step whose norm was over the limit by more than the
+            # margin: the next one nearly always clips too (a miss costs each block a second pass).
+            return self.last_norm_ratio is None or self.last_norm_ratio <= 1.0 / NORM_MARGIN
         recent_misses = sum(1 for hit in self.history if not hit)
         if self.history and recent_misses / len(self.history) > MAX_MISS_RATE:
             # Cool down: forget one outcome per clean step, so speculation resumes eventually.

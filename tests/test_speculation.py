@@ -64,9 +64,8 @@ def test_speculation_without_clipping_hits_and_is_exact(family):
 def test_speculation_with_active_clipping_rolls_back_and_is_exact(family, monkeypatch):
     """The first step knows no limit yet: every block is speculated, the step clips, each is
     rolled back and redone (in one fused pass: the redo reads the gradients the speculative
-    update read). From then on the pass stops speculating as soon as the blocks folded so far
-    exceed ``max_norm`` (inline, the first fold already does): the step will clip whatever the
-    rest hold, so no update is started only to be undone."""
+    update read). Its norm was far over ``max_norm`` (more than 1.25 times), so "on" does not
+    speculate in the steps after it: no update is started only to be undone."""
     fused = []
     redo_groups = CPUAdam.redo_groups
     monkeypatch.setattr(CPUAdam, "redo_groups", lambda self, *a, **k: fused.append(redo_groups(self, *a, **k)) or fused[-1])
@@ -288,6 +287,50 @@ def test_a_tensor_learning_rate_filled_in_place_reaches_every_block_and_misses_t
     assert misses >= 1
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-4, atol=SLACK, msg=lambda m: f"{k}: {m}")
+
+def test_on_keeps_speculating_just_over_the_clip_norm_and_stops_within_the_pass():
+    """Each step is clipped by a little (its norm 1.1 times ``max_norm``), so "on" speculates in
+    the next. The middle step's loss is ten times larger: its first fold already exceeds the
+    last step's ``max_norm`` and the pass stops speculating; the step after it speculates
+    again. Every speculated block is rolled back and redone exactly."""
+    ref = tiny_model("gpt2")
+    model = copy.deepcopy(ref)
+    engine = offload_model(model, StrongholdConfig(window_size=1, speculative_step="on"), device="cpu")
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1, foreach=False)
+    opt = engine.build_optimizer(lr=LR, weight_decay=0.1)
+    speculated = []
+    for step, scale in enumerate((1.0, 10.0, 1.0)):
+        before = engine.stats.as_dict()["speculated_blocks"]
+        b = batch("gpt2", seed=step)
+        (ref(**b).loss * scale).backward()
+        (model(**b).loss * scale).backward()
+        max_norm = float(engine.global_grad_norm()) / 1.1
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        engine.clip_grad_norm_(max_norm)
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad()
+        opt.zero_grad()
+        speculated.append(engine.stats.as_dict()["speculated_blocks"] - before)
+        assert engine.coordinator.policy.should_speculate()  # 1.1 <= 1.25: the next step speculates
+    assert speculated[0] >= engine.num_blocks and speculated[2] >= engine.num_blocks, speculated
+    assert speculated[1] == 0, speculated  # inline, the first fold crossed the limit
+    engine.synchronize()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-4, atol=SLACK, msg=lambda m: f"{k}: {m}")
+
+
+def test_on_does_not_speculate_right_after_a_step_far_over_the_clip_norm():
+    policy = SpeculationPolicy("on")
+    assert policy.should_speculate()  # no step yet
+    policy.record_step(clean=False, speculated=True, hit=False, norm_ratio=1.2)
+    assert policy.should_speculate()  # a little over: the next may not clip
+    policy.record_step(clean=False, speculated=True, hit=False, norm_ratio=1.6)
+    assert not policy.should_speculate()  # far over: the next nearly always clips too
+    policy.record_step(clean=True, speculated=False, hit=False, norm_ratio=None)  # not clipped at all
+    assert policy.should_speculate()
+    assert not SpeculationPolicy("off").should_speculate()
+
 
 def test_auto_speculates_only_with_a_margin_below_the_clip_norm():
     policy = SpeculationPolicy("auto")
