@@ -56,6 +56,21 @@ class PiecewiseLinear(torch.autograd.Function):
         if x.numel() == 0:  # the chunked loss's shrunk head input: nothing to fetch
             dtype = ctx.autocast["dtype"] if ctx.autocast["enabled"] else x.dtype
             return x.new_empty((*lead, pieces.vocab), dtype=dtype)
+        if not ctx.autocast["enabled"] and x.dtype == pieces.dtype:
+            # Each piece's product written in place into its columns of the logits (the GEMM
+            # takes the row stride): no piece-sized result and no strided copy of it, which
+            # was most of what pieces added to a step (F.linear's own kernel, bit for bit).
+            out = x.new_empty((*lead, pieces.vocab))
+            x2, out2 = x.reshape(-1, x.shape[-1]), out.view(-1, pieces.vocab)
+            for k, (v0, v1) in enumerate(pieces.bounds):
+                w = pieces.fetch(k)
+                if bias is not None:
+                    torch.addmm(pieces.fetch_bias(k), x2, w.t(), out=out2[:, v0:v1])
+                else:
+                    torch.mm(x2, w.t(), out=out2[:, v0:v1])
+                pieces.release(k)
+                del w
+            return out
         out = None
         for k, (v0, v1) in enumerate(pieces.bounds):
             w = pieces.fetch(k)
@@ -89,7 +104,10 @@ class PiecewiseLinear(torch.autograd.Function):
             w = pieces.fetch(k)
             wc = w.to(dtype)
             if need_x:
-                gx += (g[:, v0:v1] @ wc).float()
+                if wc.dtype == torch.float32:
+                    gx.addmm_(g[:, v0:v1], wc)  # no piece-sized product to add
+                else:
+                    gx += (g[:, v0:v1] @ wc).float()
             if need_w:
                 pieces.add_piece_grad(k, (g[:, v0:v1].t() @ xc).to(w.dtype))
             pieces.release(k)
