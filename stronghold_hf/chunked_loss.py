@@ -403,11 +403,9 @@ class _ChunkedHead:
         # run (torch.compile skips them on an exception): it belongs to no live call.
         self._reset()
         if kwargs.get("fused_lm_head") and id(self.head.weight) in self.vocab_pieces:
-            # TRL's fused LM head (GRPO, RLOO) multiplies by the whole weight outside the head.
-            raise RuntimeError(
-                f"{type(model).__name__}: fused_lm_head=True reads {self.plan.head_path}.weight whole, but it is read "
-                "in vocabulary pieces (StrongholdConfig(vocab_pieces=True)). Use StrongholdConfig(vocab_pieces=False) "
-                "with TRL's fused LM head (GRPO, RLOO).")
+            # TRL's fused LM head (GRPO, RLOO) multiplies by the whole weight outside the head:
+            # for this forward (and its backward) the weight is on the device whole.
+            self.vocab_pieces[id(self.head.weight)].lend_whole(for_backward=torch.is_grad_enabled())
         if (model.training and torch.is_grad_enabled() and torch.is_tensor(kwargs.get("labels"))
                 and not kwargs.get("fused_lm_head") and model.__dict__.get("_loss_function") is self.loss):
             self.phase = _Phase.ARMED
@@ -486,6 +484,8 @@ class _ChunkedHead:
     def _finish(self, model, args, kwargs, output):
         phase, logits, skipped, labels = self.phase, self.logits, self.skipped, self.labels
         self._reset()
+        for pieces in self.vocab_pieces.values():
+            pieces.release_after_forward()  # a fused head's copy that no graph holds
         if output is not None:
             self._check_promise(phase, skipped, labels)
         if phase is _Phase.CAPTURED:

@@ -331,9 +331,10 @@ class StrongholdConfig:
     uses, the head (its own forward and the chunked loss) fetches one piece at a time, and each
     piece's gradient goes to the host when the piece is done. The device slots, gradient lanes
     and staging are then sized by the largest block, whatever the vocabulary. The unit's host
-    side, optimizer state and checkpoints do not change. Code that reads the head's weight
-    outside the head's own forward (Liger, TRL's fused LM head) cannot use it: leave it off
-    there. A head's ``[vocab]`` bias crosses with its pieces. A unit it cannot read in pieces
+    side, optimizer state and checkpoints do not change. TRL's fused LM head
+    (``fused_lm_head=True``) gets the head's unit lent whole for its forward and backward. Other
+    code that reads the head's weight outside the head's own forward (Liger) cannot use it:
+    leave it off there. A head's ``[vocab]`` bias crosses with its pieces. A unit it cannot read in pieces
     (other parameters besides the weight and its bias, data parallel over several ranks,
     ``nvme_masters``) streams whole, with one log line."""
 

@@ -146,8 +146,9 @@ class GradientFlush:
                 # modules that register it (on a GPU, a host tensor in a device op).
                 raise RuntimeError(
                     f"stronghold: {u.fqn} is read in vocabulary pieces (StrongholdConfig(vocab_pieces=True)), but the "
-                    "model used its weight outside the forward of the modules that register it (a fused LM head, "
-                    "Liger's loss, code reading lm_head.weight). Use StrongholdConfig(vocab_pieces=False) for it.")
+                    "model used its weight outside the forward of the modules that register it (a fused LM head "
+                    "other than TRL's, Liger's loss, code reading lm_head.weight). Use "
+                    "StrongholdConfig(vocab_pieces=False) for it.")
         if self.dp is not None:  # which units have late gradients is the ranks' union
             flags = torch.zeros(len(units), dtype=torch.int32, device=self.device)
             for u in late:

@@ -454,6 +454,7 @@ class WindowSchedule:
             u.backward_holds = 0
             if gradients.has_lane(u):
                 gradients.flush(u)
+        self._reclaim_lent_vocab()  # before late gradients are looked for: a lent copy's .grad is folded
         gradients.flush_late(self.units)
         for u in self.units:
             if u.state is not Residency.ON_HOST and u.holds == 0:
@@ -475,6 +476,13 @@ class WindowSchedule:
         if self.probe is not None and self.probe.complete():
             self.apply_window_choice()
 
+    def _reclaim_lent_vocab(self) -> None:
+        """A vocabulary unit lent whole to a forward (TRL's fused head: `VocabularyPieces.lend_whole`)
+        goes back to its pieces: the backward that read the copy is over."""
+        for u in self.units:
+            if u.vocab_pieces is not None:
+                u.vocab_pieces.reclaim_whole()
+
     def _drain_vocab_pieces(self) -> None:
         """The gradients of units read in vocabulary pieces (vocab_pieces.py) are in their host
         gradient, like the lanes' after `GradientFlush.drain`."""
@@ -492,6 +500,8 @@ class WindowSchedule:
                 u.forward_holds = 0
             if gradients.has_lane(u):
                 gradients.discard(u)
+        self._reclaim_lent_vocab()
+        for u in self.units:
             u.grads.drop_stray_grads()  # late gradients of the failed pass
         gradients.drain()
         self._drain_vocab_pieces()

@@ -20,9 +20,11 @@ are sized by the blocks); the forwards of the modules that register the weight a
 while they run (`_VocabCalls`), and the weight's other uses are refused by name.
 
 A head's ``[vocab]`` bias (BERT's MLM decoder, Phi's head) is part of the unit and crosses with
-each piece. What stays whole (the unit streams through the window as before): a unit of other
-parameters besides, data parallel over several ranks (the pieces' gradients are not reduced
-across them), sharded CPU state, masters on disk, a weight used by a module that is neither an
+each piece. TRL's fused LM head (``fused_lm_head=True``), which multiplies by the whole weight
+outside the head, gets it lent whole for that forward and its backward (`lend_whole`). What
+stays whole (the unit streams through the window as before): a unit of other parameters
+besides, data parallel over several ranks (the pieces' gradients are not reduced across
+them), sharded CPU state, masters on disk, a weight used by a module that is neither an
 embedding nor a linear layer. Without a host image (``host_image=False``) the rows are
 converted from the fp32 masters on the way.
 """
@@ -123,6 +125,8 @@ class VocabularyPieces:
         self.piece_bytes = self.rows_per_piece * self.width * self.dtype.itemsize
         self.fetches = 0
         self._ahead: tuple | None = None  # (piece, device tensor, landed event): [Note: piece prefetch]
+        self._lent: tuple | None = None  # (host views, bytes, hook handles, got a gradient): `lend_whole`
+        self._lent_for_backward = False  # a forward with gradients read the lent copy: kept until its backward ends
 
     # ------------------------------------------------------------------ host state
     def _image(self, i: int = 0) -> torch.Tensor:
@@ -131,10 +135,11 @@ class VocabularyPieces:
         compute-dtype image, or without one (``host_image=False``) the fp32 masters, converted by
         the caller."""
         u = self.unit
-        self.coordinator.wait_update(u)
-        with _engine_access():
-            u.host.adopt_host_writes()
-            u.host.refresh_image()
+        if self._lent is None:  # lent whole, the parameters point at the device copy, made current
+            self.coordinator.wait_update(u)
+            with _engine_access():
+                u.host.adopt_host_writes()
+                u.host.refresh_image()
         image = u.host.image_views[i]
         return image if image is not None else u.host.param_views[i]
 
@@ -232,9 +237,10 @@ class VocabularyPieces:
         self.ledger.device_alloc((r1 - r0) * self.width * 4)
         return torch.zeros((r1 - r0, self.width), dtype=torch.float32, device=self._device)
 
-    def add_piece_grad(self, k: int, grad: torch.Tensor, summed: bool = False) -> None:
+    def add_piece_grad(self, k: int, grad: torch.Tensor, summed: bool = False):
         """Adds piece ``k``'s gradient (device, ``[rows, hidden]``) into the host gradient;
-        ``summed``: it was cast from the sum `new_grad` gave, whose booking ends here."""
+        ``summed``: it was cast from the sum `new_grad` gave, whose booking ends here. Returns the
+        event of its copy to the host (None when there is no copy): ``grad`` must not change before."""
         r0, r1 = self.bounds[k]
         if summed:
             self.ledger.device_free((r1 - r0) * self.width * 4)
@@ -255,6 +261,77 @@ class VocabularyPieces:
         self._fold("a vocabulary piece's gradient of ",
                    functools.partial(_land_and_add, self.transfer, landed, grad, staged, hg[r0:r1]))
         self._staging_ticket[turn] = self._folds[-1]
+        return landed
+
+    # ------------------------------------------------------------------ lent whole (a fused head)
+    @property
+    def lent(self) -> bool:
+        return self._lent is not None
+
+    def lend_whole(self, *, for_backward: bool) -> None:
+        """For a forward that reads the weight whole outside the modules that register it (TRL's
+        fused LM head: ``model(..., fused_lm_head=True)``): until `reclaim_whole`, the parameters
+        point at a copy of the whole unit on the device (booked in the ledger: the one time the
+        unit is whole there). A gradient autograd gives them is added into the host gradient a
+        piece at a time as it arrives, as the pieces' own are; the copy autograd then keeps in
+        ``.grad`` is dropped at `reclaim_whole`. ``for_backward``: the forward records a graph, so
+        the copy stays until the end of its backward (its saved tensors are the copy)."""
+        self._lent_for_backward |= for_backward
+        if self._lent is not None:
+            return
+        u = self.unit
+        copies = []
+        for i, e in enumerate(u.layout.entries):
+            rows = self._image(i)
+            copies.append(rows.to(device=self._device, dtype=e.device_dtype))  # (aliased: the image itself)
+        nbytes = sum(c.numel() * c.element_size() for c in copies)
+        self.ledger.device_alloc(nbytes)
+        self.ledger.count_h2d(nbytes, fetch=True)
+        got = [False] * len(copies)
+        with _engine_access():
+            views = [p.data for p in u.params]
+            for p, c in zip(u.params, copies):
+                p.data = c
+        # After the swap: autograd's accumulator of a parameter whose device changed is a new one.
+        handles = [p.register_hook(functools.partial(self._lent_grad, i, got))
+                   for i, p in enumerate(u.params) if u.trainable and p.requires_grad]
+        self._lent = (views, nbytes, handles, got)
+
+    def _lent_grad(self, i: int, got: list, grad: torch.Tensor) -> None:
+        got[i] = True
+        landed = None
+        for k, (r0, r1) in enumerate(self.bounds):
+            if i == 0:
+                landed = self.add_piece_grad(k, grad[r0:r1])
+            else:
+                self.add_bias_grad(k, grad[r0:r1])  # copied to the host before it returns
+        if landed is not None:
+            # Autograd keeps ``grad`` as ``.grad`` and adds a second contribution into it in
+            # place: the device waits for the copies (in order on one stream) before that.
+            self.transfer.device_wait(landed)
+
+    def release_after_forward(self) -> None:
+        """The end of a model forward: a copy no graph recorded goes back (`reclaim_whole`)."""
+        if self._lent is not None and not self._lent_for_backward:
+            self.reclaim_whole()
+
+    def reclaim_whole(self) -> None:
+        """The parameters point at their host memory again and the device copy is freed: at the
+        end of a forward without gradients, or of the backward (the schedule's end of backward)."""
+        lent, self._lent, self._lent_for_backward = self._lent, None, False
+        if lent is None:
+            return
+        views, nbytes, handles, got = lent
+        for h in handles:
+            h.remove()
+        u = self.unit
+        with _engine_access():
+            for i, (p, view) in enumerate(zip(u.params, views)):
+                if got[i]:
+                    p.grad = None  # added into the host gradient already, a piece at a time
+                p.data = view
+        u.host.record_versions()
+        self.ledger.device_free(nbytes)
 
     # ------------------------------------------------------------------ rows (the embedding)
     def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:

@@ -545,6 +545,47 @@ def _steps_alone(model, opt, clip, family="llama", steps=3):
     return losses, torch.cuda.max_memory_allocated() - base
 
 
+def test_trl_fused_lm_head_with_vocabulary_pieces_on_cuda_trains_like_plain():
+    """TRL's fused LM head (``fused_lm_head=True``) reads the head's weight whole outside the
+    head: with ``vocab_pieces`` the unit is lent whole to the GPU for that forward and its
+    backward, its gradient copied back a piece at a time; the losses and weights of plain
+    training, and the unit back in pieces after each step."""
+    pytest.importorskip("trl")
+    from trl.trainer.utils import add_fused_lm_head
+
+    ref = tiny_model("llama", vocab_size=32768, tie_word_embeddings=False)
+    model = copy.deepcopy(ref)
+    add_fused_lm_head(ref)
+    add_fused_lm_head(model)
+    ref.cuda()
+    engine = offload_model(model, StrongholdConfig(resident=False, window_size=1, vocab_pieces=True), device="cuda")
+    pieces = engine.unit_of(model.lm_head.weight).vocab_pieces
+    assert pieces is not None
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = engine.build_optimizer(lr=1e-2)
+    for step in range(3):
+        b = _cuda_batch("llama", step)
+        loss_ref = ref(**b, fused_lm_head=True).loss
+        loss = model(**b, fused_lm_head=True).loss
+        assert pieces.lent
+        assert loss.item() == pytest.approx(loss_ref.item(), rel=1e-4)
+        loss_ref.backward()
+        loss.backward()
+        assert not pieces.lent and model.lm_head.weight.device.type == "cpu"
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        engine.clip_grad_norm_(1.0)
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad()
+        opt.zero_grad()
+    engine.synchronize()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[k].float().cpu(), v.float().cpu(), rtol=1e-4, atol=6e-4,
+                                   msg=lambda m: f"{k}: {m}")
+    assert engine.stats.as_dict()["late_gradients"] == 0
+    engine.close()
+
+
 def test_vocabulary_in_pieces_on_cuda_trains_like_plain_and_holds_less():
     """``vocab_pieces=True`` on CUDA: the embedding's rows and the head's pieces cross through
     real copies and pinned staging; the losses and weights of plain training, and the

@@ -10,6 +10,7 @@ not grow with the vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -366,15 +367,42 @@ def test_the_padding_row_gets_no_gradient_as_in_f_embedding():
         _train_both(ref, model, engine, loss, steps=2)
 
 
-def test_trl_fused_lm_head_is_refused_before_it_reads_the_whole_weight():
+@pytest.mark.parametrize(("family", "delayed"), [("llama", False), ("gpt2", False), ("llama", True)],
+                         ids=["llama", "gpt2-tied", "llama-delayed-copies"])
+def test_trl_fused_lm_head_reads_the_weight_lent_whole_and_trains_like_plain(family, delayed):
     """TRL's GRPO and RLOO call the model with ``fused_lm_head=True``, which multiplies by
-    ``lm_head.weight`` outside the head: refused up front, naming the option."""
+    ``lm_head.weight`` outside the head: for that forward and its backward the unit is lent
+    whole to the device, its gradient is added into the host gradient a piece at a time, and
+    it goes back to its pieces at the end of the backward (or of a forward without gradients,
+    as TRL's reference log-probs). Losses and weights are plain training's."""
     pytest.importorskip("trl")
     from trl.trainer.utils import add_fused_lm_head
 
-    model = tiny_model("llama", tie_word_embeddings=False, **BIG_VOCAB)
+    ref = tiny_model(family, **BIG_VOCAB, **FAMILIES[family])
+    model = copy.deepcopy(ref)
+    add_fused_lm_head(ref)
     add_fused_lm_head(model)
-    offload_model(model, StrongholdConfig(window_size=1, vocab_pieces=True), device="cpu")
-    with pytest.raises(RuntimeError, match=r"fused_lm_head=True .*vocab_pieces=False"):
-        model(**batch("llama", seed=0), fused_lm_head=True)
-    assert model(**batch("llama", seed=0)).loss.isfinite()  # the model's own path still runs
+    with simulated_device(0.001) if delayed else contextlib.nullcontext():  # delayed: real copies, pinned staging
+        engine = offload_model(model, StrongholdConfig(window_size=1, vocab_pieces=True), device="cpu")
+        pieces = engine.unit_of(model.get_output_embeddings().weight).vocab_pieces
+        assert pieces is not None and engine.transfer.mode == ("delayed" if delayed else "sync")
+        _train_fused(ref, model, engine, pieces, family)
+
+
+def _train_fused(ref, model, engine, pieces, family):
+    """Three steps of TRL's fused loss on both, a forward without gradients before each."""
+
+    def fused_loss(m, step):
+        with torch.no_grad():  # the reference log-probs: no graph, the copy goes back at once
+            m(**batch(family, seed=100 + step), fused_lm_head=True)
+        assert not pieces.lent
+        loss = m(**batch(family, seed=step), fused_lm_head=True).loss
+        if m is model:
+            assert pieces.lent  # until the end of the backward that reads it
+        return loss
+
+    _train_both(ref, model, engine, fused_loss, steps=3)
+    assert not pieces.lent and engine.stats.as_dict()["late_gradients"] == 0
+    # The model's own path reads the pieces again.
+    b = batch(family, seed=7)
+    torch.testing.assert_close(model(**b).loss, ref(**b).loss, rtol=1e-5, atol=0)
