@@ -396,9 +396,12 @@ def _train_fused(ref, model, engine, pieces, family):
         with torch.no_grad():  # the reference log-probs: no graph, the copy goes back at once
             m(**batch(family, seed=100 + step), fused_lm_head=True)
         assert not pieces.lent
+        booked = engine.ledger.device_bytes
         loss = m(**batch(family, seed=step), fused_lm_head=True).loss
         if m is model:
             assert pieces.lent  # until the end of the backward that reads it
+            whole = sum(p.numel() * p.element_size() for p in pieces.unit.params)
+            assert engine.ledger.device_bytes - booked >= whole  # the device holds it whole meanwhile: booked
         return loss
 
     _train_both(ref, model, engine, fused_loss, steps=3)
