@@ -3,8 +3,8 @@
 The same tiny GPT-2, data and global batch, trained by the plain HF Trainer (DDP) and by
 StrongholdTrainer with sharded CPU state (each rank keeps 1/world of the masters, gradients
 and Adam state) and with full replicas: equal losses, grad norms and final weights; an exact
-resume; a resume with another world size refused before training; host bytes per rank
-falling as 1/world.
+resume; a resume with another world size, its optimizer state re-cut; host bytes per rank
+falling as 1/world. The runs of one world size share one launch (`runs`).
 """
 
 from __future__ import annotations
@@ -31,35 +31,84 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _run(out, world, per_device, mode, *extra, expect_ok=True):
-    out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, SCRIPT, str(out), str(per_device), mode, *extra]
+def _launch(world: int, runs: list[tuple]) -> list[list[dict]]:
+    """One launch of ``world`` processes (torchrun, or one plain process) that trains ``runs``
+    (``(out_dir, per_device, mode, *extra)``) one after another (dp_train.py's ``--then``);
+    each run's records, by rank."""
+    cmd = []
+    for out, *args in runs:
+        cmd += ["--then"] * bool(cmd) + [str(out), *map(str, args)]
+    cmd = [sys.executable, SCRIPT, *cmd]
     if world > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
                f"--master_port={_port()}", *cmd[1:]]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-    if expect_ok:
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-        return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
-    return proc
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return [[torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)] for out, *_ in runs]
+
+
+LLAMA, LEAN = ("--family", "llama"), ("--family", "llama", "--lean")
+#: Every run the module's tests read, by name: (world, per-device batch, mode, *extra). The
+#: global batch is 6 (x2 accumulation) for every world size. A ``{name}`` in an argument is that
+#: run's output directory, so a run may resume from an earlier one's checkpoint.
+RUNS = {
+    2: {
+        "plain2": (3, "plain"),
+        "sharded2": (3, "sharded"),
+        "replicated2": (3, "replicated"),
+        "split2": (3, "sharded", "--resident", "2"),
+        "saved2": (3, "sharded", "--max_steps", "6", "--save_steps", "3"),
+        "resumed2": (3, "sharded", "--max_steps", "6", "--resume", "{saved2}/checkpoint-3"),
+        "resumed_split2": (3, "sharded", "--max_steps", "6", "--resume", "{saved2}/checkpoint-3", "--resident", "2"),
+        "llama2": (3, "sharded", "--max_steps", "3", "--save_steps", "3", *LLAMA),
+        "lean2": (3, "sharded", "--max_steps", "3", "--save_steps", "3", *LEAN),
+    },
+    3: {
+        "plain3": (2, "plain"),
+        "sharded3": (2, "sharded"),
+        # Three ranks go on for two steps from the two ranks' state, re-cut.
+        "llama_as3": (2, "sharded", "--max_steps", "5", "--resume", "{llama2}/checkpoint-3", *LLAMA),
+        "lean_as3": (2, "sharded", "--max_steps", "4", "--resume", "{lean2}/checkpoint-3", *LEAN),
+    },
+    1: {
+        "sharded1": (6, "sharded"),
+        "llama_as1": (2, "sharded", "--max_steps", "4", "--resume", "{llama2}/checkpoint-3", *LLAMA),
+        # A checkpoint from before the files said what they cover (the fixture writes it).
+        "older1": (2, "sharded", "--max_steps", "4", "--resume", "{older}", *LLAMA, "--expect_error"),
+    },
+}
+
+
+def _strip_layout(checkpoint: Path, older: Path) -> None:
+    """A copy of ``checkpoint`` as written before the optimizer files named the pieces they cover."""
+    import shutil
+
+    shutil.copytree(checkpoint, older)
+    for name in os.listdir(older):
+        if name.startswith("optimizer-rank"):
+            state = torch.load(older / name, weights_only=True)
+            del state["cpu_pieces"]
+            torch.save(state, older / name)
 
 
 @pytest.fixture(scope="module")
-def shared_run(tmp_path_factory):
-    """`_run` for launches several tests make with the same arguments (the DDP reference, the
-    sharded runs, the checkpointing run): each launches once per module; returns the output
-    directory and the ranks' results."""
-    done: dict[tuple, tuple[Path, list]] = {}
-
-    def run(world, per_device, mode, *extra):
-        key = (world, per_device, mode, *extra)
-        if key not in done:
-            out = tmp_path_factory.mktemp(f"{mode}{world}")
-            done[key] = (out, _run(out, world, per_device, mode, *extra))
-        return done[key]
-
-    return run
+def runs(tmp_path_factory) -> dict[str, tuple[Path, list[dict]]]:
+    """Every run of `RUNS`, by name: its output directory and its ranks' records. One launch per
+    world size (a launch costs each process seconds of imports; a run, a fraction of one), in
+    the order 2, 3, 1: later launches resume from the two ranks' checkpoints."""
+    root = tmp_path_factory.mktemp("dp")
+    dirs = {name: root / name for by_name in RUNS.values() for name in by_name}
+    dirs["older"] = root / "older"
+    done = {}
+    for world, by_name in RUNS.items():
+        if world == 1:
+            _strip_layout(dirs["llama2"] / "checkpoint-3", dirs["older"])
+        specs = [(dirs[name], *(str(a).format(**{k: str(v) for k, v in dirs.items()}) for a in spec))
+                 for name, spec in by_name.items()]
+        for name, records in zip(by_name, _launch(world, specs)):
+            done[name] = (dirs[name], records)
+    return done
 
 
 def _assert_same_training(runs, ref, steps_slice=slice(None)):
@@ -73,25 +122,20 @@ def _assert_same_training(runs, ref, steps_slice=slice(None)):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_sharded_state_matches_ddp(shared_run, world):
-    per_device = 6 // world  # the same global batch of 6 (x2 accumulation) for every world size
-    _, ddp = shared_run(world, per_device, "plain")
-    _, sharded = shared_run(world, per_device, "sharded")
-    _assert_same_training(sharded, ddp[0])
+def test_sharded_state_matches_ddp(runs, world):
+    _assert_same_training(runs[f"sharded{world}"][1], runs[f"plain{world}"][1][0])
 
 
-def test_replicated_state_matches_ddp(tmp_path, shared_run):
-    _, ddp = shared_run(2, 3, "plain")
-    _assert_same_training(_run(tmp_path / "replicated", 2, 3, "replicated"), ddp[0])
+def test_replicated_state_matches_ddp(runs):
+    _assert_same_training(runs["replicated2"][1], runs["plain2"][1][0])
 
 
-def test_a_device_host_split_matches_ddp(tmp_path, shared_run):
+def test_a_device_host_split_matches_ddp(runs):
     """Two blocks resident (stepped by the device AdamW on every rank, their gradients averaged at
     the end of each backward), the rest streamed with sharded CPU state: the same training as DDP,
     and only the streamed part's state is sharded on the host."""
-    _, ddp = shared_run(2, 3, "plain")
-    split = _run(tmp_path / "split", 2, 3, "sharded", "--resident", "2")
-    _assert_same_training(split, ddp[0])
+    split = runs["split2"][1]
+    _assert_same_training(split, runs["plain2"][1][0])
     for r in split:
         assert r["memory"]["split_resident_blocks"] == 2
         resident = r["memory"]["split_resident_params"]
@@ -100,37 +144,31 @@ def test_a_device_host_split_matches_ddp(tmp_path, shared_run):
     assert not any(n.startswith(("transformer.h.0", "transformer.h.1")) for n in names)  # not in CPU Adam
 
 
-def test_resume_under_another_split_with_sharded_state(tmp_path, shared_run):
+def test_resume_under_another_split_with_sharded_state(runs):
     """Written with everything streamed by two sharded ranks; resumed with two blocks resident:
     their Adam state, sharded across both ranks' files, is put together on each rank's device."""
-    out, full = shared_run(2, 3, "sharded", "--max_steps", "6", "--save_steps", "3")
-    checkpoint = out / "checkpoint-3"
-    resumed = _run(tmp_path / "resumed", 2, 3, "sharded", "--max_steps", "6", "--resume", str(checkpoint),
-                   "--resident", "2")
     # The same losses; weights within Adam's slack: the global norm now sums the resident
     # blocks' squares in another order (test_device_split.py checks the state moves bit for bit).
-    _assert_same_training(resumed, full[0])
+    _assert_same_training(runs["resumed_split2"][1], runs["saved2"][1][0])
 
 
-def test_host_bytes_per_rank_fall_as_one_over_world(shared_run):
+def test_host_bytes_per_rank_fall_as_one_over_world(runs):
     host = {}
     for world in (1, 2, 3):
-        _, runs = shared_run(world, 6 // world, "sharded")
         per_rank = [r["memory"]["pinned_host_bytes"] + r["memory"]["pageable_host_bytes"] - r["staging_bytes"]
-                    for r in runs]
+                    for r in runs[f"sharded{world}"][1]]
         host[world] = max(per_rank)
     for world in (2, 3):
         # 1/world of the masters, gradients and Adam state, plus a little padding per shard.
         assert host[world] <= host[1] / world * 1.10, host
 
 
-def test_exact_resume_with_the_same_world_size(tmp_path, shared_run):
-    out, full = shared_run(2, 3, "sharded", "--max_steps", "6", "--save_steps", "3")
-    checkpoint = out / "checkpoint-3"
-    files = sorted(os.listdir(checkpoint))
+def test_exact_resume_with_the_same_world_size(runs):
+    out, full = runs["saved2"]
+    files = sorted(os.listdir(out / "checkpoint-3"))
     assert "optimizer-rank0-of-2.pt" in files and "optimizer-rank1-of-2.pt" in files
     assert "rng_state_0.pth" in files and "rng_state_1.pth" in files  # every rank's RNG, not only rank 0's
-    resumed = _run(tmp_path / "resumed", 2, 3, "sharded", "--max_steps", "6", "--resume", str(checkpoint))
+    resumed = runs["resumed2"][1]
     assert resumed[0]["losses"] == pytest.approx(full[0]["losses"], rel=1e-5)  # history restored, then steps 4-6
     for k, v in full[0]["state"].items():
         torch.testing.assert_close(resumed[0]["state"][k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
@@ -155,55 +193,32 @@ def _full_adam_state(runs, when="adam") -> dict[tuple[str, str], dict[str, torch
     return full
 
 
-@pytest.mark.xdist_group("distributed_own_launches")  # no shared_run: may run beside the module
-def test_resume_with_another_world_size_recuts_the_optimizer_state(tmp_path):
+def test_resume_with_another_world_size_recuts_the_optimizer_state(runs):
     """Written by 2 ranks with sharded CPU state; resumed by 3 sharded ranks and by one process:
     each holds exactly the Adam state the writers held for its elements, and training goes on
     (a resume by 2 ranks again is test_exact_resume_with_the_same_world_size's). Llama with weight decay: its norms end each block, so one rank's shards hold only
     decayed weights and another's both kinds (the optimizer's groups must not depend on that)."""
-    llama = ("--family", "llama")
-    written = _run(tmp_path / "two", 2, 3, "sharded", "--max_steps", "3", "--save_steps", "3", *llama)
-    checkpoint = tmp_path / "two" / "checkpoint-3"
-    reference = _full_adam_state(written)
+    reference = _full_adam_state(runs["llama2"][1])
     assert len(reference) > 0 and all(float(e["step"]) == 3 for e in reference.values())
-    resumed = {}
-    for world in (3, 1):
-        # Three ranks also go on for two steps: training continues from the re-cut state.
-        steps = "5" if world == 3 else "4"
-        resumed[world] = loaded = _run(tmp_path / f"as{world}", world, 2, "sharded", "--max_steps", steps, "--resume",
-                                       str(checkpoint), *llama)
-        full = _full_adam_state(loaded, when="adam_at_start")  # as the resumed loop starts
+    for name in ("llama_as3", "llama_as1"):
+        full = _full_adam_state(runs[name][1], when="adam_at_start")  # as the resumed loop starts
         assert full.keys() == reference.keys()
         for key, entry in reference.items():
             for part in ("exp_avg", "exp_avg_sq"):
-                assert torch.equal(full[key][part], entry[part]), (world, key, part)
-    # Lean: 8-bit moments per shard re-cut bit for bit too (codes by element, absmax by block).
-    lean = ("--family", "llama", "--lean")
-    written = _run(tmp_path / "lean2", 2, 3, "sharded", "--max_steps", "3", "--save_steps", "3", *lean)
-    reference = _full_adam_state(written)
+                assert torch.equal(full[key][part], entry[part]), (name, key, part)
+    # Lean: 8-bit moments per shard re-cut bit for bit too (codes by element, absmax by block);
+    # 3 ranks cut every parameter elsewhere.
+    reference = _full_adam_state(runs["lean2"][1])
     assert sum("exp_avg_q" in e for e in reference.values()) >= 9  # each block's MLP weights
-    loaded = _run(tmp_path / "lean_as3", 3, 2, "sharded", "--max_steps", "4", "--resume",
-                  str(tmp_path / "lean2" / "checkpoint-3"), *lean)  # 3 ranks cut every parameter elsewhere
-    full = _full_adam_state(loaded, when="adam_at_start")
+    full = _full_adam_state(runs["lean_as3"][1], when="adam_at_start")
     assert full.keys() == reference.keys()
     for key, entry in reference.items():
         for part in entry:
             if part != "step":
                 assert torch.equal(full[key][part], entry[part]), (key, part)
     # A checkpoint from before the files said what they cover: refused under another layout, with the fix.
-    import shutil
-
-    older = tmp_path / "older"
-    shutil.copytree(checkpoint, older)
-    for name in os.listdir(older):
-        if name.startswith("optimizer-rank"):
-            state = torch.load(older / name, weights_only=True)
-            del state["cpu_pieces"]
-            torch.save(state, older / name)
-    proc = _run(tmp_path / "older1", 1, 2, "sharded", "--max_steps", "4", "--resume", str(older), *llama,
-                expect_ok=False)
-    assert proc.returncode != 0 and "resume it with the layout that wrote it" in proc.stdout + proc.stderr
-    went_on = resumed[3]
+    assert "resume it with the layout that wrote it" in runs["older1"][1][0]["error"]
+    went_on = runs["llama_as3"][1]
     assert len(went_on[0]["losses"]) == 5 and all(math.isfinite(x) for x in went_on[0]["losses"])
     assert all(float(e["step"]) == 5 for e in _full_adam_state(went_on).values())
 
@@ -367,7 +382,7 @@ def _gather_and_modify(rank, port, out):
         dist.destroy_process_group()
 
 
-@pytest.mark.xdist_group("distributed_own_launches")  # no shared_run: may run beside the module
+@pytest.mark.xdist_group("distributed_own_launches")  # not the module's runs: may run beside them
 def test_gathered_parameters_broadcasts_resident_parameters_from_the_modifier(tmp_path):
     """``gathered_parameters(modifier_rank=0)`` on a parameter the split keeps on the device: rank
     0's change reaches rank 1, as it does for offloaded parameters."""

@@ -1,12 +1,18 @@
 """Trains a tiny GPT-2 with the HF Trainer under torchrun (gloo) or alone; writes what it saw.
 
     dp_train.py OUT_DIR PER_DEVICE_BATCH MODE [--max_steps N] [--save_steps N] [--resume DIR] [--family F] [--lean]
-                [--resident N]
+                [--resident N] [--expect_error] [--then OUT_DIR PER_DEVICE_BATCH MODE ...]...
+
+``--then`` starts another run in the same processes, after the one before it has finished (it
+may resume from that one's checkpoint): a launch costs each process seconds of imports, a tiny
+run a fraction of one. Every run builds its own model, arguments and Trainer; the process group
+is the first run's.
 
 MODE: ``plain`` (Trainer, DDP when launched with several processes), ``sharded`` (STRONGHOLD,
 sharded CPU state) or ``replicated`` (STRONGHOLD, full CPU replicas). Writes
 ``OUT_DIR/rank{rank}.pt``: logged losses and grad norms, the final weights (whole, gathered),
-and the engine's host bytes.
+and the engine's host bytes; with ``--expect_error`` (one process only), the error the run
+raised instead (``{"error": message}``), and none is a failure.
 """
 
 import argparse
@@ -43,7 +49,7 @@ class _AdamAtStart(TrainerCallback):
             self.out["adam"] = _adam_state(self.trainer)
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("out_dir")
     ap.add_argument("per_device", type=int)
@@ -54,7 +60,14 @@ def main() -> None:
     ap.add_argument("--family", default="gpt2", help="llama: norms end each block, so ranks' shards mix decay groups")
     ap.add_argument("--lean", action="store_true", help="host_memory='lean', and MLPs wide enough for 8-bit moments")
     ap.add_argument("--resident", type=int, default=None, help="StrongholdConfig(resident=N): N blocks on the device")
-    opts = ap.parse_args()
+    ap.add_argument("--expect_error", action="store_true", help="the run must raise; its message is the record")
+    return ap
+
+
+def train(opts, keep: list) -> None:
+    """One run; ``keep`` holds its Trainer until the process ends (a DDP Reducer freed while its
+    process group lives can deadlock in gloo's destructor, as at interpreter teardown below)."""
+    os.makedirs(opts.out_dir, exist_ok=True)
     rank = int(os.environ.get("RANK", "0"))
     common = dict(
         output_dir=opts.out_dir, per_device_train_batch_size=opts.per_device, gradient_accumulation_steps=2,
@@ -75,8 +88,16 @@ def main() -> None:
                                **({"resident": opts.resident} if opts.resident is not None else {})},
         )
         trainer = StrongholdTrainer(model=model, args=args, train_dataset=data)
+    keep.append(trainer)
     at_start = {}
     trainer.add_callback(_AdamAtStart(trainer, at_start))
+    if opts.expect_error:
+        try:
+            trainer.train(resume_from_checkpoint=opts.resume)
+        except Exception as e:  # noqa: BLE001 - the record says what was raised
+            torch.save({"error": f"{type(e).__name__}: {e}"}, os.path.join(opts.out_dir, f"rank{rank}.pt"))
+            return
+        raise SystemExit(f"{opts.out_dir}: the run was expected to raise, and finished")
     trainer.train(resume_from_checkpoint=opts.resume)
     engine = getattr(trainer, "stronghold_engine", None)
     state = engine.full_state_dict() if engine is not None else model.state_dict()  # every rank gathers
@@ -92,6 +113,18 @@ def main() -> None:
         "adam_at_start": at_start.get("adam"),
     }
     torch.save(record, os.path.join(opts.out_dir, f"rank{rank}.pt"))
+
+
+def main() -> None:
+    argv, runs = sys.argv[1:], [[]]
+    for a in argv:
+        if a == "--then":
+            runs.append([])
+        else:
+            runs[-1].append(a)
+    keep: list = []
+    for run in runs:
+        train(_parser().parse_args(run), keep)
     # Skip interpreter teardown: freeing a DDP Reducer there can deadlock in torch's gloo
     # ProcessGroup destructor (it joins a thread that waits for the GIL); the record is saved.
     sys.stdout.flush()
