@@ -34,6 +34,7 @@ The pieces, bottom up:
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import logging
@@ -452,11 +453,12 @@ class _ChunkedHead:
             raise ValueError(f"{type(self.model).__name__}: loss_function got vocab_size={vocab_size}, but "
                              f"{self.plan.head_path} has {weight.shape[0]} outputs; make config.vocab_size match the "
                              f"head, or use StrongholdConfig(chunked_loss=False).")
-        return chunked_linear_cross_entropy(hidden, weight, bias, labels, shift_labels=shift_labels,
-                                            ignore_index=ignore_index, num_items_in_batch=num_items,
-                                            transform=self.plan.transform, chunk_tokens=self.chunk_tokens,
-                                            vocab_piece_rows=self.piece_rows(weight),
-                                            pieces=self.vocab_pieces.get(id(weight)))
+        pieces = self.vocab_pieces.get(id(weight))
+        with pieces.routed() if pieces is not None else contextlib.nullcontext():
+            return chunked_linear_cross_entropy(hidden, weight, bias, labels, shift_labels=shift_labels,
+                                                ignore_index=ignore_index, num_items_in_batch=num_items,
+                                                transform=self.plan.transform, chunk_tokens=self.chunk_tokens,
+                                                vocab_piece_rows=self.piece_rows(weight), pieces=pieces)
 
     def piece_rows(self, weight: Tensor) -> int | None:
         return vocab_piece_rows(weight.shape[0], weight.shape[1], self.piece_numel)
@@ -484,8 +486,6 @@ class _ChunkedHead:
     def _finish(self, model, args, kwargs, output):
         phase, logits, skipped, labels = self.phase, self.logits, self.skipped, self.labels
         self._reset()
-        for pieces in self.vocab_pieces.values():
-            pieces.release_after_forward()  # a fused head's copy that no graph holds
         if output is not None:
             self._check_promise(phase, skipped, labels)
         if phase is _Phase.CAPTURED:

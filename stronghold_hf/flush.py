@@ -145,10 +145,10 @@ class GradientFlush:
                 # Autograd gave the whole weight a gradient: something used it outside the
                 # modules that register it (on a GPU, a host tensor in a device op).
                 raise RuntimeError(
-                    f"stronghold: {u.fqn} is read in vocabulary pieces (StrongholdConfig(vocab_pieces=True)), but the "
-                    "model used its weight outside the forward of the modules that register it (a fused LM head "
-                    "other than TRL's, Liger's loss, code reading lm_head.weight). Use "
-                    "StrongholdConfig(vocab_pieces=False) for it.")
+                    f"stronghold: {u.fqn} is read in vocabulary pieces (StrongholdConfig(vocab_pieces=True)), but "
+                    "its weight was used with gradients outside the model's forward (an op on it before calling the "
+                    "model, or on its outputs afterwards), where the engine does not lend it whole (on a GPU it is "
+                    "host memory there). Use it inside the forward, or StrongholdConfig(vocab_pieces=False).")
         if self.dp is not None:  # which units have late gradients is the ranks' union
             flags = torch.zeros(len(units), dtype=torch.int32, device=self.device)
             for u in late:

@@ -30,6 +30,7 @@ from .param_watch import ParametersOutside
 from .schedule import WindowSchedule
 from .stepping import StepCoordinator
 from .unit import Residency, Unit
+from .vocab_pieces import describe_use
 
 
 class HostReads:
@@ -49,11 +50,16 @@ class HostReads:
         self.gathering = False  # inside full_state_dict(): every rank is gathering (state_dict.py reads it)
         self._gathered = 0  # depth of gathered_parameters() contexts
 
-    def read_barrier(self, index: int) -> None:
-        """A guarded parameter of unit ``index`` is about to be read (read_guard.py): its CPU
-        update finishes first (a speculative update the step has not validated is undone, so the
-        read sees what the last ``step()`` produced); a shard this rank holds is refused."""
+    def read_barrier(self, index: int, func=None) -> None:
+        """A guarded parameter of unit ``index`` is about to be read by torch function ``func``
+        (read_guard.py): its CPU update finishes first (a speculative update the step has not
+        validated is undone, so the read sees what the last ``step()`` produced); a shard this
+        rank holds is refused. A weight read in vocabulary pieces is served by its device side
+        during a model forward ([Note: lent whole] in vocab_pieces.py)."""
         u = self.units[index]
+        pieces = u.vocab_pieces
+        if pieces is not None and pieces.serves_read(self.schedule.in_model_forward, f"{describe_use(func)} outside its modules"):
+            return
         self.coordinator.wait_update(u, forward=False)
         if u.host.masters_on_disk and not u.sharded and u.state is Residency.ON_HOST:
             u.host.materialize()  # the value, mapped from the file

@@ -68,7 +68,7 @@ class GuardedParameter(nn.Parameter):
                     entry = _BARRIERS.get(id(t))
                     owner = entry[0]() if entry is not None else None
                     if owner is not None:
-                        owner.read_barrier(entry[1])
+                        owner.read_barrier(entry[1], func)
                     elif type(t) is GuardedParameter:
                         t.__class__ = nn.Parameter  # its engine is gone: nothing to wait for
         with torch._C.DisableTorchFunctionSubclass():
@@ -76,7 +76,8 @@ class GuardedParameter(nn.Parameter):
 
 
 def register(params: Iterable[nn.Parameter], owner: Any, key: Any) -> None:
-    """``owner.read_barrier(key)`` runs before any of ``params`` is read while guarded."""
+    """``owner.read_barrier(key, func)`` runs before torch function ``func`` reads any of
+    ``params`` while they are guarded."""
     ref = weakref.ref(owner)
     for p in params:
         _BARRIERS[id(p)] = (ref, key)
@@ -111,13 +112,16 @@ class ReadGuard:
     """The guard over one unit's parameters. `guard` switches their class so that a read runs
     the unit's barrier first; `unguard` switches it back. ``guarded``: whether the class may be
     switched now; the engine's own reads turn the guard off only then (fastpath.engine_method).
-    The unit and its gradient state (unit_grads.py) share one, so both know."""
+    `pin`: guarded for good (a weight read in vocabulary pieces: every read during a forward is
+    looked at, vocab_pieces.py). The unit and its gradient state (unit_grads.py) share one, so
+    both know."""
 
-    __slots__ = ("params", "guarded")
+    __slots__ = ("params", "guarded", "pinned")
 
     def __init__(self, params: list[nn.Parameter]) -> None:
         self.params = params
         self.guarded = False
+        self.pinned = False
 
     def guard(self) -> None:
         if not self.guarded:  # (a speculated unit is guarded at its record and again at its task's submission)
@@ -125,9 +129,13 @@ class ReadGuard:
             self.guarded = True
 
     def unguard(self) -> None:
-        if self.guarded:
+        if self.guarded and not self.pinned:
             unguard(self.params)
             self.guarded = False
+
+    def pin(self) -> None:
+        self.guard()
+        self.pinned = True
 
 
 __all__ = ["GuardedParameter", "ReadGuard", "register", "unregister", "guard", "unguard", "is_guarded",

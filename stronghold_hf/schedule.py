@@ -153,6 +153,7 @@ class WindowSchedule:
         self._cursor = -1  # forward position of the last use opened in this pass
         self._block_entries = 0  # block forwards entered (outside backward), for the check below
         self._entries_at_model_start = 0
+        self._model_forwards = 0  # model forwards running (nested: a forward that calls the model)
         self._warned_no_block_ran = False
 
     # ------------------------------------------------------------------ queries
@@ -187,9 +188,16 @@ class WindowSchedule:
 
     # ------------------------------------------------------------------ hooks: forward
     # The module hooks that call these are installed by hooks.install_module_hooks.
+    @property
+    def in_model_forward(self) -> bool:
+        """The model's forward is running (outside backward): the span in which a vocabulary
+        unit's other uses get it lent whole (vocab_pieces.py)."""
+        return self._model_forwards > 0
+
     def on_model_forward_start(self, module, args, kwargs) -> None:
         if in_backward():
             return None
+        self._model_forwards += 1
         self._entries_at_model_start = self._block_entries
         self.settle()
         if not self._stack:
@@ -207,6 +215,11 @@ class WindowSchedule:
     def on_model_forward_end(self, module, args, kwargs, output):
         if in_backward():
             return None
+        self._model_forwards = max(0, self._model_forwards - 1)
+        if not self._model_forwards:
+            for u in self.units:
+                if u.vocab_pieces is not None:
+                    u.vocab_pieces.release_after_forward()  # a copy lent whole that no graph holds
         # A training forward that entered no block used the block weights some other way (a
         # container's contents called directly, `block.forward(...)` bypassing hooks): nothing
         # was streamed, and on a GPU those weights are host memory. Said once, plainly.
@@ -477,8 +490,8 @@ class WindowSchedule:
             self.apply_window_choice()
 
     def _reclaim_lent_vocab(self) -> None:
-        """A vocabulary unit lent whole to a forward (TRL's fused head: `VocabularyPieces.lend_whole`)
-        goes back to its pieces: the backward that read the copy is over."""
+        """A vocabulary unit lent whole to a forward (`VocabularyPieces.lend_whole`) goes back to
+        its pieces: the backward that read the copy is over."""
         for u in self.units:
             if u.vocab_pieces is not None:
                 u.vocab_pieces.reclaim_whole()
@@ -528,8 +541,10 @@ class WindowSchedule:
             self._abort_backward()
 
     def evict_all(self) -> None:
-        """Returns every idle unit to the host (before saving, between phases)."""
+        """Returns every idle unit to the host (before saving, between phases), a vocabulary
+        unit lent whole included (the optimizer step calls this: the copy would go stale)."""
         self.settle()
+        self._reclaim_lent_vocab()
         backward = self.phase is Phase.BACKWARD
         for u in self.units:
             if u.state is not Residency.ON_HOST and u.holds == 0:
@@ -541,6 +556,7 @@ class WindowSchedule:
             u.forward_holds = u.backward_holds = 0
         self._stack.clear()
         self._open_regions.clear()
+        self._model_forwards = 0
 
     # ------------------------------------------------------------------ the window size
     def apply_window_choice(self) -> None:

@@ -206,6 +206,15 @@ class UnitHost:
             self.image_stale = True
         return changed
 
+    def read_value(self, k: int) -> torch.Tensor:
+        """Parameter ``k``'s current value to read from, in its stored dtype: its host view, or
+        with the masters on disk its fp32 master mapped from the file (unsharded)."""
+        piece = self.pieces[k]
+        if self.masters_on_disk and piece is not None:
+            flat = self.disk_masters.map(self.index)
+            return flat[piece[1] : piece[1] + piece[2]].view(self.param_views[k].shape)
+        return self.param_views[k]
+
     def write_value(self, k: int, value: torch.Tensor) -> None:
         """Writes a full value of parameter ``k`` into what this rank keeps of it (the file,
         with the masters on disk)."""

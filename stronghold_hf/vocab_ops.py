@@ -109,7 +109,10 @@ class PiecewiseLinear(torch.autograd.Function):
                 else:
                     gx += (g[:, v0:v1] @ wc).float()
             if need_w:
-                pieces.add_piece_grad(k, (g[:, v0:v1].t() @ xc).to(w.dtype))
+                gw = g[:, v0:v1].t() @ xc
+                cast = gw.to(w.dtype)
+                pieces.add_piece_grad(k, cast, booked=pieces.book(gw, cast))
+                del gw, cast
             pieces.release(k)
             del w, wc
         return (gx.view(x.shape).to(x.dtype) if need_x else None), None, None, None
@@ -212,7 +215,10 @@ class StreamedLinearCrossEntropy(torch.autograd.Function):
                     del logits, g, grads, wanted, x
             del wl, bl
             if need_weight:
-                pieces.add_piece_grad(k, gw.to(w.dtype), summed=True)
+                cast = gw.to(w.dtype)
+                pieces.add_piece_grad(k, cast, booked=pieces.grad_sum_bytes(k) + (pieces.book(cast) if cast is not gw
+                                                                                   else 0))
+                del cast
             if need_bias:
                 pieces.add_bias_grad(k, gb.to(b.dtype))
             pieces.release(k)

@@ -17,12 +17,19 @@ prefetch]) and a piece of its gradient, never ``vocab x hidden``. The unit's hos
 optimizer entry, one checkpoint tensor, and between steps the parameter is its host master as
 for every unit. The unit is not in the window's sequence (the window's slots, lanes and staging
 are sized by the blocks); the forwards of the modules that register the weight are routed here
-while they run (`_VocabCalls`), and the weight's other uses are refused by name.
+while they run (`_VocabCalls`).
+
+[Note: lent whole] Any other use of the weight during a model forward (TRL's fused LM head,
+``model(..., fused_lm_head=True)``; Liger's loss, which multiplies by ``lm_head.weight``
+outside the head; a head that does ``x @ self.weight.T``; PEFT's DoRA norm) gets the unit lent
+whole to the device for that forward and its backward (`lend_whole`): the engine cannot give
+those ops pieces, so it gives them what plain training would, once per forward, said once in
+the log. The weight stays guarded for that (read_guard.py: its class is `GuardedParameter` for
+the engine's life), so such a use is seen on any device, not only as a device mismatch on a GPU.
+Outside a forward the weight reads as every offloaded weight does: its host value.
 
 A head's ``[vocab]`` bias (BERT's MLM decoder, Phi's head) is part of the unit and crosses with
-each piece. TRL's fused LM head (``fused_lm_head=True``), which multiplies by the whole weight
-outside the head, gets it lent whole for that forward and its backward (`lend_whole`). What
-stays whole (the unit streams through the window as before): a unit of other parameters
+each piece. What stays whole (the unit streams through the window as before): a unit of other parameters
 besides, data parallel over several ranks (the pieces' gradients are not reduced across
 them), sharded CPU state, masters on disk, a weight used by a module that is neither an
 embedding nor a linear layer. Without a host image (``host_image=False``) the rows are
@@ -31,6 +38,7 @@ converted from the fp32 masters on the way.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 
@@ -86,8 +94,6 @@ def why_not_pieced(u, largest_block: int) -> str | None:
         return "its CPU state is sharded across ranks"
     if u.dp is not None and u.dp.world > 1:
         return "data parallel across ranks (its pieces' gradients are not reduced across them)"
-    if u.host.masters_on_disk:
-        return "its masters are on disk (nvme_masters)"
     return None
 
 
@@ -120,13 +126,22 @@ class VocabularyPieces:
         self._staging_ticket: list = [None, None]
         self._turn = 0
         self._folds: list = []  # this backward's folds on the host worker (tickets)
-        if unit.trainable:
-            unit.grads.widen("its gradient arrives in row pieces and rows, added on the host")
+        # [Note: pieces' host gradient] It stays in the compute dtype (bf16 host gradients,
+        # unit_grads.py) while each row gets one contribution per backward, as a whole unit's
+        # lane gives it: a head's piece is summed on the device (in fp32 over the chunks) and
+        # added once into a zeroed row range, which is exact. A second contribution to the same
+        # rows (an accumulation across backwards, the head used twice, a tied embedding's rows
+        # after the head's pieces) or the embedding's rows (summed per id) widen it to fp32
+        # first, for good (`_begin_grad`).
+        self._added: set[tuple[int, int]] = set()  # (parameter, piece) added in this backward
+        self._rows_added = False  # the embedding's rows were added in this backward
         self.piece_bytes = self.rows_per_piece * self.width * self.dtype.itemsize
         self.fetches = 0
         self._ahead: tuple | None = None  # (piece, device tensor, landed event): [Note: piece prefetch]
         self._lent: tuple | None = None  # (host views, bytes, hook handles, got a gradient): `lend_whole`
         self._lent_for_backward = False  # a forward with gradients read the lent copy: kept until its backward ends
+        self.routing = 0  # inside a routed call (`routed`): reads of the weight are the pieces'
+        self._said_lent = False
 
     # ------------------------------------------------------------------ host state
     def _image(self, i: int = 0) -> torch.Tensor:
@@ -141,7 +156,7 @@ class VocabularyPieces:
                 u.host.adopt_host_writes()
                 u.host.refresh_image()
         image = u.host.image_views[i]
-        return image if image is not None else u.host.param_views[i]
+        return image if image is not None else u.host.read_value(i)
 
     def _fold(self, what: str, task) -> None:
         """Runs ``task`` (an add into the host gradient) on the host worker, in order with the
@@ -155,18 +170,34 @@ class VocabularyPieces:
         for ticket in folds:
             ticket.wait()
 
-    def _begin_grad(self, i: int = 0) -> torch.Tensor:
-        """A gradient contribution of this backward pass to parameter ``i``: its host gradient,
-        to add into (zeroed first when it holds nothing yet)."""
+    def _begin_grad(self, i: int = 0, piece: int | None = None) -> torch.Tensor:
+        """A gradient contribution of this backward pass to parameter ``i`` (row piece
+        ``piece``, or None: the embedding's rows): its host gradient, to add into (zeroed first
+        when it holds nothing yet; widened to fp32 first when the contribution would be a sum:
+        [Note: pieces' host gradient])."""
         self._enter_backward()  # the schedule's end of this backward drains the folds
         u, g = self.unit, self.unit.grads
         if g.spec is not None:  # more gradient after a speculative update read the old one
             self.coordinator.undo_speculation(u)
+        first = g.flushes_this_pass == 0
+        if first:
+            self._added.clear()
+            self._rows_added = False
+        if g.grad_flat is not None and g.grad_flat.dtype != torch.float32:
+            sums = g.grad_valid[i] and (first or piece is None or self._rows_added or (i, piece) in self._added)
+            if sums or piece is None:
+                self.drain()  # the folds queued so far add into the buffer that is replaced
+                g.widen("its rows get a second gradient contribution" if sums else
+                        "the embedding's rows are summed per id on the host")
+        if piece is None:
+            self._rows_added = True
+        else:
+            self._added.add((i, piece))
         hg = g.grad_views[i]
         if not g.grad_valid[i]:
             hg.zero_()
             g.grad_valid[i] = True
-        if g.flushes_this_pass == 0:
+        if first:
             g.flushes += 1
             g.flushes_this_pass = 1
         g.device_norm = None  # the norm is taken on the host at clip
@@ -183,12 +214,6 @@ class VocabularyPieces:
         that stopped part-way (it raised) left behind: it is dropped, since the unit may have
         been updated since."""
         self.fetches += 1
-        if self._alias:  # the image rows are the device rows: nothing to copy ahead
-            rows = self._host_rows(k)
-            nbytes = rows.numel() * rows.element_size()
-            self.ledger.device_alloc(nbytes)
-            self.ledger.count_h2d(nbytes, fetch=True)
-            return rows
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[0] != k:
             self.release(ahead[0])
@@ -196,7 +221,8 @@ class VocabularyPieces:
         dst, landed = ahead[1:] if ahead is not None else self._start_copy(k)
         if k + 1 < len(self.bounds):
             self._ahead = (k + 1, *self._start_copy(k + 1))
-        self.transfer.device_wait(landed)
+        if landed is not None:
+            self.transfer.device_wait(landed)
         return dst
 
     def _host_rows(self, k: int) -> torch.Tensor:
@@ -204,9 +230,15 @@ class VocabularyPieces:
         return self._image()[r0:r1].to(self.dtype)
 
     def _start_copy(self, k: int):
-        """Books piece ``k`` on the device and starts its copy there; ``(tensor, landed event)``."""
+        """Books piece ``k`` on the device and starts its copy there; ``(tensor, landed event)``.
+        On the CPU device the image rows are the device rows (no copy, no event), booked all the
+        same: the ledger holds what a GPU would, one piece ahead included."""
         rows = self._host_rows(k)
-        self.ledger.device_alloc(rows.numel() * rows.element_size())
+        nbytes = rows.numel() * rows.element_size()
+        self.ledger.device_alloc(nbytes)
+        if self._alias:
+            self.ledger.count_h2d(nbytes, fetch=True)
+            return rows, None
         dst = torch.empty(rows.shape, dtype=rows.dtype, device=self._device)
         return dst, self.transfer.copy_h2d(dst, rows, fetch=True)
 
@@ -221,7 +253,7 @@ class VocabularyPieces:
     def add_bias_grad(self, k: int, grad: torch.Tensor) -> None:
         """Adds piece ``k``'s gradient of the bias (device, ``[rows]``) into its host gradient."""
         r0, r1 = self.bounds[k]
-        hg = self._begin_grad(1)
+        hg = self._begin_grad(1, k)
         self.ledger.count_d2h(grad.numel() * grad.element_size())
         self._fold("a vocabulary piece's bias gradient of ", functools.partial(torch.Tensor.add_, hg[r0:r1],
                                                                                  grad.to("cpu")))
@@ -232,24 +264,36 @@ class VocabularyPieces:
 
     def new_grad(self, k: int) -> torch.Tensor:
         """A zeroed fp32 sum for piece ``k``'s gradient on the device (booked in the ledger until
-        `add_piece_grad` takes it)."""
+        `add_piece_grad` takes it: its bytes are `grad_sum_bytes`)."""
+        self.ledger.device_alloc(self.grad_sum_bytes(k))
         r0, r1 = self.bounds[k]
-        self.ledger.device_alloc((r1 - r0) * self.width * 4)
         return torch.zeros((r1 - r0, self.width), dtype=torch.float32, device=self._device)
 
-    def add_piece_grad(self, k: int, grad: torch.Tensor, summed: bool = False):
-        """Adds piece ``k``'s gradient (device, ``[rows, hidden]``) into the host gradient;
-        ``summed``: it was cast from the sum `new_grad` gave, whose booking ends here. Returns the
-        event of its copy to the host (None when there is no copy): ``grad`` must not change before."""
+    def grad_sum_bytes(self, k: int) -> int:
         r0, r1 = self.bounds[k]
-        if summed:
-            self.ledger.device_free((r1 - r0) * self.width * 4)
-        hg = self._begin_grad()
+        return (r1 - r0) * self.width * 4
+
+    def book(self, *tensors: torch.Tensor | None) -> int:
+        """Books the device tensors the pieces' backward made (a piece's gradient, its cast)
+        until `add_piece_grad` takes them; returns their bytes (a repeat or None: nothing)."""
+        seen, nbytes = set(), 0
+        for t in tensors:
+            if t is not None and id(t) not in seen:
+                seen.add(id(t))
+                nbytes += t.numel() * t.element_size()
+        self.ledger.device_alloc(nbytes)
+        return nbytes
+
+    def add_piece_grad(self, k: int, grad: torch.Tensor, booked: int = 0):
+        """Adds piece ``k``'s gradient (device, ``[rows, hidden]``) into the host gradient;
+        ``booked``: the device bytes whose booking ends here (the sum `new_grad` gave, what
+        `book` booked). Returns the event of its copy to the host (None when there is no copy):
+        ``grad`` must not change before."""
+        r0, r1 = self.bounds[k]
+        self.ledger.device_free(booked)
+        hg = self._begin_grad(0, k)
         nbytes = grad.numel() * grad.element_size()
-        if self._alias:
-            self.ledger.count_d2h(nbytes)
-            hg[r0:r1].add_(grad)
-            return
+        # On the CPU device too: the copy is a host copy, and the same two buffers and folds run.
         turn, self._turn = self._turn, 1 - self._turn
         if self._staging_ticket[turn] is not None:
             self._staging_ticket[turn].wait()  # its last piece was added: the buffer is free
@@ -263,14 +307,36 @@ class VocabularyPieces:
         self._staging_ticket[turn] = self._folds[-1]
         return landed
 
-    # ------------------------------------------------------------------ lent whole (a fused head)
+    # ------------------------------------------------------------------ lent whole: [Note: lent whole]
     @property
     def lent(self) -> bool:
         return self._lent is not None
 
-    def lend_whole(self, *, for_backward: bool) -> None:
-        """For a forward that reads the weight whole outside the modules that register it (TRL's
-        fused LM head: ``model(..., fused_lm_head=True)``): until `reclaim_whole`, the parameters
+    @contextlib.contextmanager
+    def routed(self):
+        """The body computes with the pieces (a routed module's forward, the chunked loss): its
+        reads of the weight are not other uses."""
+        self.routing += 1
+        try:
+            yield
+        finally:
+            self.routing -= 1
+
+    def serves_read(self, in_forward: bool, what: str) -> bool:
+        """A guarded read of the weight or bias (read_guard.py), by ``what``: whether the device
+        side serves it (a routed call; a lent copy, lent now when a model forward is running).
+        False: the read is between forwards, of the host value."""
+        if self.routing or self._lent is not None:
+            return True
+        if not in_forward:
+            return False
+        self.lend_whole(for_backward=torch.is_grad_enabled(), what=what)
+        return True
+
+    def lend_whole(self, *, for_backward: bool, what: str | None = None) -> None:
+        """For a forward that reads the weight whole outside the pieces' routing (TRL's fused LM
+        head, announced by ``fused_lm_head=True``; ``what``: another use, said once in the log):
+        until `reclaim_whole`, the parameters
         point at a copy of the whole unit on the device (booked in the ledger: the one time the
         unit is whole there). A gradient autograd gives them is added into the host gradient a
         piece at a time as it arrives, as the pieces' own are; the copy autograd then keeps in
@@ -280,6 +346,13 @@ class VocabularyPieces:
         if self._lent is not None:
             return
         u = self.unit
+        if what is not None and not self._said_lent:
+            self._said_lent = True
+            logger.warning(
+                "stronghold: %s is read in vocabulary pieces, and the model used the whole weight (%s), which "
+                "pieces cannot serve: for such a forward and its backward it is lent whole to the device (%.1f MiB), "
+                "as plain training holds it. StrongholdConfig(vocab_pieces=False) streams it whole instead.", u.fqn, what, sum(p.numel() * e.device_dtype.itemsize
+                                             for p, e in zip(u.params, u.layout.entries)) / 2**20)
         copies = []
         for i, e in enumerate(u.layout.entries):
             rows = self._image(i)
@@ -311,13 +384,15 @@ class VocabularyPieces:
             self.transfer.device_wait(landed)
 
     def release_after_forward(self) -> None:
-        """The end of a model forward: a copy no graph recorded goes back (`reclaim_whole`)."""
+        """The end of a model forward (the schedule's): a copy no graph recorded goes back
+        (`reclaim_whole`)."""
         if self._lent is not None and not self._lent_for_backward:
             self.reclaim_whole()
 
     def reclaim_whole(self) -> None:
         """The parameters point at their host memory again and the device copy is freed: at the
-        end of a forward without gradients, or of the backward (the schedule's end of backward)."""
+        end of a forward without gradients, of the backward (the schedule's end of backward), or
+        at the latest before the optimizer step (`WindowSchedule.evict_all`)."""
         lent, self._lent, self._lent_for_backward = self._lent, None, False
         if lent is None:
             return
@@ -370,10 +445,12 @@ class VocabularyPieces:
             def enter(module, args, _stack=stack):
                 mode = _VocabCalls(self)
                 mode.__enter__()
+                self.routing += 1
                 _stack.append(mode)
 
             def leave(module, args, output, _stack=stack):
                 if _stack:
+                    self.routing -= 1
                     _stack.pop().__exit__(None, None, None)
 
             handles.append(m.register_forward_pre_hook(enter))
@@ -421,9 +498,17 @@ def _is_attribute_read(func) -> bool:
     return getattr(func, "__name__", "") == "__get__"
 
 
+def describe_use(func) -> str:
+    """How a torch function that read the weight is named in the log (``.T``, ``matmul()``)."""
+    if _is_attribute_read(func):
+        return f".{getattr(func.__self__, '__name__', '?')}"  # .T, .data: the whole weight carried on
+    return f"{getattr(func, '__name__', func)}()"
+
+
 class _VocabCalls(TorchFunctionMode):
     """While a module that registers the weight runs: its ``F.embedding`` and ``F.linear`` on the
-    weight go through the pieces; any other op on the weight is refused by name."""
+    weight go through the pieces; any other op on the weight gets it lent whole ([Note: lent
+    whole]), and so does every op after that in the same forward."""
 
     def __init__(self, pieces: VocabularyPieces) -> None:
         super().__init__()
@@ -431,24 +516,20 @@ class _VocabCalls(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        weight, bias = self.pieces.weight, self.pieces.bias
+        pieces = self.pieces
+        if pieces.lent:
+            return func(*args, **kwargs)
+        weight, bias = pieces.weight, pieces.bias
         if (args[1] if len(args) > 1 else kwargs.get("weight")) is weight:
             if func is F.embedding:
-                return self.pieces.embedding(*args, **kwargs)
+                return pieces.embedding(*args, **kwargs)
             if func is F.linear:
-                return self.pieces.linear(*args, **kwargs)
+                return pieces.linear(*args, **kwargs)
         if reads_no_values(func) or not any(a is weight or (bias is not None and a is bias)
                                             for a in (*args, *kwargs.values())):
             return func(*args, **kwargs)  # metadata (shape, dtype, data_ptr), or not the weight
-        if _is_attribute_read(func):
-            name = f".{getattr(func.__self__, '__name__', '?')}"  # .T, .data: the whole weight carried on
-        else:
-            name = f"{getattr(func, '__name__', func)}()"
-        raise RuntimeError(
-            f"stronghold: {self.pieces.unit.fqn} is read in vocabulary pieces (StrongholdConfig(vocab_pieces=True)), and "
-            f"its module used {name} on the whole weight or bias; only F.embedding and F.linear are routed through the "
-            "pieces. "
-            "Use StrongholdConfig(vocab_pieces=False) for this model.")
+        pieces.lend_whole(for_backward=torch.is_grad_enabled(), what=f"{describe_use(func)} in the forward of its module")
+        return func(*args, **kwargs)
 
 
-__all__ = ["MAX_PIECES", "VocabularyPieces", "piece_rows", "shape_problem", "why_not_pieced"]
+__all__ = ["MAX_PIECES", "VocabularyPieces", "describe_use", "piece_rows", "shape_problem", "why_not_pieced"]

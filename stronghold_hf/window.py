@@ -203,6 +203,8 @@ class WindowEngine:
             read_guard.register(u.params, self.reads, u.index)
             if u.sharded or u.host.masters_on_disk:
                 u.read_guard.guard()  # a shard: a read between steps is refused with the fix; on disk: mapped
+            if u.vocab_pieces is not None:
+                u.read_guard.pin()  # a use outside the pieces' routing is lent the unit whole (vocab_pieces.py)
         self._device_reporting = _report_compute_device(model, device)
         self.chunked_loss = None
         # "auto": not when the split keeps everything on the device (the model trains as plain).

@@ -212,15 +212,22 @@ def test_a_causal_head_with_a_bias_is_read_in_pieces_by_the_chunked_loss():
     assert engine.promises.stats()["promise_chunked_loss"] == 1.0
 
 
-def test_units_that_cannot_be_pieced_stream_whole_and_say_why(caplog, tmp_path):
-    """Masters on disk (nvme_masters): the vocabulary streams whole, and the log says why."""
-    with caplog.at_level("INFO", logger="stronghold_hf"):
-        ref, model, engine = _pair(lambda: tiny_model("gpt2", **BIG_VOCAB), window_size=1, vocab_pieces=True,
-                                   nvme_path=str(tmp_path), nvme_masters=True)
-    assert not _pieced(engine)
-    assert "transformer.wte streams whole (vocab_pieces: its masters are on disk (nvme_masters))" in caplog.text
+def test_masters_on_disk_are_read_in_pieces(tmp_path):
+    """nvme_masters: the pieces read the rows from the masters mapped from the file (fp32); a
+    tied GPT-2 trains like plain. A Llama in bf16 (rows from the image) trains as with its
+    vocabulary whole."""
+    ref, model, engine = _pair(lambda: tiny_model("gpt2", **BIG_VOCAB), window_size=1, vocab_pieces=True,
+                               nvme_path=str(tmp_path / "fp32"), nvme_masters=True)
+    assert [u.fqn for u in _pieced(engine)] == ["transformer.wte"] and engine.unit_of(model.lm_head.weight).host.masters_on_disk
     _train_both(ref, model, engine, _lm_loss("gpt2"), steps=2)
-    # An embedding that renormalizes its rows in place (max_norm) needs them all.
+    _trains_as_the_whole_unit(lambda: tiny_model("llama", tie_word_embeddings=False, **BIG_VOCAB),
+                              dict(window_size=1, loss_chunk_tokens=5, nvme_path=str(tmp_path / "bf16"), nvme_masters=True,
+                                   param_dtype=torch.bfloat16), bf16=True)
+
+
+def test_units_that_cannot_be_pieced_stream_whole_and_say_why(caplog):
+    """An embedding that renormalizes its rows in place (max_norm) needs them all: it streams
+    whole, and the log says why."""
     model = tiny_model("llama", tie_word_embeddings=False, **BIG_VOCAB)
     model.model.embed_tokens.max_norm = 1.0
     with caplog.at_level("INFO", logger="stronghold_hf"):
@@ -229,28 +236,74 @@ def test_units_that_cannot_be_pieced_stream_whole_and_say_why(caplog, tmp_path):
     assert "model.embed_tokens streams whole (vocab_pieces: an embedding with max_norm" in caplog.text
 
 
-def test_another_use_of_the_weight_is_refused_by_name():
-    """A head whose module multiplies by the weight itself, and code that reads the embedding
-    outside its module: both refused, naming the option (on a GPU: instead of a host tensor in
-    a device op)."""
+class _MatmulHead(torch.nn.Linear):
+    """A head that multiplies by its weight itself, not through ``F.linear``."""
 
-    class MatmulHead(torch.nn.Linear):
-        def forward(self, x):
-            return x @ self.weight.T
+    def forward(self, x):
+        return x @ self.weight.T
 
-    model = tiny_model("llama", tie_word_embeddings=False, **BIG_VOCAB)
-    old = model.lm_head
-    model.lm_head = MatmulHead(old.in_features, old.out_features, bias=False)
-    model.lm_head.weight = old.weight
-    offload_model(model, StrongholdConfig(window_size=1, vocab_pieces=True), device="cpu")
-    with pytest.raises(RuntimeError, match=r"vocab_pieces=False"):
-        model(**batch("llama", seed=0))
 
+def _liger_like(model):
+    """What Liger's patched forward does: the body, then the loss from ``hidden`` and
+    ``lm_head.weight`` directly, never calling the head module."""
+    import types
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        logits = torch.nn.functional.linear(hidden, self.lm_head.weight).float()
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+        return T.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    model.forward = types.MethodType(forward, model)
+    return model
+
+
+@pytest.mark.parametrize("use", ["matmul-head", "liger-like"])
+def test_another_use_of_the_weight_gets_it_lent_whole_and_trains_like_plain(use, caplog):
+    """A head that does ``x @ self.weight.T``, and a forward that reads ``lm_head.weight``
+    outside the head (Liger's loss): the unit is lent whole to the device for that forward and
+    its backward (booked in the ledger, said once in the log), goes back to its pieces at the
+    end of the backward, and training is plain training's."""
+    ref = tiny_model("llama", tie_word_embeddings=False, **BIG_VOCAB)
+    if use == "matmul-head":
+        old = ref.lm_head
+        ref.lm_head = _MatmulHead(old.in_features, old.out_features, bias=False)
+        ref.lm_head.weight = old.weight
+    else:
+        _liger_like(ref)
+    model = copy.deepcopy(ref)
+    if use == "liger-like":
+        _liger_like(model)  # bound to the copy
+    engine = offload_model(model, StrongholdConfig(window_size=1, vocab_pieces=True), device="cpu")
+    pieces = engine.unit_of(model.lm_head.weight).vocab_pieces
+    assert pieces is not None
+    whole = sum(p.numel() * p.element_size() for p in pieces.unit.params)
+
+    def loss(m, step):
+        booked = engine.ledger.device_bytes
+        out = m(**batch("llama", seed=step)).loss
+        if m is model:
+            assert pieces.lent and engine.ledger.device_bytes - booked >= whole  # held whole until its backward ends
+        return out
+
+    with caplog.at_level("WARNING", logger="stronghold_hf"):
+        _train_both(ref, model, engine, loss, steps=3)
+    assert not pieces.lent and engine.stats.as_dict()["late_gradients"] == 0
+    said = [r.message for r in caplog.records if "lent whole" in r.message]
+    assert len(said) == 1 and ("in the forward of its module" if use == "matmul-head" else "outside its modules") in said[0]
+    with torch.no_grad():  # a forward without gradients gives the copy back at its end
+        model(**batch("llama", seed=9))
+    assert not pieces.lent
+
+
+def test_a_use_with_gradients_outside_any_forward_is_refused_by_name():
+    """``F.embedding`` on the embedding's weight outside the model's forward (on a GPU, a host
+    tensor in a device op): the backward names the fix."""
     model = tiny_model("llama", tie_word_embeddings=False, **BIG_VOCAB)
     offload_model(model, StrongholdConfig(window_size=1, vocab_pieces=True), device="cpu")
     embeds = torch.nn.functional.embedding(batch("llama", seed=0)["input_ids"], model.model.embed_tokens.weight)
     loss = model(inputs_embeds=embeds, labels=batch("llama", seed=0)["labels"]).loss
-    with pytest.raises(RuntimeError, match=r"outside the forward of the modules that register it.*vocab_pieces=False"):
+    with pytest.raises(RuntimeError, match=r"outside the model's forward.*vocab_pieces=False"):
         loss.backward()
 
 
