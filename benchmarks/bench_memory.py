@@ -25,7 +25,7 @@ Output: one JSON line per depth and per sweep point, then a summary line (the la
     python benchmarks/bench_memory.py                      # CPU: 4, 16, 64 blocks, width 64, and the sweeps
     python benchmarks/bench_memory.py --device cuda --width 1024 --depths 4,16,64 --cap_third
     python benchmarks/bench_memory.py --sweeps none        # the depth rows only
-    python benchmarks/bench_memory.py --depths "" --sweeps vocab --vocab_pieces on   # no unit bigger than a block
+    python benchmarks/bench_memory.py --depths "" --sweeps vocab --vocab_pieces off  # the vocabulary whole
 """
 
 from __future__ import annotations
@@ -349,8 +349,9 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab_sweep", default="4096,16384,32768,65536,131072")
     ap.add_argument("--seq_sweep", default="512,1024,2048,4096,8192")
     ap.add_argument("--depth_sweep", default="2,4,8,16,32")
-    ap.add_argument("--vocab_pieces", choices=["on", "off"], default="off",
-                    help="the sweeps' engine reads a vocabulary larger than a block in row pieces (vocab_pieces.py)")
+    ap.add_argument("--vocab_pieces", choices=["on", "off"], default="on",
+                    help="on (the engine's default): the sweeps' engine reads a vocabulary larger than a block in row "
+                    "pieces (vocab_pieces.py); off: it streams such a unit whole")
     args = ap.parse_args(argv)
     args.record = args.record == "on"
     rows = []

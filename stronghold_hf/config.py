@@ -324,19 +324,20 @@ class StrongholdConfig:
     than one tile (a bidirectional block, BERT's or T5's encoder's, fails it and runs whole).
     Exact to fp32 rounding. ``tile_tokens="auto"`` is 8192 here (``query_tiling.AUTO_QUERY_TILE``)."""
 
-    vocab_pieces: bool = False
+    vocab_pieces: bool = True
     """Read a vocabulary-sized unit (an embedding or LM head of one ``[vocab, hidden]`` weight
     larger than the largest block, tied or not) in row pieces of at most a block's size instead
     of streaming it whole (``vocab_pieces.py``): the embedding sends only the rows a batch
     uses, the head (its own forward and the chunked loss) fetches one piece at a time, and each
     piece's gradient goes to the host when the piece is done. The device slots, gradient lanes
     and staging are then sized by the largest block, whatever the vocabulary. The unit's host
-    side, optimizer state and checkpoints do not change. TRL's fused LM head
-    (``fused_lm_head=True``) gets the head's unit lent whole for its forward and backward. Other
-    code that reads the head's weight outside the head's own forward (Liger) cannot use it:
-    leave it off there. A head's ``[vocab]`` bias crosses with its pieces. A unit it cannot read in pieces
-    (other parameters besides the weight and its bias, data parallel over several ranks,
-    ``nvme_masters``) streams whole, with one log line."""
+    side, optimizer state and checkpoints do not change. Any other use of the weight during a
+    model forward (TRL's fused LM head, Liger's loss, a head that multiplies by ``self.weight``)
+    gets the unit lent whole to the device for that forward and its backward, said once in the
+    log. A head's ``[vocab]`` bias crosses with its pieces. A unit it cannot read in pieces
+    (other parameters besides the weight and its bias, data parallel over several ranks, an
+    embedding with ``max_norm``) streams whole, with one log line. ``False``: every unit streams
+    whole."""
 
     tile_tokens: int | Literal["auto"] = "auto"
     """Tokens per tile of ``sequence_tiling`` (and of ``attention_tiling``). ``"auto"``: per module, the tokens whose saved

@@ -121,8 +121,9 @@ def test_parity_under_delayed_copies(family):
 
 
 def test_tied_embedding_is_one_unit_used_at_both_ends():
+    """Streamed whole (``vocab_pieces=False``; in pieces: test_vocab_pieces.py)."""
     model = tiny_model("gpt2", n_layer=4, **BIG_VOCAB)
-    engine = offload_model(model, StrongholdConfig(window_size=1), device="cpu")
+    engine = offload_model(model, StrongholdConfig(window_size=1, vocab_pieces=False), device="cpu")
     tied = engine.unit_of(model.lm_head.weight)
     assert tied is engine.unit_of(model.transformer.wte.weight) and tied.kind == "streamed"
     seq = engine.schedule.sequence
@@ -141,9 +142,10 @@ def test_tied_embedding_is_one_unit_used_at_both_ends():
 
 
 def test_a_tied_embedding_crosses_once_per_step():
-    """Its lane stays on the device between the head's backward and the embedding's, so the
-    summed gradient crosses once, and its norm is the device's (no host pass at clip)."""
-    ref, model, engine = _pair(lambda: tiny_model("gpt2", n_layer=4, **BIG_VOCAB), window_size=1)
+    """Streamed whole (``vocab_pieces=False``): its lane stays on the device between the head's
+    backward and the embedding's, so the summed gradient crosses once, and its norm is the
+    device's (no host pass at clip)."""
+    ref, model, engine = _pair(lambda: tiny_model("gpt2", n_layer=4, **BIG_VOCAB), window_size=1, vocab_pieces=False)
     tied = engine.unit_of(model.lm_head.weight)
     crossings = []
     flush = engine.schedule.gradients.flush
@@ -229,8 +231,9 @@ def test_offload_non_block_false_keeps_them_on_the_device():
 
 def test_a_head_read_directly_inside_the_model_forward_is_resident():
     """Liger's fused loss and TRL's fused LM head read ``lm_head.weight`` without calling the
-    head: the unit must be resident from the backbone's end to the model's end, and its
-    gradient must go through a lane like any other (no late gradient)."""
+    head: streamed whole (``vocab_pieces=False``; in pieces it is lent whole:
+    test_vocab_pieces.py), the unit must be resident from the backbone's end to the model's
+    end, and its gradient must go through a lane like any other (no late gradient)."""
     ref = tiny_model("llama", tie_word_embeddings=False, **BIG_VOCAB)
     model = copy.deepcopy(ref)
     seen = []
@@ -247,7 +250,7 @@ def test_a_head_read_directly_inside_the_model_forward_is_resident():
 
     for m in (ref, model):
         m.forward = fused_forward.__get__(m)
-    engine = offload_model(model, StrongholdConfig(window_size=1), device="cpu")
+    engine = offload_model(model, StrongholdConfig(window_size=1, vocab_pieces=False), device="cpu")
     _train_both(ref, model, engine, _lm_loss("llama"), steps=2)
     assert seen and all(state is Residency.ON_DEVICE for state in seen)
     assert engine.stats.as_dict()["late_gradients"] == 0

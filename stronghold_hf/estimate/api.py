@@ -89,7 +89,7 @@ def estimate(
     attn_implementation: str | None = None, sequence_tiling: bool | str = "auto", tile_tokens: int | str = "auto",
     attention_tiling: bool = False, cpu_reserve: int | str = "auto", gpu_reserve: int | str = "auto",
     nvme_activations: bool | str = "auto", device_checkpoints: int | str = "auto", device: str = "cuda",
-    vocab_pieces: bool = False,
+    vocab_pieces: bool = True,
 ) -> Estimate:
     """Estimates STRONGHOLD and plain-training memory for a config (built on the meta device).
 
@@ -162,7 +162,7 @@ def estimate_for_model(
     nvme_masters: bool | str = "auto", resident: int | bool | str = False, resident_budget_bytes: int | None = None,
     attn_implementation: str | None = None, sequence_tiling: bool | str = "auto", tile_tokens: int | str = "auto",
     attention_tiling: bool = False, cpu_reserve: int | str = "auto", gpu_reserve: int | str = "auto",
-    nvme_activations: bool | str = "auto", device_checkpoints: int | str = "auto", vocab_pieces: bool = False,
+    nvme_activations: bool | str = "auto", device_checkpoints: int | str = "auto", vocab_pieces: bool = True,
 ) -> Estimate:
     """The same estimate from a live, already built model (call before moving it to the GPU).
 

@@ -51,7 +51,7 @@ recompute, one layer's full activations; with activation offload only the inputs
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -93,29 +93,52 @@ def _workspace(other: int) -> int:
     return -(-other * GPU_WORKSPACE_PERCENT // 100)
 
 
-def _read_in_pieces(counts: _Counts, largest: int, c: int) -> tuple[_Counts, int]:
-    """``counts`` with the units `vocab_pieces` reads in row pieces taken out of the sequence,
-    and the device bytes the largest piece holds at its use (its rows, the next piece's on
-    their way, and for a trainable unit its gradient's fp32 sum and that sum's cast: vocab_ops.py)."""
+class _Pieces(NamedTuple):
+    """What `vocab_pieces` changes in the counts (vocab_pieces.py)."""
+
+    counts: _Counts  # the units read in row pieces taken out of the sequence
+    device_bytes: int  # the head's piece at its use: its rows, the next piece's on their way, its gradient
+    # (the chunked loss's: an fp32 sum and its cast to the device dtype)
+    host_staging: int  # pinned staging of the head's piece gradients: two pieces' worth
+    widened_grads: int  # bf16 host gradients of pieced units kept in fp32 instead: the bytes that adds
+    plain_device_bytes: int = 0  # the same without the chunked loss: one product in the compute dtype, and its cast
+
+
+def _read_in_pieces(counts: _Counts, largest: int, c: int) -> _Pieces:
+    """The units `vocab_pieces` reads in row pieces, and what they hold: on the device the
+    largest piece at its use (its rows, the next piece's on their way, and for a trainable
+    unit its gradient's fp32 sum and that sum's cast: vocab_ops.py); on the host two pinned
+    buffers of the head's piece gradient (`VocabularyPieces.add_piece_grad`; the embedding's
+    rows come back unstaged), and fp32 host gradients where a tied unit's rows get two
+    contributions ([Note: pieces' host gradient])."""
     from ..vocab_pieces import piece_rows
 
-    pieced, piece_bytes = set(), 0
+    pieced, piece_bytes, plain_bytes, staging, widened = set(), 0, 0, 0, 0
+    head = counts.sequence[-1] if counts.sequence else None  # the LM head (or a tied embedding's end)
     for i, u in enumerate(counts.units):
         if u.kind != "streamed" or not u.vocab_rows or u.params <= largest:
             continue
         pieced.add(i)
+        if u.trainable and counts.sequence.count(i) > 1:  # tied: its bf16 host gradient becomes fp32, 2 B more each
+            widened += u.trainable_image_bytes
+        if i != head:
+            continue  # an embedding alone sends the rows of a batch, not pieces
         rows = piece_rows(u.vocab_rows, u.vocab_width, largest)
-        share = rows / u.vocab_rows
-        # The gradient: its fp32 sum, and the sum's cast to the compute dtype (none in fp32).
-        grad = int(u.trainable / u.params * u.device_bytes * share) * 4 // c
-        cast = grad * c // 4 if c != 4 else 0
+        element = u.device_bytes // u.params  # the unit's device dtype (an fp32 embedding under bf16 autocast)
+        piece = rows * u.vocab_width * element
+        # The gradient: its fp32 sum, and the sum's cast to the device dtype (none in fp32); without
+        # the chunked loss one product in the compute dtype, and its cast (vocab_ops.py).
+        grad = (rows * u.vocab_width * 4 + (piece if element != 4 else 0)) if u.trainable else 0
+        plain = (rows * u.vocab_width * c + (piece if element != c else 0)) if u.trainable else 0
         # The piece, the next one on its way ([Note: piece prefetch]), and the piece's gradient.
-        piece_bytes = max(piece_bytes, 2 * int(u.device_bytes * share) + (grad + cast if u.trainable else 0))
+        piece_bytes, plain_bytes = 2 * piece + grad, 2 * piece + plain
+        if u.trainable:
+            staging = 2 * piece
     sequence: list[int] = []
     for i in counts.sequence:
         if i not in pieced and (not sequence or sequence[-1] != i):
             sequence.append(i)
-    return dataclasses.replace(counts, sequence=tuple(sequence)), piece_bytes
+    return _Pieces(dataclasses.replace(counts, sequence=tuple(sequence)), piece_bytes, staging, widened, plain_bytes)
 
 
 def _window_bytes(counts: _Counts, window: int) -> int:
@@ -138,7 +161,7 @@ def _assemble(
     nvme: bool | str = "auto", nvme_ring_buffers: int = 3, nvme_masters: bool | str = "auto", split: Any = None,
     attention: str = "eager", sequence_tiling: bool | str = "auto", tile_tokens: int | str = "auto",
     attention_tiling: bool = False, device_checkpoints: int | str = "auto", cpu_reserve: int | str = "auto", gpu_reserve: int | str = "auto",
-    nvme_activations: bool | str = "auto", device_type: str = "cuda", vocab_pieces: bool = False,
+    nvme_activations: bool | str = "auto", device_type: str = "cuda", vocab_pieces: bool = True,
 ) -> Estimate:
     if nvme not in (True, False, "auto"):
         raise ValueError(f"nvme={nvme!r}; use \"auto\", True or False.")
@@ -169,7 +192,8 @@ def _assemble(
     # vocab_pieces (vocab_pieces.py): a vocabulary-sized unit leaves the window's sequence; on the
     # device it holds one piece of rows (and, trainable, the piece's gradient: its fp32 sum and
     # its cast) at a time.
-    counts, piece_bytes = _read_in_pieces(counts, largest, c) if vocab_pieces else (counts, 0)
+    pieces = _read_in_pieces(counts, largest, c) if vocab_pieces else _Pieces(counts, 0, 0, 0)
+    counts, piece_bytes, piece_staging, widened_grads = pieces[:4]
     if not vocab_pieces:
         # Worth saying from two blocks up: a piece's fp32 gradient sum costs about what a
         # vocabulary of one or two blocks saves.
@@ -199,7 +223,7 @@ def _assemble(
     # bf16 host gradients (unit.py, [Note: host gradients in the compute dtype]): 2 B instead of
     # 4 for bf16 units, unless accumulation widens them to fp32.
     bf16_grads = dtype == "bf16" and host_grads != "fp32" and gradient_accumulation_steps == 1
-    grad = 4 * trainable - (image if bf16_grads else 0)
+    grad = 4 * trainable - (image - widened_grads if bf16_grads else 0)
     pinned = sum(u.image_bytes for u in units)
     # Without the image: two staging buffers of the largest block (larger units cross in pieces).
     ring = FETCH_STAGING_BUFFERS * max((u.trainable_image_bytes for u in units if u.kind == "block"),
@@ -208,7 +232,7 @@ def _assemble(
     # Pinned gradient staging holds the largest block's gradient; larger units cross in pieces.
     block_lane = max((u.grad_bytes for u in streamed if u.kind == "block"), default=lane)
     staging = grad_buffers * block_lane + len([u for u in resident if u.trainable]) * max(
-        (u.grad_bytes for u in resident), default=0)
+        (u.grad_bytes for u in resident), default=0) + piece_staging
 
     # Activations, from the config's shape.
     h = _cfg(config, "hidden_size", "d_model", "n_embd", "dim")
@@ -294,6 +318,7 @@ def _assemble(
             head += chunk * tile_width * BYTES_PER_LOGIT + head_grad
         else:
             head += tokens * counts.logits_width * LOGIT_BYTES
+            piece_bytes = pieces.plain_device_bytes  # the head's own backward, a piece at a time
         plain_head = tokens * hidden * (norm + c) + tokens * counts.logits_width * LOGIT_BYTES
     else:
         use_chunks = False
@@ -313,7 +338,7 @@ def _assemble(
         outside = state_per_param * counts.resident_params + counts.buffer_bytes
     # The split's resident units: parameters, fp32 gradients, AdamW state; autocast's 16-bit copy.
     split_bytes = 0 if split is None else split.resident_bytes + (c * split.resident_params if c != 4 else 0)
-    outside += split_bytes + piece_bytes
+    outside += split_bytes
 
     # The loss and the layers' backward do not hold memory at the same time: the loss's chunks
     # and the final norm are freed before the last layer's backward starts, so what the layers
@@ -324,9 +349,16 @@ def _assemble(
     def activations(block_act: int, loss: int) -> int:
         return block_act - phase + max(loss, phase)
 
+    def units_on_device(window: int) -> int:
+        """The window's slots with the gradient lanes (a block's backward: W + 1 slots), or at
+        the head the pieces with W slots: the lanes are taken at the first block's backward,
+        after the head's, and given back at the end of it (grads.py)."""
+        slots = _window_bytes(counts, window) + lanes
+        return max(slots, _window_bytes(counts, window - 1) + piece_bytes) if piece_bytes else slots
+
     def need(window: int, offload: bool) -> int:
         block_act = (ckpt_offloaded if offload else ckpt) if gradient_checkpointing else full
-        other = _window_bytes(counts, window) + lanes + outside + activations(block_act, head)
+        other = units_on_device(window) + outside + activations(block_act, head)
         return other + _workspace(other)
 
     offload = bool(gradient_checkpointing and offload_activations is True)
@@ -431,10 +463,14 @@ def _assemble(
     on_nvme = (adam if on_disk else 0) + (master if masters_on_disk else 0) + (activation_host if acts_on_disk else 0)
     nvme_fits = None if not on_disk or nvme_memory_bytes is None else on_nvme <= nvme_memory_bytes
     act_peak = activations(block_act, head)
-    fixed = window_bytes + lanes + outside + act_peak
+    on_device = units_on_device(w)
+    # Beside the window's slots: the lanes, or at the head the pieces (with a slot fewer).
+    beside = on_device - window_bytes
+    beside_name = "the gradient lanes" if on_device == window_bytes + lanes else "the vocabulary pieces, at the head"
+    fixed = on_device + outside + act_peak
     layer_phase = (f"one layer's recompute and backward (largest: {layer_largest[0]})" if gradient_checkpointing
                    else f"one layer's backward (largest: {layer_largest[0]})")
-    terms = {"the window": window_bytes, "the gradient lanes": lanes, "what stays outside the window": outside,
+    terms = {"the window": window_bytes, beside_name: beside, "what stays outside the window": outside,
              "the checkpointed layer inputs" if gradient_checkpointing else "the layers' saved activations":
                  block_act - phase,
              layer_phase if phase >= head else "the loss (final norm, logits)": max(phase, head),
@@ -455,8 +491,8 @@ def _assemble(
         cpu_nvme_ring_bytes=nvme_ring(masters_on_disk) if on_disk else 0, nvme_masters=masters_on_disk,
         gpu_resident_bytes=outside, gpu_window_bytes=window_bytes,
         gpu_slot_bytes=max((u.device_bytes for u in streamed), default=0), gpu_vocab_piece_bytes=piece_bytes,
-        gpu_grad_buffer_bytes=lanes, gpu_engine_bytes=window_bytes + lanes + (outside - counts.buffer_bytes
-                                                                               if offload_non_block else split_bytes),
+        gpu_grad_buffer_bytes=lanes, gpu_engine_bytes=on_device + (outside - counts.buffer_bytes
+                                                                    if offload_non_block else split_bytes),
         gpu_block_activation_bytes=block_act, gpu_head_activation_bytes=head, gpu_activation_peak_bytes=act_peak,
         gpu_workspace_bytes=gpu_need - fixed, gpu_bytes_needed=gpu_need,
         gpu_memory_bytes=gpu_memory_bytes, max_window_size=max_w,

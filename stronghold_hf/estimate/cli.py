@@ -134,9 +134,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--attention_tiling", type=_arg_type(_parse_bool, "true or false"), default=False,
                         help="each causal block in query tiles of --tile_tokens against the keys and values before "
                         "them (StrongholdConfig.attention_tiling; default false)")
-    parser.add_argument("--vocab_pieces", type=_arg_type(_parse_bool, "true or false"), default=False,
+    parser.add_argument("--vocab_pieces", type=_arg_type(_parse_bool, "true or false"), default=True,
                         help="a vocabulary-sized embedding or head crosses in row pieces of at most a block "
-                        "(StrongholdConfig.vocab_pieces; default false)")
+                        "(StrongholdConfig.vocab_pieces; default true)")
     parser.add_argument("--device_checkpoints", type=_arg_type(lambda v: v if v == "auto" else _nonneg(v),
                                                                  "auto or an int >= 0"), default="auto",
                         help="offloaded checkpointed inputs kept on the device at the turn (StrongholdConfig."
