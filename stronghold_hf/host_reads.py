@@ -30,7 +30,6 @@ from .param_watch import ParametersOutside
 from .schedule import WindowSchedule
 from .stepping import StepCoordinator
 from .unit import Residency, Unit
-from .vocab_pieces import describe_use
 
 
 class HostReads:
@@ -58,7 +57,8 @@ class HostReads:
         during a model forward ([Note: lent whole] in vocab_pieces.py)."""
         u = self.units[index]
         pieces = u.vocab_pieces
-        if pieces is not None and pieces.serves_read(self.schedule.in_model_forward, f"{describe_use(func)} outside its modules"):
+        if pieces is not None and pieces.serves_read(func, self.schedule.in_model_forward,
+                                                     self.schedule.forward_records_graph, "outside its modules"):
             return
         self.coordinator.wait_update(u, forward=False)
         if u.host.masters_on_disk and not u.sharded and u.state is Residency.ON_HOST:

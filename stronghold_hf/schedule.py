@@ -154,6 +154,7 @@ class WindowSchedule:
         self._block_entries = 0  # block forwards entered (outside backward), for the check below
         self._entries_at_model_start = 0
         self._model_forwards = 0  # model forwards running (nested: a forward that calls the model)
+        self._forward_grad = False  # the outermost one began with gradients on
         self._warned_no_block_ran = False
 
     # ------------------------------------------------------------------ queries
@@ -194,9 +195,17 @@ class WindowSchedule:
         unit's other uses get it lent whole (vocab_pieces.py)."""
         return self._model_forwards > 0
 
+    @property
+    def forward_records_graph(self) -> bool:
+        """The running model forward began with gradients on (a read inside it may still run
+        with them off: a saved-tensor hook, a ``no_grad`` block of the model's)."""
+        return self._forward_grad
+
     def on_model_forward_start(self, module, args, kwargs) -> None:
         if in_backward():
             return None
+        if not self._model_forwards:
+            self._forward_grad = torch.is_grad_enabled()
         self._model_forwards += 1
         self._entries_at_model_start = self._block_entries
         self.settle()

@@ -322,15 +322,17 @@ class VocabularyPieces:
         finally:
             self.routing -= 1
 
-    def serves_read(self, in_forward: bool, what: str) -> bool:
-        """A guarded read of the weight or bias (read_guard.py), by ``what``: whether the device
-        side serves it (a routed call; a lent copy, lent now when a model forward is running).
-        False: the read is between forwards, of the host value."""
+    def serves_read(self, func, in_forward: bool, forward_grad: bool, where: str) -> bool:
+        """A guarded read of the weight or bias by torch function ``func`` (read_guard.py):
+        whether the device side serves it (a routed call; a lent copy, lent now when a model
+        forward is running, for its backward too when it began with gradients on: the read may
+        run with them off, in a saved-tensor hook). False: the read is between forwards, of the
+        host value, or asks only where the storage is (``untyped_storage``, ``is_pinned``)."""
         if self.routing or self._lent is not None:
             return True
-        if not in_forward:
+        if not in_forward or _name_of(func) in _STORAGE_QUERIES:
             return False
-        self.lend_whole(for_backward=torch.is_grad_enabled(), what=what)
+        self.lend_whole(for_backward=forward_grad or torch.is_grad_enabled(), what=f"{describe_use(func)} {where}")
         return True
 
     def lend_whole(self, *, for_backward: bool, what: str | None = None) -> None:
@@ -492,6 +494,15 @@ def _add_rows(grad: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, paddi
         keep = ids != padding_idx
         ids, values = ids[keep], values[keep]
     grad.index_add_(0, ids, values.to(grad.dtype))
+
+
+#: Torch functions that ask where a tensor's storage is, not what it holds (a saved-tensor hook
+#: keying tensors by storage, safetensors' sharing check): never a reason to lend the weight.
+_STORAGE_QUERIES = frozenset({"untyped_storage", "storage", "_typed_storage", "is_pinned", "is_shared"})
+
+
+def _name_of(func) -> str:
+    return getattr(func, "__name__", "")
 
 
 def _is_attribute_read(func) -> bool:

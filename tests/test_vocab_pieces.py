@@ -462,3 +462,40 @@ def _train_fused(ref, model, engine, pieces, family):
     # The model's own path reads the pieces again.
     b = batch(family, seed=7)
     torch.testing.assert_close(model(**b).loss, ref(**b).loss, rtol=1e-5, atol=0)
+
+
+def test_a_saved_tensor_hook_that_reads_the_weight_keeps_the_lent_copy_for_the_backward(caplog):
+    """A saved-tensor hook runs inside the forward with gradients off. One that only asks
+    where the weights' storage is (``untyped_storage()``, as bench_memory's does) lends nothing;
+    one that reads the head's values lends it for the forward's backward too, since the forward
+    began with gradients on, and training is plain training's."""
+    seen = []
+    for reads, lends in ((False, False), (True, True)):
+        ref = tiny_model("llama", tie_word_embeddings=False, **BIG_VOCAB)
+        model = copy.deepcopy(ref)
+        engine = offload_model(model, StrongholdConfig(window_size=1, vocab_pieces=True), device="cpu")
+        pieces = engine.unit_of(model.lm_head.weight).vocab_pieces
+        params = list(model.parameters())
+
+        def pack(t, reads=reads, model=model, params=params):
+            seen.append(torch.is_grad_enabled())
+            if reads:
+                model.lm_head.weight.sum()
+            else:
+                {p.untyped_storage().data_ptr() for p in params}
+            return t
+
+        def loss(m, step, model=model, pieces=pieces, lends=lends):
+            if m is not model:
+                return m(**batch("llama", seed=step)).loss
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = m(**batch("llama", seed=step)).loss
+            assert pieces.lent == lends
+            return out
+
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="stronghold_hf"):
+            _train_both(ref, model, engine, loss, steps=2)
+        assert not pieces.lent and engine.stats.as_dict()["late_gradients"] == 0
+        assert any("lent whole" in r.message for r in caplog.records) == lends
+    assert seen and not any(seen)  # the hooks ran with gradients off
