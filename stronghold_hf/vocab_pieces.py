@@ -3,8 +3,9 @@
 Llama-3's embedding and untied head are 525M parameters each, its largest block 218M. Streamed
 as one unit, such a weight sets the size of a device slot, a gradient lane and the staging:
 the device budget then grows with the vocabulary, not with a block. With
-``StrongholdConfig(vocab_pieces=True)`` a unit that is one ``[vocab, hidden]`` weight larger
-than the largest block is used a *piece* of rows at a time instead (`VocabularyPieces`):
+``StrongholdConfig(vocab_pieces=True)`` (the default) a unit that is one ``[vocab, hidden]``
+weight larger than the largest block is used a *piece* of rows at a time instead
+(`VocabularyPieces`):
 
 * the input embedding gathers the rows a batch uses on the host and sends only those (row
   fetch); its backward sends the rows' gradient back and adds it into the host gradient;
@@ -29,11 +30,12 @@ the engine's life), so such a use is seen on any device, not only as a device mi
 Outside a forward the weight reads as every offloaded weight does: its host value.
 
 A head's ``[vocab]`` bias (BERT's MLM decoder, Phi's head) is part of the unit and crosses with
-each piece. What stays whole (the unit streams through the window as before): a unit of other parameters
-besides, data parallel over several ranks (the pieces' gradients are not reduced across
-them), sharded CPU state, masters on disk, a weight used by a module that is neither an
-embedding nor a linear layer. Without a host image (``host_image=False``) the rows are
-converted from the fp32 masters on the way.
+each piece. What stays whole (the unit streams through the window as before): a unit of other
+parameters besides, data parallel over several ranks (the pieces' gradients are not reduced
+across them), sharded CPU state, a weight used by a module that is neither an embedding nor a
+linear layer, an embedding with ``max_norm``. Without a host image (``host_image=False``) the
+rows are converted from the fp32 masters on the way (with ``nvme_masters``, mapped from the
+file).
 """
 
 from __future__ import annotations
@@ -287,8 +289,8 @@ class VocabularyPieces:
     def add_piece_grad(self, k: int, grad: torch.Tensor, booked: int = 0):
         """Adds piece ``k``'s gradient (device, ``[rows, hidden]``) into the host gradient;
         ``booked``: the device bytes whose booking ends here (the sum `new_grad` gave, what
-        `book` booked). Returns the event of its copy to the host (None when there is no copy):
-        ``grad`` must not change before."""
+        `book` booked). Returns the event of its copy to the host (into a staging buffer; on the
+        CPU device a host copy, done): ``grad`` must not change before."""
         r0, r1 = self.bounds[k]
         self.ledger.device_free(booked)
         hg = self._begin_grad(0, k)
