@@ -23,6 +23,12 @@ piece started by the fold once it has read the one before (`StagedGradient`), so
 1 GiB head does not size every lane's pinned buffer. (The rest unit has a queue of its
 own with one lane of its size: it keeps its lane for the whole backward.)
 
+[Note: vocabulary pieces through the lanes] A vocabulary unit read in pieces (vocab_pieces.py)
+sends each piece's gradient, already on the device, through a lane's staging alone
+(`acquire_staging`, `send_staged`): its backward is the head's, before any block's, so the
+lanes are free then and their device buffers are not taken, and no pinned buffer of its own is
+needed. The blocks that follow wait for those flushes as for any other.
+
 States of a lane::
 
     FREE --acquire--> FILLING --send--> IN_FLIGHT --(worker, land: copy landed, folded; release)--> FREE
@@ -219,14 +225,21 @@ class GradientQueue:
         """A lane of ``numel`` elements; waits for the oldest flush when all are busy. ``key``: the
         geometry the unit will copy its gradients in with ([Note: a clean lane]); the lane is
         zeroed unless its padding is already zero for that geometry (None: always zeroed)."""
-        lanes = self._lanes or self._lane_pool()
+        lane = self._take(self._lanes or self._lane_pool())
+        if not self._allocated:
+            self._allocate_device_buffers()
+        lane.device_buffer = buffer = lane.typed(dtype, numel)
+        if key is None or lane.clean_key != key:
+            buffer.zero_()  # the padding between parameters must not add to norms or sums
+            lane.clean_key = key
+        lane.dtype, lane.numel, lane.unit_index = dtype, numel, unit_index
+        return lane
+
+    def _take(self, lanes: list[GradLane]) -> GradLane:
+        """A FREE lane, now FILLING; waits for the oldest flush when all are busy."""
         while True:
             with self._free:
-                lane = None
-                for candidate in lanes:
-                    if candidate.state is LaneState.FREE:
-                        lane = candidate
-                        break
+                lane = next((candidate for candidate in lanes if candidate.state is LaneState.FREE), None)
                 if lane is not None:
                     lane.state = LaneState.FILLING
                     self._busy = busy = self._busy + 1
@@ -239,16 +252,31 @@ class GradientQueue:
                     "at once than the queue allows)."
                 )
             self._wait(oldest)
-        if not self._allocated:
-            self._allocate_device_buffers()
-        lane.device_buffer = buffer = lane.typed(dtype, numel)
-        if key is None or lane.clean_key != key:
-            buffer.zero_()  # the padding between parameters must not add to norms or sums
-            lane.clean_key = key
-        lane.dtype, lane.numel, lane.unit_index = dtype, numel, unit_index
         if busy > self.peak_in_flight:
             self.peak_in_flight = busy
         return lane
+
+    @property
+    def carries_staged(self) -> bool:
+        """Whether the lanes' staging can carry a gradient that is on the device already
+        (`acquire_staging`): there are lanes, of a streamed block's gradient."""
+        return self.max_bytes > 0 and self._num_lanes > 0
+
+    def acquire_staging(self) -> GradLane:
+        """A lane whose pinned staging alone carries a gradient already on the device (a
+        vocabulary piece's, vocab_pieces.py), through `send_staged` and `land`: no device buffer
+        is taken, since the head's backward that sends them comes before any block's, which
+        takes the lanes' device buffers ([Note: vocabulary pieces through the lanes])."""
+        return self._take(self._lanes or self._lane_pool())
+
+    def send_staged(self, lane: GradLane, src: torch.Tensor) -> StagedGradient | _InPlace:
+        """Starts copying device ``src`` to the host through ``lane``'s staging (in halves when
+        it is larger); the lane is IN_FLIGHT until `land` releases it."""
+        assert lane.state is LaneState.FILLING and lane.device_buffer is None
+        flush = (_InPlace(self.transfer, src) if self.transfer.mode == "sync"
+                 else StagedGradient(self.transfer, src, lane.staging))
+        lane.state = LaneState.IN_FLIGHT
+        return flush
 
     def _allocate_device_buffers(self) -> None:
         """All K at once, at a pass's first lane: the pass's device footprint does not depend on

@@ -106,8 +106,12 @@ class VocabularyPieces:
     the user left in ``.grad`` first); the head's backward runs before any block's."""
 
     def __init__(self, unit, rows_per_piece: int, *, transfer, ledger, host, coordinator, worker,
-                 enter_backward) -> None:
+                 enter_backward, grad_queue=None) -> None:
         self.unit = unit
+        # The blocks' gradient lanes, whose pinned staging carries the pieces' gradients ([Note:
+        # vocabulary pieces through the lanes] in grads.py); None, or a queue without lanes (no
+        # block streams a gradient): two pinned buffers of a piece of its own.
+        self.grad_queue = grad_queue if grad_queue is not None and grad_queue.carries_staged else None
         self.weight: nn.Parameter = unit.params[0]
         self.bias: nn.Parameter | None = unit.params[1] if len(unit.params) > 1 else None
         self.vocab, self.width = unit.layout.entries[0].shape
@@ -160,10 +164,13 @@ class VocabularyPieces:
         image = u.host.image_views[i]
         return image if image is not None else u.host.read_value(i)
 
-    def _fold(self, what: str, task) -> None:
+    def _fold(self, what: str, task):
         """Runs ``task`` (an add into the host gradient) on the host worker, in order with the
-        unit's other work; the schedule's end of the backward waits for it (`drain`)."""
-        self._folds.append(self.worker.submit((what, self.unit.fqn), task, unit=self.unit.index, urgent=True))
+        unit's other work; the schedule's end of the backward waits for it (`drain`). Returns
+        its ticket."""
+        ticket = self.worker.submit((what, self.unit.fqn), task, unit=self.unit.index, urgent=True)
+        self._folds.append(ticket)
+        return ticket
 
     def drain(self) -> None:
         """Every fold so far has landed in the host gradient (the end of a backward, before
@@ -289,11 +296,20 @@ class VocabularyPieces:
     def add_piece_grad(self, k: int, grad: torch.Tensor, booked: int = 0):
         """Adds piece ``k``'s gradient (device, ``[rows, hidden]``) into the host gradient;
         ``booked``: the device bytes whose booking ends here (the sum `new_grad` gave, what
-        `book` booked). Returns the event of its copy to the host (into a staging buffer; on the
-        CPU device a host copy, done): ``grad`` must not change before."""
+        `book` booked). Returns the event of its copy to the host (into a buffer of its own; on
+        the CPU device a host copy, done), or None when it goes through a lane's staging, whose
+        copies the fold may issue in halves: ``grad`` must not change before the copy landed, or
+        before `drain`."""
         r0, r1 = self.bounds[k]
         self.ledger.device_free(booked)
         hg = self._begin_grad(0, k)
+        queue = self.grad_queue
+        if queue is not None:
+            lane = queue.acquire_staging()
+            flush = queue.send_staged(lane, grad.reshape(-1))
+            lane.ticket = self._fold("a vocabulary piece's gradient of ", functools.partial(
+                queue.land, lane, flush, functools.partial(_add_at, hg[r0:r1].view(-1))))
+            return None
         nbytes = grad.numel() * grad.element_size()
         # On the CPU device too: the copy is a host copy, and the same two buffers and folds run.
         turn, self._turn = self._turn, 1 - self._turn
@@ -382,10 +398,13 @@ class VocabularyPieces:
                 landed = self.add_piece_grad(k, grad[r0:r1])
             else:
                 self.add_bias_grad(k, grad[r0:r1])  # copied to the host before it returns
+        # Autograd keeps ``grad`` as ``.grad`` and adds a second contribution into it in place:
+        # the device waits for the copies (in order on one stream) before that; through the
+        # lanes, whose fold issues later halves, the host waits for the folds.
         if landed is not None:
-            # Autograd keeps ``grad`` as ``.grad`` and adds a second contribution into it in
-            # place: the device waits for the copies (in order on one stream) before that.
             self.transfer.device_wait(landed)
+        elif i == 0 and self.grad_queue is not None:
+            self.drain()
 
     def release_after_forward(self) -> None:
         """The end of a model forward (the schedule's): a copy no graph recorded goes back
@@ -488,6 +507,11 @@ def _land_and_add(transfer, landed, src: torch.Tensor, staged: torch.Tensor, dst
     transfer.host_wait(landed)
     dst.add_(staged)
     del src
+
+
+def _add_at(dst: torch.Tensor, lo: int, staged: torch.Tensor) -> None:
+    """Host worker: one landed part of a flat piece gradient, added at element ``lo`` of ``dst``."""
+    dst[lo:lo + staged.numel()].add_(staged)
 
 
 def _add_rows(grad: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, padding_idx: int | None) -> None:

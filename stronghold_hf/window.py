@@ -188,7 +188,8 @@ class WindowEngine:
             rows = piece_rows(*u.layout.entries[0].shape, self._largest_block_numel())
             u.vocab_pieces = VocabularyPieces(u, rows, transfer=self.transfer, ledger=self.ledger, host=self.host,
                                               coordinator=self.coordinator, worker=self.worker,
-                                              enter_backward=self.schedule.enter_backward)
+                                              enter_backward=self.schedule.enter_backward,
+                                              grad_queue=self.grad_queue)
             self._handles.extend(u.vocab_pieces.install())
         if self.dp is not None:
             self.schedule.average_resident_grads = self.dp.resident_grad_averaging(self._resident_parameters.get)

@@ -499,3 +499,21 @@ def test_a_saved_tensor_hook_that_reads_the_weight_keeps_the_lent_copy_for_the_b
         assert not pieces.lent and engine.stats.as_dict()["late_gradients"] == 0
         assert any("lent whole" in r.message for r in caplog.records) == lends
     assert seen and not any(seen)  # the hooks ran with gradients off
+
+
+def test_the_pieces_gradients_cross_through_the_lanes_staging():
+    """Under real copies (the simulated device), the head's piece gradients cross through the
+    gradient lanes' pinned staging: the host holds no buffer more than with the vocabulary
+    whole, and training is the same."""
+    pinned = {}
+    with simulated_device(0.001):
+        for pieces in (False, True):
+            ref, model, engine = _pair(lambda: tiny_model("llama", tie_word_embeddings=False, **BIG_VOCAB),
+                                       window_size=1, vocab_pieces=pieces)
+            assert bool(_pieced(engine)) == pieces and engine.transfer.mode == "delayed"
+            _train_both(ref, model, engine, _lm_loss("llama"), steps=2)
+            pinned[pieces] = engine.memory_stats()["pinned_host_bytes"]
+            if pieces:
+                assert _pieced(engine)[-1].vocab_pieces.grad_queue is engine.grad_queue
+            engine.close()
+    assert pinned[True] <= pinned[False], pinned

@@ -99,7 +99,7 @@ class _Pieces(NamedTuple):
     counts: _Counts  # the units read in row pieces taken out of the sequence
     device_bytes: int  # the head's piece at its use: its rows, the next piece's on their way, its gradient
     # (the chunked loss's: an fp32 sum and its cast to the device dtype)
-    host_staging: int  # pinned staging of the head's piece gradients: two pieces' worth
+    host_staging: int  # pinned staging of the head's piece gradients when no lane carries them: two pieces' worth
     widened_grads: int  # bf16 host gradients of pieced units kept in fp32 instead: the bytes that adds
     plain_device_bytes: int = 0  # the same without the chunked loss: one product in the compute dtype, and its cast
 
@@ -108,9 +108,9 @@ def _read_in_pieces(counts: _Counts, largest: int, c: int) -> _Pieces:
     """The units `vocab_pieces` reads in row pieces, and what they hold: on the device the
     largest piece at its use (its rows, the next piece's on their way, and for a trainable
     unit its gradient's fp32 sum and that sum's cast: vocab_ops.py); on the host two pinned
-    buffers of the head's piece gradient (`VocabularyPieces.add_piece_grad`; the embedding's
-    rows come back unstaged), and fp32 host gradients where a tied unit's rows get two
-    contributions ([Note: pieces' host gradient])."""
+    buffers of the head's piece gradient, used only when no lane's staging can carry it
+    (`VocabularyPieces.add_piece_grad`; the embedding's rows come back unstaged), and fp32 host
+    gradients where a tied unit's rows get two contributions ([Note: pieces' host gradient])."""
     from ..vocab_pieces import piece_rows
 
     pieced, piece_bytes, plain_bytes, staging, widened = set(), 0, 0, 0, 0
@@ -231,8 +231,10 @@ def _assemble(
     lane = max((u.grad_bytes for u in streamed), default=0)
     # Pinned gradient staging holds the largest block's gradient; larger units cross in pieces.
     block_lane = max((u.grad_bytes for u in streamed if u.kind == "block"), default=lane)
+    # The head's piece gradients cross through the lanes' staging ([Note: vocabulary pieces
+    # through the lanes] in grads.py); with no lane (nothing streamed trains), two buffers of their own.
     staging = grad_buffers * block_lane + len([u for u in resident if u.trainable]) * max(
-        (u.grad_bytes for u in resident), default=0) + piece_staging
+        (u.grad_bytes for u in resident), default=0) + (0 if lane else piece_staging)
 
     # Activations, from the config's shape.
     h = _cfg(config, "hidden_size", "d_model", "n_embd", "dim")
