@@ -221,25 +221,20 @@ class GradientQueue:
     def busy(self) -> int:
         return self._busy
 
-    def acquire(self, unit_index: int, numel: int, dtype: torch.dtype, key: int | None = None) -> GradLane:
+    def acquire(self, unit_index: int, numel: int, dtype: torch.dtype | None, key: int | None = None, *,
+                device: bool = True) -> GradLane:
         """A lane of ``numel`` elements; waits for the oldest flush when all are busy. ``key``: the
         geometry the unit will copy its gradients in with ([Note: a clean lane]); the lane is
-        zeroed unless its padding is already zero for that geometry (None: always zeroed)."""
-        lane = self._take(self._lanes or self._lane_pool())
-        if not self._allocated:
-            self._allocate_device_buffers()
-        lane.device_buffer = buffer = lane.typed(dtype, numel)
-        if key is None or lane.clean_key != key:
-            buffer.zero_()  # the padding between parameters must not add to norms or sums
-            lane.clean_key = key
-        lane.dtype, lane.numel, lane.unit_index = dtype, numel, unit_index
-        return lane
-
-    def _take(self, lanes: list[GradLane]) -> GradLane:
-        """A FREE lane, now FILLING; waits for the oldest flush when all are busy."""
+        zeroed unless its padding is already zero for that geometry (None: always zeroed).
+        ``device=False``: its staging alone (`acquire_staging`)."""
+        lanes = self._lanes or self._lane_pool()
         while True:
             with self._free:
-                lane = next((candidate for candidate in lanes if candidate.state is LaneState.FREE), None)
+                lane = None
+                for candidate in lanes:
+                    if candidate.state is LaneState.FREE:
+                        lane = candidate
+                        break
                 if lane is not None:
                     lane.state = LaneState.FILLING
                     self._busy = busy = self._busy + 1
@@ -254,6 +249,15 @@ class GradientQueue:
             self._wait(oldest)
         if busy > self.peak_in_flight:
             self.peak_in_flight = busy
+        if not device:
+            return lane
+        if not self._allocated:
+            self._allocate_device_buffers()
+        lane.device_buffer = buffer = lane.typed(dtype, numel)
+        if key is None or lane.clean_key != key:
+            buffer.zero_()  # the padding between parameters must not add to norms or sums
+            lane.clean_key = key
+        lane.dtype, lane.numel, lane.unit_index = dtype, numel, unit_index
         return lane
 
     @property
@@ -267,7 +271,7 @@ class GradientQueue:
         vocabulary piece's, vocab_pieces.py), through `send_staged` and `land`: no device buffer
         is taken, since the head's backward that sends them comes before any block's, which
         takes the lanes' device buffers ([Note: vocabulary pieces through the lanes])."""
-        return self._take(self._lanes or self._lane_pool())
+        return self.acquire(-1, 0, None, device=False)
 
     def send_staged(self, lane: GradLane, src: torch.Tensor) -> StagedGradient | _InPlace:
         """Starts copying device ``src`` to the host through ``lane``'s staging (in halves when
