@@ -27,7 +27,8 @@ own with one lane of its size: it keeps its lane for the whole backward.)
 sends each piece's gradient, already on the device, through a lane's staging alone
 (`acquire_staging`, `send_staged`): its backward is the head's, before any block's, so the
 lanes are free then and their device buffers are not taken, and no pinned buffer of its own is
-needed. The blocks that follow wait for those flushes as for any other.
+needed. The blocks that follow wait for those flushes as for any other. The embedding's rows'
+gradient, the last of a backward, goes the same way in parts of whole rows.
 
 States of a lane::
 
@@ -129,13 +130,14 @@ class StagedGradient:
     otherwise pieces of half of it, alternating halves, the first two started by `send` and
     each next one by `landed` once the piece two before has been read."""
 
-    def __init__(self, transfer: TransferContext, src: torch.Tensor, staging: torch.Tensor) -> None:
+    def __init__(self, transfer: TransferContext, src: torch.Tensor, staging: torch.Tensor, align: int = 64) -> None:
         self.transfer = transfer
         self.src = src  # the device gradient (kept alive until every piece landed)
         self.numel = src.numel()
         size = src.dtype.itemsize
         whole = self.numel * size <= staging.numel()
-        self.piece = self.numel if whole else max((staging.numel() // 2) // size // 64 * 64, 64)
+        # ``align``: a piece is a multiple of it (64 elements; a row's width for rows of a matrix).
+        self.piece = self.numel if whole else max((staging.numel() // 2) // size // align * align, align)
         self._halves = [staging[: self.piece * size].view(src.dtype)] if whole else [
             staging[h * self.piece * size: (h + 1) * self.piece * size].view(src.dtype) for h in range(2)]
         self._events: list = []
@@ -273,12 +275,13 @@ class GradientQueue:
         takes the lanes' device buffers ([Note: vocabulary pieces through the lanes])."""
         return self.acquire(-1, 0, None, device=False)
 
-    def send_staged(self, lane: GradLane, src: torch.Tensor) -> StagedGradient | _InPlace:
-        """Starts copying device ``src`` to the host through ``lane``'s staging (in halves when
-        it is larger); the lane is IN_FLIGHT until `land` releases it."""
+    def send_staged(self, lane: GradLane, src: torch.Tensor, align: int = 64) -> StagedGradient | _InPlace:
+        """Starts copying device ``src`` (flat) to the host through ``lane``'s staging (in parts
+        of a multiple of ``align`` elements when it is larger); the lane is IN_FLIGHT until
+        `land` releases it."""
         assert lane.state is LaneState.FILLING and lane.device_buffer is None
         flush = (_InPlace(self.transfer, src) if self.transfer.mode == "sync"
-                 else StagedGradient(self.transfer, src, lane.staging))
+                 else StagedGradient(self.transfer, src, lane.staging, align=align))
         lane.state = LaneState.IN_FLIGHT
         return flush
 

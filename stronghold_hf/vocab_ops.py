@@ -31,15 +31,15 @@ class EmbeddingRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, ids: Tensor, weight: Tensor, pieces, padding_idx: int | None) -> Tensor:
-        ctx.pieces, ctx.padding_idx = pieces, padding_idx
-        ctx.save_for_backward(ids)
-        return pieces.gather_rows(ids)
+        rows, host_ids = pieces.gather_rows(ids)
+        # The ids on the host, kept from the forward: the backward copies none back.
+        ctx.pieces, ctx.padding_idx, ctx.host_ids = pieces, padding_idx, host_ids
+        return rows
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         if ctx.needs_input_grad[1]:
-            (ids,) = ctx.saved_tensors
-            ctx.pieces.add_row_grads(ids, grad, ctx.padding_idx)
+            ctx.pieces.add_row_grads(ctx.host_ids, grad, ctx.padding_idx)
         return None, None, None, None
 
 

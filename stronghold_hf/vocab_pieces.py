@@ -432,27 +432,33 @@ class VocabularyPieces:
         self.ledger.device_free(nbytes)
 
     # ------------------------------------------------------------------ rows (the embedding)
-    def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
+    def gather_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows of ``ids`` on the device, ``ids.shape + [hidden]``: gathered on the host,
-        only those cross."""
+        only those cross; and the ids on the host, flat (for `add_row_grads`)."""
         image = self._image()
         flat = ids.reshape(-1).to("cpu")
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.vocab):
             raise IndexError(f"stronghold: an input id is outside [0, {self.vocab}) for {self.unit.fqn}.")
         rows = image.index_select(0, flat).to(self.dtype)
         self.ledger.count_h2d(rows.numel() * rows.element_size(), fetch=True)
-        return rows.to(self._device).view(*ids.shape, self.width)
+        return rows.to(self._device).view(*ids.shape, self.width), flat
 
     def add_row_grads(self, ids: torch.Tensor, grad: torch.Tensor, padding_idx: int | None) -> None:
-        """Adds the gradient of the rows of ``ids`` into the host gradient (the padding row
-        gets none, as ``F.embedding`` gives it)."""
+        """Adds the gradient of the rows of ``ids`` (host, flat) into the host gradient (the
+        padding row gets none, as ``F.embedding`` gives it): through a lane's staging, in parts
+        of whole rows ([Note: vocabulary pieces through the lanes] in grads.py), or copied whole."""
         hg = self._begin_grad()
-        flat = ids.reshape(-1).to("cpu")
-        g = grad.reshape(-1, self.width)
+        g = grad.reshape(-1, self.width).contiguous()
+        queue = self.grad_queue
+        if queue is not None:
+            lane = queue.acquire_staging()
+            flush = queue.send_staged(lane, g.view(-1), align=self.width)
+            lane.ticket = self._fold("the embedding rows' gradient of ", functools.partial(
+                queue.land, lane, flush, functools.partial(_add_row_part, hg, ids, self.width, padding_idx)))
+            return
         self.ledger.count_d2h(g.numel() * g.element_size())
         g = g.to("cpu")
-
-        self._fold("the embedding rows' gradient of ", functools.partial(_add_rows, hg, flat, g, padding_idx))
+        self._fold("the embedding rows' gradient of ", functools.partial(_add_rows, hg, ids, g, padding_idx))
 
     # ------------------------------------------------------------------ routing the owners' calls
     def install(self) -> list:
@@ -512,6 +518,14 @@ def _land_and_add(transfer, landed, src: torch.Tensor, staged: torch.Tensor, dst
 def _add_at(dst: torch.Tensor, lo: int, staged: torch.Tensor) -> None:
     """Host worker: one landed part of a flat piece gradient, added at element ``lo`` of ``dst``."""
     dst[lo:lo + staged.numel()].add_(staged)
+
+
+def _add_row_part(grad: torch.Tensor, ids: torch.Tensor, width: int, padding_idx: int | None, lo: int,
+                  staged: torch.Tensor) -> None:
+    """Host worker: one landed part of the rows' gradient (whole rows, from element ``lo``)."""
+    r0 = lo // width
+    values = staged.view(-1, width)
+    _add_rows(grad, ids[r0:r0 + values.shape[0]], values, padding_idx)
 
 
 def _add_rows(grad: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, padding_idx: int | None) -> None:

@@ -517,3 +517,30 @@ def test_the_pieces_gradients_cross_through_the_lanes_staging():
                 assert _pieced(engine)[-1].vocab_pieces.grad_queue is engine.grad_queue
             engine.close()
     assert pinned[True] <= pinned[False], pinned
+
+
+def test_the_embedding_rows_gradient_crosses_through_the_lanes_in_whole_rows(monkeypatch):
+    """Under real copies, the embedding's rows' gradient (512 tokens: larger than a lane's
+    staging, a block's gradient) crosses through a lane in parts of whole rows, each added at
+    its rows' ids, with the padding row left out; training is plain training's."""
+    from stronghold_hf import vocab_pieces
+
+    parts = []
+    add = vocab_pieces._add_row_part
+    monkeypatch.setattr(vocab_pieces, "_add_row_part", lambda *a: (parts.append(a[-1].numel()), add(*a))[1])
+    with simulated_device(0.001):
+        ref, model, engine = _pair(lambda: tiny_model("llama", tie_word_embeddings=False, **BIG_VOCAB),
+                                   window_size=1, vocab_pieces=True)
+        embed = engine.unit_of(model.get_input_embeddings().weight)
+        assert embed.vocab_pieces is not None and embed.vocab_pieces.grad_queue is engine.grad_queue
+        staging = engine.grad_queue.staging_bytes
+        width = model.config.hidden_size
+
+        def loss(m, step):
+            b = batch("llama", seed=step, batch_size=2, seq=256)
+            b["input_ids"][:, :8] = 0  # the padding row among them
+            return m(**b).loss
+
+        _train_both(ref, model, engine, loss, steps=2)
+    assert 2 * 256 * width * 4 > staging and len(parts) > 2  # more than one part per backward
+    assert all(n % width == 0 for n in parts) and sum(parts) == 2 * 2 * 256 * width
