@@ -45,6 +45,19 @@ def _shares_a_module_fixture(item) -> bool:
     return any(d.scope in ("module", "package", "class") for defs in info.name2fixturedefs.values() for d in defs)
 
 
+def _name_the_group_in_the_nodeid(config, item, group: str) -> None:
+    """``--dist loadgroup`` schedules by a ``@group`` suffix of the node id, which pytest-xdist
+    (3.8) writes into ``item._nodeid``. pytest 9 keeps the id in ``item._id`` instead, so that
+    write no longer takes and every test was scheduled alone: a module's launches ran once per
+    worker, and the peak-RSS tests side by side. On such a pytest the suffix goes into ``_id``."""
+    if not config.getoption("loadgroup", False) or not hasattr(item, "_id"):
+        return
+    from _pytest.nodes import NodeId
+
+    if "@" not in item.nodeid.rpartition("]")[2]:
+        item._id = NodeId.parse(f"{item.nodeid}@{group}")
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
     # Parallel workers (pytest-xdist, --dist loadgroup): the tests of a module that share a
@@ -63,6 +76,7 @@ def pytest_collection_modifyitems(config, items):
             else:
                 continue
         item.add_marker(pytest.mark.xdist_group(group))
+        _name_the_group_in_the_nodeid(config, item, group)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
