@@ -181,10 +181,13 @@ SEQ2SEQ_EVAL = ["--max_source_length", "64", "--val_max_target_length", "32", "-
 #: 350 fine-tuning steps) on seeds 1, 7 and 42 with --stronghold: 0.0 before fine-tuning (the
 #: span-corruption model emits sentinels, which decode to nothing) and 11.1-12.6 after, eval loss
 #: 7.7-8.0 -> 5.8-5.9, the model having learned the commonest openings ("Return the ..."); twice
-#: the steps (300 and 600) gave 9.8-12.7 on six seeds. A gain of 5 points (0.05) leaves a margin
-#: of about 2x for seeds and for the engine's reassociated sums; a model that did not learn the
-#: task stays near 0.
-MIN_ROUGE_L_GAIN = 5.0
+#: the steps (300 and 600) gave 9.8-12.7 on six seeds. ROUGE of a model this barely trained moves
+#: with the last digits of its weights: one CI run (2026-12-06, the machine loaded by the other
+#: worker) ended at an eval loss of 5.859, inside the range above, with ROUGE-L 4.69; the same
+#: commit alone gave 11.2 (5.863), and beside a CPU hog 11.8 (5.865). A gain of 2 points still
+#: separates learning from not learning (a model that did not learn the task stays near 0); the
+#: eval loss below is the steadier check.
+MIN_ROUGE_L_GAIN = 2.0
 
 
 @pytest.mark.slow
