@@ -55,6 +55,16 @@ def reads_no_values(func: Any) -> bool:
     return _name(func) in _METADATA
 
 
+#: Functions that ask where a tensor's storage is, not what it holds (a saved-tensor hook keying
+#: tensors by storage, safetensors' sharing check). They still wait for an update in flight.
+_STORAGE_QUERIES = frozenset({"untyped_storage", "storage", "_typed_storage", "is_pinned", "is_shared"})
+
+
+def asks_where_storage_is(func: Any) -> bool:
+    """Whether a torch function only asks where its tensor's storage is (``untyped_storage()``)."""
+    return _name(func) in _STORAGE_QUERIES
+
+
 class GuardedParameter(nn.Parameter):
     """An ``nn.Parameter`` whose unit has work pending; see the module docstring."""
 
@@ -139,4 +149,4 @@ class ReadGuard:
 
 
 __all__ = ["GuardedParameter", "ReadGuard", "register", "unregister", "guard", "unguard", "is_guarded",
-           "reads_no_values"]
+           "reads_no_values", "asks_where_storage_is"]

@@ -144,6 +144,7 @@ class WindowSchedule:
         # (StrongholdConfig.device_checkpoints; None: the window's W).
         self.checkpoint_tail: int | None = None
         self.checkpoint_watch = None  # checkpointing.CheckpointWatch: the model's checkpoint calls
+        self.vocab_pieces: list = []  # the device sides of the units read in pieces (vocab_pieces.py), set by the engine
         # Data parallel: called when a backward reaches the model's outputs, it averages the
         # gradients of the parameters left on the device at that backward's end (distributed.py).
         self.average_resident_grads = None
@@ -226,9 +227,8 @@ class WindowSchedule:
             return None
         self._model_forwards = max(0, self._model_forwards - 1)
         if not self._model_forwards:
-            for u in self.units:
-                if u.vocab_pieces is not None:
-                    u.vocab_pieces.release_after_forward()  # a copy lent whole that no graph holds
+            for pieces in self.vocab_pieces:
+                pieces.release_after_forward()  # a copy lent whole that no graph holds
         # A training forward that entered no block used the block weights some other way (a
         # container's contents called directly, `block.forward(...)` bypassing hooks): nothing
         # was streamed, and on a GPU those weights are host memory. Said once, plainly.
@@ -501,16 +501,14 @@ class WindowSchedule:
     def _reclaim_lent_vocab(self) -> None:
         """A vocabulary unit lent whole to a forward (`VocabularyPieces.lend_whole`) goes back to
         its pieces: the backward that read the copy is over."""
-        for u in self.units:
-            if u.vocab_pieces is not None:
-                u.vocab_pieces.reclaim_whole()
+        for pieces in self.vocab_pieces:
+            pieces.reclaim_whole()
 
     def _drain_vocab_pieces(self) -> None:
         """The gradients of units read in vocabulary pieces (vocab_pieces.py) are in their host
         gradient, like the lanes' after `GradientFlush.drain`."""
-        for u in self.units:
-            if u.vocab_pieces is not None:
-                u.vocab_pieces.drain()
+        for pieces in self.vocab_pieces:
+            pieces.drain()
 
     def _abort_backward(self) -> None:
         """A backward raised half-way: drop its gradients, keep what earlier backwards left."""

@@ -50,7 +50,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .fastpath import engine_access as _engine_access
-from .read_guard import reads_no_values
+from .read_guard import asks_where_storage_is, reads_no_values
 
 logger = logging.getLogger("stronghold_hf")
 
@@ -348,7 +348,7 @@ class VocabularyPieces:
         host value, or asks only where the storage is (``untyped_storage``, ``is_pinned``)."""
         if self.routing or self._lent is not None:
             return True
-        if not in_forward or _name_of(func) in _STORAGE_QUERIES:
+        if not in_forward or asks_where_storage_is(func):  # no reason to lend the weight
             return False
         self.lend_whole(for_backward=forward_grad or torch.is_grad_enabled(), what=f"{describe_use(func)} {where}")
         return True
@@ -368,11 +368,12 @@ class VocabularyPieces:
         u = self.unit
         if what is not None and not self._said_lent:
             self._said_lent = True
+            whole = sum(p.numel() * e.device_dtype.itemsize for p, e in zip(u.params, u.layout.entries))
             logger.warning(
                 "stronghold: %s is read in vocabulary pieces, and the model used the whole weight (%s), which "
                 "pieces cannot serve: for such a forward and its backward it is lent whole to the device (%.1f MiB), "
-                "as plain training holds it. StrongholdConfig(vocab_pieces=False) streams it whole instead.", u.fqn, what, sum(p.numel() * e.device_dtype.itemsize
-                                             for p, e in zip(u.params, u.layout.entries)) / 2**20)
+                "as plain training holds it. StrongholdConfig(vocab_pieces=False) streams it whole instead.",
+                u.fqn, what, whole / 2**20)
         copies = []
         for i, e in enumerate(u.layout.entries):
             rows = self._image(i)
@@ -534,15 +535,6 @@ def _add_rows(grad: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, paddi
         keep = ids != padding_idx
         ids, values = ids[keep], values[keep]
     grad.index_add_(0, ids, values.to(grad.dtype))
-
-
-#: Torch functions that ask where a tensor's storage is, not what it holds (a saved-tensor hook
-#: keying tensors by storage, safetensors' sharing check): never a reason to lend the weight.
-_STORAGE_QUERIES = frozenset({"untyped_storage", "storage", "_typed_storage", "is_pinned", "is_shared"})
-
-
-def _name_of(func) -> str:
-    return getattr(func, "__name__", "")
 
 
 def _is_attribute_read(func) -> bool:

@@ -191,6 +191,7 @@ class WindowEngine:
                                               enter_backward=self.schedule.enter_backward,
                                               grad_queue=self.grad_queue)
             self._handles.extend(u.vocab_pieces.install())
+        self.schedule.vocab_pieces = [u.vocab_pieces for u in pieced]
         if self.dp is not None:
             self.schedule.average_resident_grads = self.dp.resident_grad_averaging(self._resident_parameters.get)
         self._handles.append(self.schedule.checkpoint_watch)  # removing it gives back the checkpoint functions

@@ -92,23 +92,12 @@ def _strip_layout(checkpoint: Path, older: Path) -> None:
             torch.save(state, older / name)
 
 
-#: The runs, once per process: an xdist worker may tear the module fixture down and set it up
-#: again between the module's tests (the CI log showed two setups of 48 s each); the launches
-#: are not redone then.
-_DONE: dict[str, tuple[Path, list[dict]]] = {}
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, tuple[Path, list[dict]]]:
     """Every run of `RUNS`, by name: its output directory and its ranks' records. One launch per
     world size (a launch costs each process seconds of imports; a run, a fraction of one), in
-    the order 2, 3, 1: later launches resume from the two ranks' checkpoints."""
-    if not _DONE:
-        _DONE.update(_launch_all(tmp_path_factory))
-    return _DONE
-
-
-def _launch_all(tmp_path_factory) -> dict[str, tuple[Path, list[dict]]]:
+    the order 2, 3, 1: later launches resume from the two ranks' checkpoints. The module's tests
+    share one xdist worker (tests/conftest.py), so this runs once."""
     root = tmp_path_factory.mktemp("dp")
     dirs = {name: root / name for by_name in RUNS.values() for name in by_name}
     dirs["older"] = root / "older"

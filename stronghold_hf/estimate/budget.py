@@ -193,7 +193,7 @@ def _assemble(
     # device it holds one piece of rows (and, trainable, the piece's gradient: its fp32 sum and
     # its cast) at a time.
     pieces = _read_in_pieces(counts, largest, c) if vocab_pieces else _Pieces(counts, 0, 0, 0)
-    counts, piece_bytes, piece_staging, widened_grads = pieces[:4]
+    counts, piece_bytes = pieces.counts, pieces.device_bytes
     if not vocab_pieces:
         # Worth saying from two blocks up: a piece's fp32 gradient sum costs about what a
         # vocabulary of one or two blocks saves.
@@ -223,7 +223,7 @@ def _assemble(
     # bf16 host gradients (unit.py, [Note: host gradients in the compute dtype]): 2 B instead of
     # 4 for bf16 units, unless accumulation widens them to fp32.
     bf16_grads = dtype == "bf16" and host_grads != "fp32" and gradient_accumulation_steps == 1
-    grad = 4 * trainable - (image - widened_grads if bf16_grads else 0)
+    grad = 4 * trainable - (image - pieces.widened_grads if bf16_grads else 0)
     pinned = sum(u.image_bytes for u in units)
     # Without the image: two staging buffers of the largest block (larger units cross in pieces).
     ring = FETCH_STAGING_BUFFERS * max((u.trainable_image_bytes for u in units if u.kind == "block"),
@@ -234,7 +234,7 @@ def _assemble(
     # The head's piece gradients cross through the lanes' staging ([Note: vocabulary pieces
     # through the lanes] in grads.py); with no lane (nothing streamed trains), two buffers of their own.
     staging = grad_buffers * block_lane + len([u for u in resident if u.trainable]) * max(
-        (u.grad_bytes for u in resident), default=0) + (0 if lane else piece_staging)
+        (u.grad_bytes for u in resident), default=0) + (0 if lane else pieces.host_staging)
 
     # Activations, from the config's shape.
     h = _cfg(config, "hidden_size", "d_model", "n_embd", "dim")
