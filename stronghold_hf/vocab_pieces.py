@@ -359,9 +359,10 @@ class VocabularyPieces:
         until `reclaim_whole`, the parameters
         point at a copy of the whole unit on the device (booked in the ledger: the one time the
         unit is whole there). A gradient autograd gives them is added into the host gradient a
-        piece at a time as it arrives, as the pieces' own are; the copy autograd then keeps in
-        ``.grad`` is dropped at `reclaim_whole`. ``for_backward``: the forward records a graph, so
-        the copy stays until the end of its backward (its saved tensors are the copy)."""
+        piece at a time as it arrives, as the pieces' own are, and the ``.grad`` autograd then
+        keeps is dropped at once: the whole gradient is on the device only while it crosses.
+        ``for_backward``: the forward records a graph, so the copy stays until the end of its
+        backward (its saved tensors are the copy)."""
         self._lent_for_backward |= for_backward
         if self._lent is not None:
             return
@@ -387,25 +388,39 @@ class VocabularyPieces:
             for p, c in zip(u.params, copies):
                 p.data = c
         # After the swap: autograd's accumulator of a parameter whose device changed is a new one.
-        handles = [p.register_hook(functools.partial(self._lent_grad, i, got))
-                   for i, p in enumerate(u.params) if u.trainable and p.requires_grad]
+        handles = []
+        for i, p in enumerate(u.params):
+            if u.trainable and p.requires_grad:
+                handles.append(p.register_hook(functools.partial(self._lent_grad, i, got)))
+                handles.append(p.register_post_accumulate_grad_hook(self._drop_lent_grad))
         self._lent = (views, nbytes, handles, got)
 
     def _lent_grad(self, i: int, got: list, grad: torch.Tensor) -> None:
         got[i] = True
+        self.ledger.device_alloc(grad.numel() * grad.element_size())  # until _drop_lent_grad
         landed = None
         for k, (r0, r1) in enumerate(self.bounds):
             if i == 0:
                 landed = self.add_piece_grad(k, grad[r0:r1])
             else:
                 self.add_bias_grad(k, grad[r0:r1])  # copied to the host before it returns
-        # Autograd keeps ``grad`` as ``.grad`` and adds a second contribution into it in place:
-        # the device waits for the copies (in order on one stream) before that; through the
+        # Autograd keeps ``grad`` as ``.grad`` until `_drop_lent_grad` frees it: the device waits
+        # for the copies (in order on one stream) before its memory can be reused; through the
         # lanes, whose fold issues later halves, the host waits for the folds.
         if landed is not None:
             self.transfer.device_wait(landed)
         elif i == 0 and self.grad_queue is not None:
             self.drain()
+
+    def _drop_lent_grad(self, param: torch.Tensor) -> None:
+        """After autograd stored the lent copy's gradient (in the host gradient already): the
+        device copy goes, so a second contribution (a tied unit) starts a new one."""
+        grad = param.grad
+        if grad is None:
+            return
+        with _engine_access():
+            param.grad = None
+        self.ledger.device_free(grad.numel() * grad.element_size())
 
     def release_after_forward(self) -> None:
         """The end of a model forward (the schedule's): a copy no graph recorded goes back

@@ -430,6 +430,50 @@ def test_trl_subclass_route(tmp_path, monkeypatch):
     _assert_same_training(by_flag, ref)
 
 
+def test_a_trl_trainers_fit_check_counts_the_lm_head_lent_whole(tmp_path, monkeypatch):
+    """TRL's trainers give the model a fused LM head, which reads the head's weight whole: the
+    fit check of ``class MySFTTrainer(StrongholdTrainer, SFTTrainer)`` counts the head on the
+    device whole and refuses, by name, a GPU where only its pieces would fit. The same model
+    and GPU through the plain Trainer (the head read in pieces) fits."""
+    pytest.importorskip("trl")
+    from transformers import AutoModelForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    import stronghold_hf.estimate as est
+
+    build = _sft_build()
+    _, tokenizer, dataset = build()
+
+    def big_vocabulary_model():  # a head of 8192 x 32: many blocks large, so it is read in pieces
+        model, _, _ = build()
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(model.config.__class__(**{**model.config.to_dict(), "vocab_size": 8192}))
+
+    shape = dict(seq_len=32, batch_size=2, dtype="fp32", gpu_reserve=0, gradient_checkpointing=False)
+    pieced = est.estimate_for_model(big_vocabulary_model(), **shape)
+    lent = est.estimate_for_model(big_vocabulary_model(), head_lent_whole=True, **shape)
+    assert pieced.gpu_bytes_needed < lent.gpu_bytes_needed
+    cap = (pieced.gpu_bytes_needed + lent.gpu_bytes_needed) // 2
+    real = est.estimate_for_model
+    monkeypatch.setattr(est, "estimate_for_model",
+                        lambda model, **kw: real(model, **{**kw, "gpu_memory_bytes": cap, "gpu_reserve": 0}))
+    monkeypatch.setenv("STRONGHOLD", "1")
+
+    class MySFTTrainer(StrongholdTrainer, SFTTrainer):
+        pass
+
+    (args,) = HfArgumentParser(SFTConfig).parse_args_into_dataclasses(["--output_dir", str(tmp_path), *SFT_ARGS])
+    with pytest.raises(ValueError, match="does not fit.*the LM head lent whole"):
+        MySFTTrainer(model=big_vocabulary_model(), args=args, train_dataset=dataset, processing_class=tokenizer)
+
+    ids = [list(range(3, 35))] * 4
+    plain = StrongholdTrainer(model=big_vocabulary_model(), train_dataset=[{"input_ids": i, "labels": i} for i in ids],
+                              args=TrainingArguments(output_dir=str(tmp_path / "plain"), use_cpu=True, max_steps=1,
+                                                     per_device_train_batch_size=2, report_to="none"))
+    assert plain.stronghold_engine is not None
+    plain.stronghold_engine.close()
+
+
 # ---------------------------------------------------------------------------- the package surface
 def test_dir_and_help_list_the_lazy_names():
     code = (

@@ -333,6 +333,48 @@ def test_the_estimator_counts_pieces_as_the_engine_holds_them():
     assert not any("vocab_pieces=True" in note for note in pieced.notes)
 
 
+def test_a_head_lent_whole_holds_its_gradient_only_while_it_crosses_and_the_estimator_counts_it():
+    """TRL's fused LM head reads the head whole: the lent copy's gradient is on the device only
+    while it crosses (gone by the blocks' backward), and ``estimate --head_lent_whole`` bounds
+    the ledger's peak where the pieces' estimate would not."""
+    pytest.importorskip("trl")
+    from trl.trainer.utils import add_fused_lm_head
+
+    from stronghold_hf.estimate import estimate_for_model
+
+    def fused():
+        m = tiny_model("llama", vocab_size=8192, tie_word_embeddings=False)
+        add_fused_lm_head(m)
+        return m
+
+    ref, model, engine = _pair(fused, window_size=1)
+    head = model.get_output_embeddings().weight
+    whole = head.numel() * head.element_size()
+    at_first_block = []
+
+    def in_first_block_backward(grad):
+        at_first_block.append((head.grad is None, engine.ledger.device_bytes))
+
+    def on_first_block(module, args, output):
+        out = output[0] if isinstance(output, tuple) else output
+        if torch.is_grad_enabled() and out.requires_grad:
+            out.register_hook(in_first_block_backward)
+
+    model.model.layers[0].register_forward_hook(on_first_block)
+    _train_both(ref, model, engine, lambda m, step: m(**batch("llama", seed=step), fused_lm_head=True).loss, steps=2)
+    peak = engine.memory_stats()["device_peak_bytes"]
+    engine.close()
+    assert len(at_first_block) == 2
+    # The lent copy is there (the blocks' slots and lanes beside it); its gradient is not.
+    assert all(dropped and whole < held < 2 * whole for dropped, held in at_first_block), at_first_block
+    assert peak >= 2 * whole  # the gradient was booked while it crossed
+    shape = dict(seq_len=12, batch_size=2, window_size=1)
+    pieced = estimate_for_model(fused(), **shape)
+    lent = estimate_for_model(fused(), head_lent_whole=True, **shape)
+    assert pieced.gpu_engine_bytes < peak <= lent.gpu_engine_bytes, (pieced.gpu_engine_bytes, peak, lent.gpu_engine_bytes)
+    assert lent.gpu_head_lent_whole_bytes == 2 * whole and any("lent whole" in n for n in lent.notes)
+
+
 def test_a_resume_matches_the_uninterrupted_run(tmp_path):
     """Checkpoints hold the unit whole (one optimizer entry, one tensor): stopped at step 3 and
     resumed in a fresh Trainer, the run ends where the uninterrupted one does."""

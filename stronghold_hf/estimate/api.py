@@ -89,7 +89,7 @@ def estimate(
     attn_implementation: str | None = None, sequence_tiling: bool | str = "auto", tile_tokens: int | str = "auto",
     attention_tiling: bool = False, cpu_reserve: int | str = "auto", gpu_reserve: int | str = "auto",
     nvme_activations: bool | str = "auto", device_checkpoints: int | str = "auto", device: str = "cuda",
-    vocab_pieces: bool = True,
+    vocab_pieces: bool = True, head_lent_whole: bool = False,
 ) -> Estimate:
     """Estimates STRONGHOLD and plain-training memory for a config (built on the meta device).
 
@@ -122,7 +122,9 @@ def estimate(
     ``device_checkpoints``: `StrongholdConfig`'s (offloaded checkpointed inputs kept at the turn).
     ``cpu_reserve``, ``gpu_reserve``: `StrongholdConfig`'s headroom ("fits" keeps them free).
     ``vocab_pieces``: `StrongholdConfig`'s (a vocabulary-sized unit on the device a row piece at a
-    time, outside the window).
+    time, outside the window). ``head_lent_whole``: a forward reads the LM head's weight itself
+    (TRL's fused LM head, Liger's fused linear cross-entropy), so the head is on the device
+    whole, with its gradient, from that forward to the end of its backward.
     ``device``: the type of device the engine computes on, ``"cuda"`` or ``"cpu"``: which
     attention kernels run there (a query tile's causal mask is materialized on the CPU,
     counts.lower_right_mask_bytes).
@@ -146,7 +148,7 @@ def estimate(
         host_image=host_image, host_grads=host_grads, gradient_accumulation_steps=gradient_accumulation_steps,
         nvme_memory_bytes=None if nvme_memory_bytes is None else parse_memory(nvme_memory_bytes),
         nvme=nvme, nvme_masters=nvme_masters, nvme_activations=nvme_activations, device_type=device,
-        vocab_pieces=vocab_pieces,
+        vocab_pieces=vocab_pieces, head_lent_whole=head_lent_whole,
     )
 
 
@@ -163,6 +165,7 @@ def estimate_for_model(
     attn_implementation: str | None = None, sequence_tiling: bool | str = "auto", tile_tokens: int | str = "auto",
     attention_tiling: bool = False, cpu_reserve: int | str = "auto", gpu_reserve: int | str = "auto",
     nvme_activations: bool | str = "auto", device_checkpoints: int | str = "auto", vocab_pieces: bool = True,
+    head_lent_whole: bool = False,
 ) -> Estimate:
     """The same estimate from a live, already built model (call before moving it to the GPU).
 
@@ -206,5 +209,5 @@ def estimate_for_model(
         loss_chunk_tokens=loss_chunk_tokens, host_memory=host_memory, host_image=host_image, host_grads=host_grads,
         gradient_accumulation_steps=gradient_accumulation_steps, nvme_memory_bytes=nvme_memory_bytes, nvme=nvme,
         nvme_ring_buffers=nvme_ring_buffers, nvme_masters=nvme_masters, nvme_activations=nvme_activations,
-        device_type=_device_type(device), vocab_pieces=vocab_pieces,
+        device_type=_device_type(device), vocab_pieces=vocab_pieces, head_lent_whole=head_lent_whole,
     )

@@ -102,18 +102,25 @@ class _Pieces(NamedTuple):
     host_staging: int  # pinned staging of the head's piece gradients when no lane carries them: two pieces' worth
     widened_grads: int  # bf16 host gradients of pieced units kept in fp32 instead: the bytes that adds
     plain_device_bytes: int = 0  # the same without the chunked loss: one product in the compute dtype, and its cast
+    lent_whole_bytes: int = 0  # the head lent whole to a forward that reads its weight itself, with its gradient
 
 
-def _read_in_pieces(counts: _Counts, largest: int, c: int) -> _Pieces:
+def _read_in_pieces(counts: _Counts, largest: int, c: int, head_lent_whole: bool = False) -> _Pieces:
     """The units `vocab_pieces` reads in row pieces, and what they hold: on the device the
     largest piece at its use (its rows, the next piece's on their way, and for a trainable
     unit its gradient's fp32 sum and that sum's cast: vocab_ops.py); on the host two pinned
     buffers of the head's piece gradient, used only when no lane's staging can carry it
     (`VocabularyPieces.add_piece_grad`; the embedding's rows come back unstaged), and fp32 host
-    gradients where a tied unit's rows get two contributions ([Note: pieces' host gradient])."""
+    gradients where a tied unit's rows get two contributions ([Note: pieces' host gradient]).
+
+    ``head_lent_whole``: a forward reads the head's weight itself (TRL's fused LM head, Liger's
+    fused linear cross-entropy), so the head is lent whole from that forward to the end of its
+    backward (`VocabularyPieces.lend_whole`): its copy stays on the device beside the window
+    instead of a piece, and its gradient in the device dtype is there while it crosses to the
+    host (counted throughout: a little more than the engine holds once the head is done)."""
     from ..vocab_pieces import piece_rows
 
-    pieced, piece_bytes, plain_bytes, staging, widened = set(), 0, 0, 0, 0
+    pieced, piece_bytes, plain_bytes, staging, widened, lent = set(), 0, 0, 0, 0, 0
     head = counts.sequence[-1] if counts.sequence else None  # the LM head (or a tied embedding's end)
     for i, u in enumerate(counts.units):
         if u.kind != "streamed" or not u.vocab_rows or u.params <= largest:
@@ -123,6 +130,9 @@ def _read_in_pieces(counts: _Counts, largest: int, c: int) -> _Pieces:
             widened += u.trainable_image_bytes
         if i != head:
             continue  # an embedding alone sends the rows of a batch, not pieces
+        if head_lent_whole:
+            lent = u.device_bytes * (2 if u.trainable else 1)
+            continue
         rows = piece_rows(u.vocab_rows, u.vocab_width, largest)
         element = u.device_bytes // u.params  # the unit's device dtype (an fp32 embedding under bf16 autocast)
         piece = rows * u.vocab_width * element
@@ -138,7 +148,8 @@ def _read_in_pieces(counts: _Counts, largest: int, c: int) -> _Pieces:
     for i in counts.sequence:
         if i not in pieced and (not sequence or sequence[-1] != i):
             sequence.append(i)
-    return _Pieces(dataclasses.replace(counts, sequence=tuple(sequence)), piece_bytes, staging, widened, plain_bytes)
+    return _Pieces(dataclasses.replace(counts, sequence=tuple(sequence)), piece_bytes, staging, widened, plain_bytes,
+                   lent)
 
 
 def _window_bytes(counts: _Counts, window: int) -> int:
@@ -162,6 +173,7 @@ def _assemble(
     attention: str = "eager", sequence_tiling: bool | str = "auto", tile_tokens: int | str = "auto",
     attention_tiling: bool = False, device_checkpoints: int | str = "auto", cpu_reserve: int | str = "auto", gpu_reserve: int | str = "auto",
     nvme_activations: bool | str = "auto", device_type: str = "cuda", vocab_pieces: bool = True,
+    head_lent_whole: bool = False,
 ) -> Estimate:
     if nvme not in (True, False, "auto"):
         raise ValueError(f"nvme={nvme!r}; use \"auto\", True or False.")
@@ -192,8 +204,11 @@ def _assemble(
     # vocab_pieces (vocab_pieces.py): a vocabulary-sized unit leaves the window's sequence; on the
     # device it holds one piece of rows (and, trainable, the piece's gradient: its fp32 sum and
     # its cast) at a time.
-    pieces = _read_in_pieces(counts, largest, c) if vocab_pieces else _Pieces(counts, 0, 0, 0)
-    counts, piece_bytes = pieces.counts, pieces.device_bytes
+    pieces = _read_in_pieces(counts, largest, c, head_lent_whole) if vocab_pieces else _Pieces(counts, 0, 0, 0)
+    counts, piece_bytes, lent = pieces.counts, pieces.device_bytes, pieces.lent_whole_bytes
+    if lent:
+        notes.append(f"the LM head is lent whole ({_gib(lent)} on the device) from each forward that reads its "
+                     "weight itself (TRL's fused LM head, Liger's fused cross-entropy) to the end of its backward")
     if not vocab_pieces:
         # Worth saying from two blocks up: a piece's fp32 gradient sum costs about what a
         # vocabulary of one or two blocks saves.
@@ -209,7 +224,7 @@ def _assemble(
         notes.append(f"window_size={requested} exceeds the {positions} streamed units; evaluated at {positions}")
     units = counts.units
     in_window = set(counts.sequence)
-    streamed = [u for i, u in enumerate(units) if u.kind != "rest" and (i in in_window or not piece_bytes)]
+    streamed = [u for i, u in enumerate(units) if u.kind != "rest" and (i in in_window or not (piece_bytes or lent))]
     resident = [u for u in units if u.kind == "rest"]
 
     # CPU: every unit's host bytes (masters, gradients, Adam state, pinned images; frozen:
@@ -311,7 +326,11 @@ def _assemble(
             tile_width = vocab_piece_rows(counts.logits_width, hidden, largest or None) or counts.logits_width
             head_grad = counts.logits_width * counts.hidden * (4 + (counts.head_device_bytes if
                                                                     counts.head_device_bytes != 4 else 0))
-            if piece_bytes and counts.logits_width * counts.hidden > largest:
+            if lent:
+                # A fused head (TRL's) sums the weight's gradient in fp32 over its chunks; the sum's
+                # cast is the lent copy's gradient, in ``lent`` (in fp32 the sum is the gradient).
+                head_grad = counts.logits_width * counts.hidden * 4 if counts.head_device_bytes != 4 else 0
+            elif piece_bytes and counts.logits_width * counts.hidden > largest:
                 # Read in pieces (vocab_ops.py): a piece's gradient is in piece_bytes; the rows'
                 # gradient is summed over the pieces in fp32 instead (in the gradient itself in fp32).
                 head_grad = tokens * hidden * 4 if c != 4 else 0
@@ -356,7 +375,7 @@ def _assemble(
         the head the pieces with W slots: the lanes are taken at the first block's backward,
         after the head's, and given back at the end of it (grads.py)."""
         slots = _window_bytes(counts, window) + lanes
-        return max(slots, _window_bytes(counts, window - 1) + piece_bytes) if piece_bytes else slots
+        return (max(slots, _window_bytes(counts, window - 1) + piece_bytes) if piece_bytes else slots) + lent
 
     def need(window: int, offload: bool) -> int:
         block_act = (ckpt_offloaded if offload else ckpt) if gradient_checkpointing else full
@@ -468,7 +487,8 @@ def _assemble(
     on_device = units_on_device(w)
     # Beside the window's slots: the lanes, or at the head the pieces (with a slot fewer).
     beside = on_device - window_bytes
-    beside_name = "the gradient lanes" if on_device == window_bytes + lanes else "the vocabulary pieces, at the head"
+    beside_name = ("the LM head lent whole, with the lanes" if lent else "the gradient lanes"
+                   if on_device == window_bytes + lanes else "the vocabulary pieces, at the head")
     fixed = on_device + outside + act_peak
     layer_phase = (f"one layer's recompute and backward (largest: {layer_largest[0]})" if gradient_checkpointing
                    else f"one layer's backward (largest: {layer_largest[0]})")
@@ -493,6 +513,7 @@ def _assemble(
         cpu_nvme_ring_bytes=nvme_ring(masters_on_disk) if on_disk else 0, nvme_masters=masters_on_disk,
         gpu_resident_bytes=outside, gpu_window_bytes=window_bytes,
         gpu_slot_bytes=max((u.device_bytes for u in streamed), default=0), gpu_vocab_piece_bytes=piece_bytes,
+        gpu_head_lent_whole_bytes=lent,
         gpu_grad_buffer_bytes=lanes, gpu_engine_bytes=on_device + (outside - counts.buffer_bytes
                                                                     if offload_non_block else split_bytes),
         gpu_block_activation_bytes=block_act, gpu_head_activation_bytes=head, gpu_activation_peak_bytes=act_peak,

@@ -137,6 +137,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--vocab_pieces", type=_arg_type(_parse_bool, "true or false"), default=True,
                         help="a vocabulary-sized embedding or head crosses in row pieces of at most a block "
                         "(StrongholdConfig.vocab_pieces; default true)")
+    parser.add_argument("--head_lent_whole", action="store_true",
+                        help="the training forward reads the LM head's weight itself (TRL's trainers' fused LM head, "
+                        "Liger's fused linear cross-entropy): count the head whole on the device, with its gradient, "
+                        "through each backward (the Trainer's fit check sees it on its own)")
     parser.add_argument("--device_checkpoints", type=_arg_type(lambda v: v if v == "auto" else _nonneg(v),
                                                                  "auto or an int >= 0"), default="auto",
                         help="offloaded checkpointed inputs kept on the device at the turn (StrongholdConfig."
@@ -173,6 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tile_tokens=args.tile_tokens, attention_tiling=args.attention_tiling,
             device_checkpoints=args.device_checkpoints, cpu_reserve=args.cpu_reserve,
             gpu_reserve=args.gpu_reserve, device=args.device, vocab_pieces=args.vocab_pieces,
+            head_lent_whole=args.head_lent_whole,
         )
     except (ValueError, OSError, KeyError) as err:
         parser.error(str(err))

@@ -104,6 +104,9 @@ class Estimate:
     layer_largest_tensor: str = ""
     gpu_bounded_by: str = ""
     gpu_vocab_piece_bytes: int = 0  # vocab_pieces: the largest piece of a vocabulary unit, with its gradient
+    # head_lent_whole: the LM head's whole copy and its gradient, beside the window from a forward
+    # that reads the weight itself (a fused LM head) to the end of its backward
+    gpu_head_lent_whole_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -153,6 +156,10 @@ class Estimate:
                 fixes.append("offload the checkpointed activations (StrongholdConfig(offload_activations=True))")
             if not self.offload_non_block:
                 fixes.append("offload the parameters outside the blocks (StrongholdConfig(offload_non_block=True))")
+            if self.gpu_head_lent_whole_bytes:
+                fixes.append("a fused LM head (TRL's trainers add one, Liger's fused cross-entropy is one) holds the "
+                             "whole head on the device: with Liger, liger_kernel_config={\"fused_linear_cross_entropy\": "
+                             "false} leaves the loss to the engine, which reads the head in pieces of a block")
             fixes.append("use a smaller batch or sequence length")
             if self.dtype == "fp32":
                 fixes.append("train in bf16 (halves the window slots and activations)")
@@ -160,7 +167,9 @@ class Estimate:
                 fixes.append(f"use a smaller window_size (the largest that fits is {self.max_window_size})")
             problems.append(
                 f"GPU memory: needs {_gib(self.gpu_bytes_needed)} at window_size={self.window_size} (window "
-                f"{_gib(self.gpu_window_bytes)} + gradient buffers {_gib(self.gpu_grad_buffer_bytes)} + outside the "
+                f"{_gib(self.gpu_window_bytes)} + gradient buffers {_gib(self.gpu_grad_buffer_bytes)} + "
+                + (f"the LM head lent whole to a fused head {_gib(self.gpu_head_lent_whole_bytes)} + "
+                   if self.gpu_head_lent_whole_bytes else "") + "outside the "
                 f"window {_gib(self.gpu_resident_bytes)} + activations "
                 f"{_gib(self.gpu_activation_peak_bytes)} + workspace "
                 f"{_gib(self.gpu_workspace_bytes)}), and {_gib(self.gpu_reserve_bytes)} stay free (gpu_reserve: the CUDA "
@@ -238,6 +247,8 @@ def _table(e: Estimate) -> str:
         f"GPU (STRONGHOLD, window_size={e.window_size})",
         row(f"window ({e.window_size + 1} units, largest {e.gpu_slot_bytes / MiB:.1f} MiB)", e.gpu_window_bytes),
         row("gradient buffers in flight (K)", e.gpu_grad_buffer_bytes),
+        *([row("the LM head lent whole to a fused head, with its gradient", e.gpu_head_lent_whole_bytes)]
+          if e.gpu_head_lent_whole_bytes else []),
         row(outside, e.gpu_resident_bytes - e.gpu_split_bytes),
         *([row(f"resident units of the split ({e.resident_units}: params+grads+Adam)", e.gpu_split_bytes)]
           if e.resident_units else []),

@@ -86,8 +86,9 @@ class FitCheck:
             host_memory=cfg.host_memory, host_image=cfg.host_image, host_grads=cfg.host_grads,
             gradient_accumulation_steps=args.gradient_accumulation_steps, resident=cfg.resident,
             resident_budget_bytes=cfg.gpu_memory, sequence_tiling=cfg.sequence_tiling, tile_tokens=cfg.tile_tokens,
-            attention_tiling=cfg.attention_tiling, vocab_pieces=cfg.vocab_pieces, device_checkpoints=cfg.device_checkpoints, cpu_reserve=cfg.cpu_reserve, gpu_reserve=cfg.gpu_reserve,
-            **_nvme_estimate_args(cfg), **shape,
+            attention_tiling=cfg.attention_tiling, vocab_pieces=cfg.vocab_pieces,
+            head_lent_whole=reads_head_whole(self._model, args), device_checkpoints=cfg.device_checkpoints,
+            cpu_reserve=cfg.cpu_reserve, gpu_reserve=cfg.gpu_reserve, **_nvme_estimate_args(cfg), **shape,
         )
 
     def at_start(self, dataset: Any) -> StrongholdConfig:
@@ -164,6 +165,26 @@ class FitCheck:
 
     def _is_encoder_decoder(self) -> bool:
         return bool(getattr(getattr(self._model, "config", None), "is_encoder_decoder", False))
+
+
+def reads_head_whole(model: Any, args: Any) -> bool:
+    """Whether the run's training forward reads the LM head's weight itself, so that the engine
+    lends the head whole to the device (`VocabularyPieces.lend_whole`): a TRL trainer's fused
+    LM head (``add_fused_lm_head`` gives the model, or PEFT's base model, a ``forward`` taking
+    ``fused_lm_head``), or Liger's fused linear cross-entropy (``use_liger_kernel`` without
+    ``liger_kernel_config={"fused_linear_cross_entropy": False}``)."""
+    if getattr(args, "use_liger_kernel", False) and (getattr(args, "liger_kernel_config", None) or {}).get(
+            "fused_linear_cross_entropy", True):
+        return True
+    models = [model]
+    if callable(getattr(model, "get_base_model", None)):
+        models.append(model.get_base_model())
+    for m in models:
+        forward = getattr(m, "__dict__", {}).get("forward")
+        code = getattr(getattr(forward, "__func__", forward), "__code__", None)
+        if code is not None and "fused_lm_head" in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]:
+            return True
+    return False
 
 
 def _positive_int_field(args: Any, names: tuple[str, ...]) -> int | None:
