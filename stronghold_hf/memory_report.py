@@ -11,6 +11,8 @@ split, and the promises checked at the first step. Its keys are public API (docs
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -21,6 +23,8 @@ from .split import DeviceSplit
 from .stepping import StepCoordinator
 from .transfer import FetchStaging, TransferContext
 from .ledger import MemoryLedger
+
+logger = logging.getLogger("stronghold_hf")
 
 
 class MemoryReport:
@@ -39,6 +43,24 @@ class MemoryReport:
         self.split = split
         self.device_parameters = device_parameters
         self.promises = promises
+
+    def log_start(self, config, *, blocks: str, num_blocks: int, outside: int, device: torch.device,
+                  host_image: bool, window_size: int) -> None:
+        """The engine's line in the log once it is built (at INFO): what streams (``blocks``: the
+        block classes described, ``outside``: units outside them), the slot, the host bytes
+        before optimizer state, and what the split keeps on the device."""
+        stats = self.stats()
+        logger.info(
+            "stronghold: %d blocks (%s) and %d units outside them, window_size=%d, %.1f MiB per slot on %s, "
+            "%d offloaded parameters (%d trainable), host_memory=%s, host_image=%s: host %.2f GiB before optimizer "
+            "state (%.1f B/offloaded param), %d parameters left on the device", num_blocks, blocks, outside,
+            window_size, stats["slot_bytes"] / 2**20,
+            device, stats["offloaded_params"], stats["offloaded_trainable_params"], config.host_memory, host_image,
+            (stats["pinned_host_bytes"] + stats["pageable_host_bytes"]) / 2**30, stats["host_bytes_per_param"],
+            sum(p.numel() for p in self.device_parameters.get()),
+        )
+        if not self.split.streams_everything:
+            logger.info("stronghold: %s: %s", self.split.reason, ", ".join(self.split.resident))
 
     def stats(self) -> dict[str, float]:
         """The memory ledger: every byte this engine allocated, and its traffic so far.

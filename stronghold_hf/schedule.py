@@ -20,9 +20,9 @@ between the stacks). The window slides over positions of that sequence:
   give its trainable parameters a gradient lane, prefetch ``p-1..p-W``. When the unit's last
   pending use is done (post-backward node on its inputs), its lane is flushed to the host and
   the unit is evicted: gradients drain during backward.
-* **after the backward** (an autograd engine callback): late gradients are flushed, every unit
-  is evicted, the folds are awaited, and each trainable parameter's ``.grad`` is its host
-  gradient.
+* **after the backward** (an autograd engine callback, `backward_pass.BackwardPass`): late
+  gradients are flushed, every unit is evicted, the folds are awaited, and each trainable
+  parameter's ``.grad`` is its host gradient.
 
 The *resident* unit (norms, position embeddings, heads too small to stream) is outside the
 window: the model's forward makes it resident, it stays until the end of that forward's
@@ -40,8 +40,9 @@ checkpointing inside backward. At most ``W + 1`` streamed units hold device stor
 `DeviceSlotPool` enforces it) and at most ``K`` lanes exist, so device memory does not grow
 with depth; `memory_stats()` shows it on CPU as well as on CUDA.
 
-A backward that raises half-way is noticed at the next call into the engine and rolled back:
-its device gradients are dropped, and gradients it already folded are removed.
+A backward that raises half-way is noticed at the next call into the engine and rolled back
+(`BackwardPass.abort`): its device gradients are dropped, and gradients it already folded are
+removed.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ import sys
 import torch
 from torch import nn
 
+from .backward_pass import BackwardPass
 from .discovery import UnitPlan
 from .flush import GradientFlush
 from .grads import GradientQueue
@@ -136,6 +138,9 @@ class WindowSchedule:
                                        worker=worker, stats=stats, dp=dp, device=device)
         self.slots = WindowSlots(units, self.sequence, self.positions_of, window_size=window_size, pool=pool,
                                  gradients=self.gradients, coordinator=coordinator, stats=stats)
+        # What every unit goes through when a backward pass begins, ends or is rolled back.
+        self.backward = BackwardPass(units, gradients=self.gradients, slots=self.slots, coordinator=coordinator,
+                                     transfer=transfer)
         self.phase = Phase.IDLE
         self.probe = None  # auto_window.AutoWindowProbe during the first step of window_size="auto"
         self.window_choice = None  # planner.WindowChoice: why W is what it is
@@ -144,11 +149,9 @@ class WindowSchedule:
         # (StrongholdConfig.device_checkpoints; None: the window's W).
         self.checkpoint_tail: int | None = None
         self.checkpoint_watch = None  # checkpointing.CheckpointWatch: the model's checkpoint calls
-        self.vocab_pieces: list = []  # the device sides of the units read in pieces (vocab_pieces.py), set by the engine
         # Data parallel: called when a backward reaches the model's outputs, it averages the
         # gradients of the parameters left on the device at that backward's end (distributed.py).
         self.average_resident_grads = None
-        self._backward_task: int | None = None  # graph task whose end-of-backward callback is queued
         self._stack: list[_Open] = []
         self._open_regions: set[int] = set()  # head units whose region (discovery.HeadRegion) is open
         self._cursor = -1  # forward position of the last use opened in this pass
@@ -182,6 +185,15 @@ class WindowSchedule:
         if len(positions) == 1:
             return positions[0]
         return next((p for p in positions if p >= self._cursor), positions[0])
+
+    @property
+    def vocab_pieces(self) -> list:
+        """The device sides of the units read in pieces (vocab_pieces.py); the engine sets them."""
+        return self.backward.vocab_pieces
+
+    @vocab_pieces.setter
+    def vocab_pieces(self, pieces: list) -> None:
+        self.backward.vocab_pieces = pieces
 
     @property
     def resident_unit(self) -> Unit | None:
@@ -456,40 +468,18 @@ class WindowSchedule:
 
     def _enter_backward(self) -> None:
         task = current_graph_task()
-        if self._backward_task == task:
+        if self.backward.task == task:
             return
-        if self.phase is Phase.BACKWARD and self._backward_task is not None:
+        if self.phase is Phase.BACKWARD and self.backward.task is not None:
             self._abort_backward()  # an earlier backward raised and never finished
         self.phase = Phase.BACKWARD
-        self._backward_task = task
-        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-        for u in self.units:
-            if u.trainable:
-                u.grads.begin_pass()  # autograd owns .grad from here on
-        self.coordinator.begin_backward_pass()
+        self.backward.begin(task, self._finish_backward)
 
     def _finish_backward(self) -> None:
         """Autograd's end-of-backward callback: every gradient reaches the host, every unit leaves."""
-        self._backward_task = None
-        gradients, slots = self.gradients, self.slots
-        for u in self.units:
-            u.backward_holds = 0
-            if gradients.has_lane(u):
-                gradients.flush(u)
-        self._reclaim_lent_vocab()  # before late gradients are looked for: a lent copy's .grad is folded
-        gradients.flush_late(self.units)
-        for u in self.units:
-            if u.state is not Residency.ON_HOST and u.holds == 0:
-                slots.release(u, backward=True)
-        gradients.drain()
-        self._drain_vocab_pieces()
-        self.coordinator.speculating = False
-        self.transfer.collect_timings()
+        self.backward.finish()
         if self.activations is not None:
             self.activations.end_backward()
-        for u in self.units:
-            if u.trainable:
-                u.grads.expose_grads()
         self.phase = Phase.IDLE if not self._stack else Phase.FORWARD
         if self.checkpoint_watch is not None:
             self.checkpoint_watch.check_backward()
@@ -498,47 +488,11 @@ class WindowSchedule:
         if self.probe is not None and self.probe.complete():
             self.apply_window_choice()
 
-    def _reclaim_lent_vocab(self) -> None:
-        """A vocabulary unit lent whole to a forward (`VocabularyPieces.lend_whole`) goes back to
-        its pieces: the backward that read the copy is over."""
-        for pieces in self.vocab_pieces:
-            pieces.reclaim_whole()
-
-    def _drain_vocab_pieces(self) -> None:
-        """The gradients of units read in vocabulary pieces (vocab_pieces.py) are in their host
-        gradient, like the lanes' after `GradientFlush.drain`."""
-        for pieces in self.vocab_pieces:
-            pieces.drain()
-
     def _abort_backward(self) -> None:
         """A backward raised half-way: drop its gradients, keep what earlier backwards left."""
-        self._backward_task = None
-        gradients = self.gradients
-        for u in self.units:
-            u.backward_holds = 0
-            if not self._stack:
-                u.forward_holds = 0
-            if gradients.has_lane(u):
-                gradients.discard(u)
-        self._reclaim_lent_vocab()
-        for u in self.units:
-            u.grads.drop_stray_grads()  # late gradients of the failed pass
-        gradients.drain()
-        self._drain_vocab_pieces()
-        self.coordinator.speculating = False
+        self.backward.abort(forwards_open=bool(self._stack))
         if self.activations is not None:
             self.activations.end_backward()
-        for u in self.units:
-            if u.grads.spec is not None:
-                self.coordinator.undo_speculation(u)  # the step it guessed will not come
-            u.grads.spec_blocked = False
-            if u.state is not Residency.ON_HOST and u.holds == 0:
-                u.evict()
-            if u.trainable:
-                u.grads.roll_back_pass()  # what earlier backwards left stays
-        for u in self.units:
-            if u.trainable:
-                u.grads.expose_grads()
         self.phase = Phase.IDLE
         logger.warning("stronghold: a backward pass raised before it finished; its gradients were discarded.")
 
@@ -551,7 +505,7 @@ class WindowSchedule:
         """Returns every idle unit to the host (before saving, between phases), a vocabulary
         unit lent whole included (the optimizer step calls this: the copy would go stale)."""
         self.settle()
-        self._reclaim_lent_vocab()
+        self.backward.reclaim_lent()
         backward = self.phase is Phase.BACKWARD
         for u in self.units:
             if u.state is not Residency.ON_HOST and u.holds == 0:

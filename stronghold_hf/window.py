@@ -33,7 +33,7 @@ from .checkpointing import CheckpointWatch
 from .config import StrongholdConfig, host_reserve_bytes
 from .discovery import describe, find_block_stacks, plan_units, unit_device_dtype
 from .distributed import DataParallel
-from .grads import GradientQueue
+from .grads import gradient_queues
 from .hooks import in_backward, install_module_hooks
 from .host_choices import choose_host_memory
 from .host_reads import HostReads
@@ -131,23 +131,9 @@ class WindowEngine:
                                                     and device.type == "cpu")
         self.worker = HostWorker(config.resolved_cpu_threads(), inline=inline)
         streamed = [u for u in self.units if u.kind != "rest" and u not in pieced]
-        resident = [u for u in self.units if u.kind == "rest" and u.trainable]
-        # Pinned staging of the largest block's gradient shard: larger units cross in pieces (grads.py).
-        blocks = [self._shard_bytes(u) for u in streamed if u.kind == "block"]
-        # One lane more per trainable unit used at several positions: it keeps its lane between
-        # its backward uses (WindowSlots.release), and the blocks still have K.
-        uses = {i: plan.sequence.count(i) for i in set(plan.sequence)}
-        parked_lanes = sum(1 for u in streamed if u.trainable and uses.get(u.index, 0) > 1)
-        self.grad_queue = GradientQueue(config.grad_buffers + parked_lanes,
-                                        max((u.layout.trainable_bytes for u in streamed), default=0), device=device,
-                                        host=self.host, transfer=self.transfer, ledger=self.ledger,
-                                        staging_bytes=max(blocks or [self._shard_bytes(u) for u in streamed] or [0]))
-        resident_queue = None
-        if resident:
-            # A resident unit keeps its lane for the whole backward: one lane each, of their size.
-            resident_queue = GradientQueue(len(resident), max(u.layout.trainable_bytes for u in resident),
-                                           device=device, host=self.host, transfer=self.transfer, ledger=self.ledger,
-                                           staging_bytes=max(self._shard_bytes(u) for u in resident))
+        self.grad_queue, resident_queue = gradient_queues(
+            streamed, [u for u in self.units if u.kind == "rest" and u.trainable], plan.sequence,
+            grad_buffers=config.grad_buffers, device=device, host=self.host, transfer=self.transfer, ledger=self.ledger)
         speculative = "off" if inline and config.speculative_step == "auto" else config.speculative_step
         self.coordinator = StepCoordinator(units=self.units, worker=self.worker, stats=self.stats, dp=self.dp,
                                            device=device, speculative_step=speculative,
@@ -223,17 +209,9 @@ class WindowEngine:
                                           fetch_staging=self.fetch_staging, disk_masters=self.disk_masters,
                                           split=self.split, device_parameters=self._resident_parameters,
                                           promises=self.promises)
-        stats = self.memory_stats()
-        logger.info(
-            "stronghold: %d blocks (%s) and %d units outside them, window_size=%d, %.1f MiB per slot on %s, "
-            "%d offloaded parameters (%d trainable), host_memory=%s, host_image=%s: host %.2f GiB before optimizer state (%.1f "
-            "B/offloaded param), %d parameters left on the device", len(self.blocks), describe(block_specs), len(self.units) - len(self.blocks), self.window_size,
-            stats["slot_bytes"] / 2**20, device, stats["offloaded_params"], stats["offloaded_trainable_params"],
-            config.host_memory, self.host_image, (stats["pinned_host_bytes"] + stats["pageable_host_bytes"]) / 2**30, stats["host_bytes_per_param"],
-            sum(p.numel() for p in self.resident_parameters()),
-        )
-        if not self.split.streams_everything:
-            logger.info("stronghold: %s: %s", self.split.reason, ", ".join(self.split.resident))
+        self.memory_report.log_start(config, blocks=describe(block_specs), num_blocks=len(self.blocks),
+                                     outside=len(self.units) - len(self.blocks), device=device,
+                                     host_image=self.host_image, window_size=self.window_size)
 
     def _largest_block_numel(self) -> int:
         return max((sum(p.numel() for p in u.params) for u in self.blocks), default=0)
