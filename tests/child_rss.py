@@ -100,16 +100,49 @@ print(body, status_kib("VmHWM") - before)
 """
 
 
-def peak_rss_growth(child_code: str, variants: tuple[str, ...], env: dict[str, str] | None = None
-                    ) -> tuple[int, dict[str, int]]:
-    """Runs ``child_code`` once per variant (passed as ``sys.argv[1]``); returns the count the
-    children printed and each variant's peak-RSS growth in bytes. ``env``: added to the
-    children's environment."""
+#: An fp32 Llama (two blocks of hidden 128, an untied vocabulary of argv[2] tokens) offloaded
+#: under real copies (`simulated_device`: delayed copies, pinned staging) with the
+#: StrongholdConfig keys given as JSON in argv[1]; four steps of 64 tokens, the loss in chunks of
+#: 16. The peak is reset before each step; prints the vocabulary unit's fp32 bytes and the
+#: largest peak-RSS growth (KiB) of steps 2 to 4, once everything the engine keeps is allocated.
+VOCAB_STEP_CHILD = PEAK_HELPERS + r"""
+import json, sys
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from stronghold_hf import StrongholdConfig, offload_model
+from stronghold_hf.testing import simulated_device
+
+torch.manual_seed(0)
+vocab, hidden = int(sys.argv[2]), 128
+cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False)
+model = LlamaForCausalLM(cfg)
+ids = torch.randint(0, vocab, (1, 64))
+with simulated_device(0.0):
+    engine = offload_model(model, StrongholdConfig(window_size=1, host_worker="inline", loss_chunk_tokens=16,
+                                                   **json.loads(sys.argv[1])))
+    opt = engine.build_optimizer(lr=1e-4)
+    growth = []
+    for _ in range(4):
+        before = reset_peak()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        growth.append(status_kib("VmHWM") - before)
+print(vocab * hidden * 4, max(growth[1:]))
+"""
+
+
+def peak_rss_growth(child_code: str, variants: tuple[str, ...], env: dict[str, str] | None = None,
+                    args: tuple[str, ...] = ()) -> tuple[int, dict[str, int]]:
+    """Runs ``child_code`` once per variant (passed as ``sys.argv[1]``, ``args`` after it);
+    returns the count the children printed and each variant's peak-RSS growth in bytes.
+    ``env``: added to the children's environment."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **(env or {}))
     growth, count = {}, 0
     for variant in variants:
-        out = subprocess.run([sys.executable, "-c", child_code, variant], capture_output=True, text=True, env=env,
-                             timeout=600)
+        out = subprocess.run([sys.executable, "-c", child_code, variant, *args], capture_output=True, text=True,
+                             env=env, timeout=600)
         assert out.returncode == 0, out.stderr[-3000:]
         count, kib = map(int, out.stdout.split()[-2:])
         growth[variant] = kib * 1024

@@ -561,6 +561,28 @@ def test_the_pieces_gradients_cross_through_the_lanes_staging():
     assert pinned[True] <= pinned[False], pinned
 
 
+def test_a_steps_peak_rss_does_not_grow_with_the_vocabulary_read_in_pieces():
+    """Measured from outside, in children, under real copies (the lanes' pinned staging): once
+    the engine's buffers exist, a step's peak RSS (the device side is host memory here) is the
+    same at 16k and 128k tokens of vocabulary with the pieces; streamed whole, the slot, the
+    lanes and the gradient grow with it (the control: the measurement sees such growth)."""
+    from child_rss import VOCAB_STEP_CHILD, peak_rss_growth
+
+    step = {}
+    for vocab in ("16000", "128000"):
+        unit, growth = peak_rss_growth(VOCAB_STEP_CHILD, ('{}',), args=(vocab,))
+        step[vocab] = growth['{}']
+    unit_small, unit_large = 16000 * 128 * 4, unit
+    whole_config = '{"vocab_pieces": false}'
+    _, growth = peak_rss_growth(VOCAB_STEP_CHILD, (whole_config,), args=("128000",))
+    whole = growth[whole_config]
+    print(f"a step's peak RSS growth, pieces: {step['16000'] / 2**20:.1f} MiB at 16k, {step['128000'] / 2**20:.1f} "
+          f"MiB at 128k; whole at 128k: {whole / 2**20:.1f} MiB")
+    assert step["128000"] - step["16000"] < 0.1 * (unit_large - unit_small), step
+    assert step["128000"] < unit_large / 2  # less than half of one vocabulary unit, in all
+    assert whole - step["128000"] > 2 * unit_large  # a slot, two lanes, and more
+
+
 def test_the_embedding_rows_gradient_crosses_through_the_lanes_in_whole_rows(monkeypatch):
     """Under real copies, the embedding's rows' gradient (512 tokens: larger than a lane's
     staging, a block's gradient) crosses through a lane in parts of whole rows, each added at
