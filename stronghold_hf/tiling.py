@@ -162,6 +162,31 @@ class ParameterGradSums:
         return out
 
 
+class SavedInput(torch.autograd.Function):
+    """``x`` unchanged, saved for the `TiledForward` after it ([Note: the input saved first])."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        ctx.save_for_backward(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad
+
+
+# [Note: the input saved first] A Function's saved tensors are packed when its forward
+# returns, so a `TiledForward` that saved its own input would pack it after computing every
+# tile. Under a non-reentrant checkpoint the backward's recompute of a block stops once the
+# last tensor the backward needs is packed again (torch's early stop): when nothing after the
+# tiled module saves anything (Llama's MLP, then a residual add), that is the tiled module's
+# input, and its tiles' forward would run again for nothing, a third time with the forward
+# and the backward's per-tile recompute. So the input is saved by a `SavedInput` node just
+# before, whose pack comes first, and the recompute stops there; `TiledForward` reads it from
+# that node. Where something later saves (Gemma2's norm after the MLP) the recompute goes on
+# and computes the tiles, as it must.
+
+
 class TiledForward(torch.autograd.Function):
     """``run(x)`` over tiles of ``tile_tokens`` along dim -2 of ``x``, keeping only ``x``.
 
@@ -169,25 +194,28 @@ class TiledForward(torch.autograd.Function):
     inputs here only so that their gradients leave through this node to autograd's
     ``AccumulateGrad``, like any other gradient (``.grad`` stealing, accumulation, DDP's
     hooks). ``preserve_rng``: replay the forward's RNG state in the recompute (dropout).
+    ``saver``: the `SavedInput` node that holds ``x`` ([Note: the input saved first]), or None
+    to save it here.
     """
 
     @staticmethod
-    def forward(ctx, run, tile_tokens: int, preserve_rng: bool, x: Tensor, *params: Tensor) -> Tensor:
-        ctx.run, ctx.tile_tokens, ctx.params = run, tile_tokens, params
+    def forward(ctx, run, tile_tokens: int, preserve_rng: bool, saver, x: Tensor, *params: Tensor) -> Tensor:
+        ctx.run, ctx.tile_tokens, ctx.params, ctx.saver = run, tile_tokens, params, saver
         # [Note: autocast in backward] As torch.utils.checkpoint: the recompute must run under
         # the autocast of the forward (it decides the dtypes of the intermediates and so of
         # the gradients), not under whatever is active where ``backward()`` is called.
         ctx.autocast = _autocast_state(x.device.type)
         ctx.rng = _rng_state(x.device) if preserve_rng else None
-        ctx.save_for_backward(x)
+        if saver is None:
+            ctx.save_for_backward(x)
         return run_in_tiles(run, x, tile_tokens)  # autograd runs a Function's forward without grad
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out: Tensor):
-        (x,) = ctx.saved_tensors
-        need_x = ctx.needs_input_grad[3]
-        wanted = [k for k, need in enumerate(ctx.needs_input_grad[4:]) if need]
+        (x,) = ctx.saved_tensors if ctx.saver is None else ctx.saver.saved_tensors
+        need_x = ctx.needs_input_grad[4]
+        wanted = [k for k, need in enumerate(ctx.needs_input_grad[5:]) if need]
         params = [ctx.params[k] for k in wanted]
         grad_x = torch.empty_like(x) if need_x else None
         # [Note: fp32 parameter sums] Each tile's parameter gradient is summed in fp32 for a
@@ -211,7 +239,17 @@ class TiledForward(torch.autograd.Function):
                     gx, grads = grads[0], grads[1:]
                     grad_x[..., start:start + tokens, :] = 0 if gx is None else gx
                 sums.add(grads)
-        return None, None, None, grad_x, *sums.result(ctx.params, wanted)
+        return None, None, None, None, grad_x, *sums.result(ctx.params, wanted)
+
+
+def tiled_forward(run, tile_tokens: int, preserve_rng: bool, x: Tensor, *params: Tensor) -> Tensor:
+    """`TiledForward` of ``run`` on ``x``, its input saved first when it needs a gradient
+    ([Note: the input saved first])."""
+    saver = None
+    if x.requires_grad:
+        x = SavedInput.apply(x)
+        saver = x.grad_fn
+    return TiledForward.apply(run, tile_tokens, preserve_rng, saver, x, *params)
 
 
 # --------------------------------------------------------------------------------------------
@@ -425,7 +463,7 @@ class TileSite:
         run = self._runner(module, args, kwargs)
         params = [p for p in module.parameters() if p.requires_grad]
         if torch.is_grad_enabled() and (x.requires_grad or params):
-            return TiledForward.apply(run, tokens, module.training, x, *params)
+            return tiled_forward(run, tokens, module.training, x, *params)
         return run_in_tiles(run, x, tokens)
 
     def _runner(self, module: nn.Module, args: tuple, kwargs: dict) -> Callable[[Tensor], Any]:

@@ -28,7 +28,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 from stronghold_hf import StrongholdConfig, offload_model
 from stronghold_hf import tiling
-from stronghold_hf.tiling import SequenceTiling, TiledForward, probe, resolve_tile_tokens, tiled_modules
+from stronghold_hf.tiling import SequenceTiling, probe, resolve_tile_tokens, tiled_forward, tiled_modules
 from live_casts import LiveCasts
 from tiny_models import batch, engine_losses, logged_losses, plain_and_stronghold_trainers, tiny_config, tiny_model
 
@@ -103,6 +103,38 @@ def test_fp32_parity_across_tile_counts(family, checkpointing):
                                        msg=lambda m: f"tile_tokens={tiles} {name}: {m}")
 
 
+def test_under_checkpointing_a_tiled_mlp_runs_forward_as_often_as_a_whole_one(monkeypatch):
+    """[Note: the input saved first] With checkpointing (transformers' default, non-reentrant),
+    the backward's recompute of a block stops once its last saved tensor is packed again; the
+    tiled MLP's input is saved before its tiles are computed, so the recompute stops there and
+    the MLP's tiles run forward twice per step (the forward, the backward's tile by tile), as
+    a whole MLP does (the forward, the recompute), not three times. The losses are the same."""
+    tokens = []
+    forward = LlamaMLP.forward
+    monkeypatch.setattr(LlamaMLP, "forward", lambda self, x: (tokens.append(x.shape[-2]), forward(self, x))[1])
+    base = _model("llama", checkpointing=True)
+    runs = {}
+    for tiles in (None, 5):
+        config = dict(sequence_tiling=True, tile_tokens=tiles) if tiles else dict(sequence_tiling=False)
+        model = copy.deepcopy(base)
+        engine = offload_model(model, StrongholdConfig(window_size=1, **config), device="cpu")
+        opt, losses = engine.build_optimizer(lr=LR), []
+        for step in range(2):
+            tokens.clear()  # the first step's count has the probe's runs too
+            loss = model(**batch("llama", seed=step)).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        calls = {name: site.calls for name, site in tiled_modules(model).items()}
+        engine.close()
+        runs[tiles] = (losses, sum(tokens), calls)
+    (whole, whole_tokens, _), (tiled, tiled_tokens, calls) = runs[None], runs[5]
+    assert any(n for name, n in calls.items() if "mlp" in name), calls  # the MLPs ran in tiles
+    assert tiled_tokens == whole_tokens == 3 * 2 * 12, (tiled_tokens, whole_tokens)  # blocks x 2 x tokens
+    assert tiled == pytest.approx(whole, rel=1e-5)
+
+
 def _grads(base, family, tiles, bf16):
     model = copy.deepcopy(base)
     if tiles:
@@ -139,7 +171,7 @@ def test_dropout_tile_masks_are_replayed_in_backward():
     torch.manual_seed(0)
     layer = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5)).train()
     x = torch.randn(2, 10, 8, requires_grad=True)
-    y = TiledForward.apply(lambda t: layer(t), 3, True, x, *layer.parameters())
+    y = tiled_forward(lambda t: layer(t), 3, True, x, *layer.parameters())
     g = torch.randn_like(y)
     before_backward = torch.get_rng_state()
     kept = (y != 0).float()
@@ -159,7 +191,7 @@ def test_bf16_backward_keeps_one_tile_of_cast_input_alive():
     mlp = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
     x = torch.randn(2, 30, 8, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = TiledForward.apply(lambda t: mlp(t), 3, False, x, *mlp.parameters())
+        y = tiled_forward(lambda t: mlp(t), 3, False, x, *mlp.parameters())
     g = torch.randn_like(y)
     with LiveCasts(lambda out: out.dim() == 3) as casts:  # an input tile's cast, not a weight's
         y.backward(g)
