@@ -18,7 +18,7 @@ prefetch]) and a piece of its gradient, never ``vocab x hidden``. The unit's hos
 optimizer entry, one checkpoint tensor, and between steps the parameter is its host master as
 for every unit. The unit is not in the window's sequence (the window's slots, lanes and staging
 are sized by the blocks); the forwards of the modules that register the weight are routed here
-while they run (`_VocabCalls`).
+while they run (``vocab_routing.py``).
 
 [Note: lent whole] Any other use of the weight during a model forward (TRL's fused LM head,
 ``model(..., fused_lm_head=True)``; Liger's loss, which multiplies by ``lm_head.weight``
@@ -45,12 +45,11 @@ import functools
 import logging
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from .fastpath import engine_access as _engine_access
-from .read_guard import asks_where_storage_is, reads_no_values
+from .read_guard import asks_where_storage_is
+from .vocab_routing import describe_use
 
 logger = logging.getLogger("stronghold_hf")
 
@@ -476,53 +475,6 @@ class VocabularyPieces:
         g = g.to("cpu")
         self._fold("the embedding rows' gradient of ", functools.partial(_add_rows, hg, ids, g, padding_idx))
 
-    # ------------------------------------------------------------------ routing the owners' calls
-    def install(self) -> list:
-        """Routes the forwards of the modules that register the weight here; returns handles."""
-        handles = []
-        seen: set[int] = set()
-        for m, _ in self.unit.owners:
-            if id(m) in seen:
-                continue
-            seen.add(id(m))
-            stack: list[_VocabCalls] = []
-
-            def enter(module, args, _stack=stack):
-                mode = _VocabCalls(self)
-                mode.__enter__()
-                self.routing += 1
-                _stack.append(mode)
-
-            def leave(module, args, output, _stack=stack):
-                if _stack:
-                    self.routing -= 1
-                    _stack.pop().__exit__(None, None, None)
-
-            handles.append(m.register_forward_pre_hook(enter))
-            handles.append(m.register_forward_hook(leave, always_call=True))
-        return handles
-
-    def embedding(self, input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
-                  sparse=False):  # F.embedding's signature
-        if max_norm is not None or scale_grad_by_freq or sparse:  # its module's attributes said otherwise
-            raise RuntimeError(
-                f"stronghold: {self.unit.fqn} is read in vocabulary pieces, and an F.embedding call on it asked for "
-                "max_norm, scale_grad_by_freq or sparse gradients, which pieces cannot give. Use "
-                "StrongholdConfig(vocab_pieces=False).")
-        if padding_idx is not None and padding_idx < 0:
-            padding_idx += self.vocab
-        from .vocab_ops import EmbeddingRows
-
-        return EmbeddingRows.apply(input, weight, self, padding_idx)
-
-    def linear(self, input, weight, bias=None):  # F.linear's signature
-        from .vocab_ops import PiecewiseLinear
-
-        ours = bias is not None and bias is self.bias
-        out = PiecewiseLinear.apply(input, weight, bias if ours else None, self)
-        return out if bias is None or ours else out + bias
-
-
 def _land_and_add(transfer, landed, src: torch.Tensor, staged: torch.Tensor, dst: torch.Tensor) -> None:
     """Host worker: once the copy of device ``src`` into ``staged`` has landed, adds it into
     ``dst``. ``src`` is held here until then ([Note: D2H lifetime] in transfer.py)."""
@@ -552,42 +504,4 @@ def _add_rows(grad: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, paddi
     grad.index_add_(0, ids, values.to(grad.dtype))
 
 
-def _is_attribute_read(func) -> bool:
-    return getattr(func, "__name__", "") == "__get__"
-
-
-def describe_use(func) -> str:
-    """How a torch function that read the weight is named in the log (``.T``, ``matmul()``)."""
-    if _is_attribute_read(func):
-        return f".{getattr(func.__self__, '__name__', '?')}"  # .T, .data: the whole weight carried on
-    return f"{getattr(func, '__name__', func)}()"
-
-
-class _VocabCalls(TorchFunctionMode):
-    """While a module that registers the weight runs: its ``F.embedding`` and ``F.linear`` on the
-    weight go through the pieces; any other op on the weight gets it lent whole ([Note: lent
-    whole]), and so does every op after that in the same forward."""
-
-    def __init__(self, pieces: VocabularyPieces) -> None:
-        super().__init__()
-        self.pieces = pieces
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        pieces = self.pieces
-        if pieces.lent:
-            return func(*args, **kwargs)
-        weight, bias = pieces.weight, pieces.bias
-        if (args[1] if len(args) > 1 else kwargs.get("weight")) is weight:
-            if func is F.embedding:
-                return pieces.embedding(*args, **kwargs)
-            if func is F.linear:
-                return pieces.linear(*args, **kwargs)
-        if reads_no_values(func) or not any(a is weight or (bias is not None and a is bias)
-                                            for a in (*args, *kwargs.values())):
-            return func(*args, **kwargs)  # metadata (shape, dtype, data_ptr), or not the weight
-        pieces.lend_whole(for_backward=torch.is_grad_enabled(), what=f"{describe_use(func)} in the forward of its module")
-        return func(*args, **kwargs)
-
-
-__all__ = ["MAX_PIECES", "VocabularyPieces", "describe_use", "piece_rows", "shape_problem", "why_not_pieced"]
+__all__ = ["MAX_PIECES", "VocabularyPieces", "piece_rows", "shape_problem", "why_not_pieced"]

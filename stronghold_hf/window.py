@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import distributed, read_guard
+from . import distributed, read_guard, vocab_routing
 from .activations import ActivationStore
 from .auto_window import AutoWindowProbe
 from .checkpointing import CheckpointWatch
@@ -176,7 +176,7 @@ class WindowEngine:
                                               coordinator=self.coordinator, worker=self.worker,
                                               enter_backward=self.schedule.enter_backward,
                                               grad_queue=self.grad_queue)
-            self._handles.extend(u.vocab_pieces.install())
+            self._handles.extend(vocab_routing.install(u.vocab_pieces))
         self.schedule.vocab_pieces = [u.vocab_pieces for u in pieced]
         if self.dp is not None:
             self.schedule.average_resident_grads = self.dp.resident_grad_averaging(self._resident_parameters.get)
