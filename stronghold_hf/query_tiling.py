@@ -42,7 +42,8 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from .tiling import ModuleState, ParameterGradSums, _autocast_state, _replayed_rng, _rng_state, _sum_dtype
+from .tiled_function import ParameterGradSums, autocast_state, replayed_rng, rng_state, sum_dtype
+from .tiling import ModuleState
 
 logger = logging.getLogger("stronghold_hf")
 
@@ -327,19 +328,19 @@ def _tiles(s: int, tokens: int) -> list[tuple[int, int]]:
 class QueryTiledBlock(torch.autograd.Function):
     """The block's ``forward(module, hidden, **kwargs)`` over query tiles; see the module
     docstring. ``params`` are inputs so that their gradients leave through this node, as in
-    ``tiling.TiledForward``."""
+    ``tiled_function.TiledForward``."""
 
     @staticmethod
     def forward(ctx, forward, module, cut: CutCall, kwargs: dict, tile_tokens: int, preserve_rng: bool,
                 x: Tensor, *params: Tensor) -> Tensor:
         ctx.forward, ctx.module, ctx.cut, ctx.kwargs = forward, module, cut, kwargs
         ctx.tile_tokens, ctx.params = tile_tokens, params
-        ctx.autocast = _autocast_state(x.device.type)
+        ctx.autocast = autocast_state(x.device.type)
         s = x.shape[1]
         out = keys = values = None
         rng = []
         for t0, t1 in _tiles(s, tile_tokens):
-            rng.append(_rng_state(x.device) if preserve_rng else None)
+            rng.append(rng_state(x.device) if preserve_rng else None)
             cache = _TileCache(keys, values, t0, s)  # the tile's keys and values go into the whole buffers
             yt = _call(forward, module, cut, x[:, t0:t1].contiguous(), kwargs, t0, t1, cache)
             if cache.calls != 1:
@@ -366,14 +367,14 @@ class QueryTiledBlock(torch.autograd.Function):
         grad_x = torch.empty_like(x) if need_x else None
         # The gradients of the keys and values of every token, from the tiles done so far (fp32
         # for 16-bit keys: each tile adds to them once).
-        d_keys = torch.zeros_like(keys, dtype=_sum_dtype(keys.dtype))
-        d_values = torch.zeros_like(values, dtype=_sum_dtype(values.dtype))
+        d_keys = torch.zeros_like(keys, dtype=sum_dtype(keys.dtype))
+        d_values = torch.zeros_like(values, dtype=sum_dtype(values.dtype))
         sums = ParameterGradSums(len(params))
         tiles = _tiles(s, ctx.tile_tokens)
         with torch.enable_grad(), torch.autocast(**ctx.autocast):
             for index in reversed(range(len(tiles))):
                 t0, t1 = tiles[index]
-                with _replayed_rng(ctx.rng[index]):
+                with replayed_rng(ctx.rng[index]):
                     xt = x[:, t0:t1].detach().contiguous().requires_grad_(need_x)
                     # The prefix as leaves over the saved keys and values: the tile's own are
                     # written after them (the same values again) and joined without a copy,

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .chunked_loss import _rows, _uncached
-from .tiling import _autocast_state  # the forward's autocast, replayed in backward
+from .tiled_function import autocast_state  # the forward's autocast, replayed in backward
 
 
 class EmbeddingRows(torch.autograd.Function):
@@ -50,7 +50,7 @@ class PiecewiseLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, pieces) -> Tensor:
         device_type = x.device.type
-        ctx.autocast, ctx.pieces, ctx.has_bias = _autocast_state(device_type), pieces, bias is not None
+        ctx.autocast, ctx.pieces, ctx.has_bias = autocast_state(device_type), pieces, bias is not None
         ctx.save_for_backward(x)
         lead = x.shape[:-1]
         if x.numel() == 0:  # the chunked loss's shrunk head input: nothing to fetch
@@ -125,7 +125,7 @@ class StreamedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, index: Tensor, targets: Tensor, transform,
                 chunk_tokens: int, pieces) -> Tensor:
-        ctx.autocast, ctx.has_bias = _autocast_state(hidden.device.type), bias is not None
+        ctx.autocast, ctx.has_bias = autocast_state(hidden.device.type), bias is not None
         ctx.transform, ctx.chunk_tokens, ctx.pieces = transform, chunk_tokens, pieces
         n = index.numel()
         torch._assert_async(((targets >= 0) & (targets < pieces.vocab)).all(),

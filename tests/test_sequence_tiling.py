@@ -28,7 +28,8 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 from stronghold_hf import StrongholdConfig, offload_model
 from stronghold_hf import tiling
-from stronghold_hf.tiling import SequenceTiling, probe, resolve_tile_tokens, tiled_forward, tiled_modules
+from stronghold_hf.tiled_function import tiled_forward
+from stronghold_hf.tiling import SequenceTiling, probe, resolve_tile_tokens, tiled_modules
 from live_casts import LiveCasts
 from tiny_models import batch, engine_losses, logged_losses, plain_and_stronghold_trainers, tiny_config, tiny_model
 
