@@ -434,7 +434,8 @@ def test_a_trl_trainers_fit_check_counts_the_lm_head_lent_whole(tmp_path, monkey
     """TRL's trainers give the model a fused LM head, which reads the head's weight whole: the
     fit check of ``class MySFTTrainer(StrongholdTrainer, SFTTrainer)`` counts the head on the
     device whole and refuses, by name, a GPU where only its pieces would fit. The same model
-    and GPU through the plain Trainer (the head read in pieces) fits."""
+    and GPU through the plain Trainer (the head read in pieces) fits, unless Liger's forward was
+    put on the model by hand, which reads the head whole too."""
     pytest.importorskip("trl")
     from transformers import AutoModelForCausalLM
     from trl import SFTConfig, SFTTrainer
@@ -467,11 +468,23 @@ def test_a_trl_trainers_fit_check_counts_the_lm_head_lent_whole(tmp_path, monkey
         MySFTTrainer(model=big_vocabulary_model(), args=args, train_dataset=dataset, processing_class=tokenizer)
 
     ids = [list(range(3, 35))] * 4
-    plain = StrongholdTrainer(model=big_vocabulary_model(), train_dataset=[{"input_ids": i, "labels": i} for i in ids],
-                              args=TrainingArguments(output_dir=str(tmp_path / "plain"), use_cpu=True, max_steps=1,
-                                                     per_device_train_batch_size=2, report_to="none"))
+    data = [{"input_ids": i, "labels": i} for i in ids]
+    args = TrainingArguments(output_dir=str(tmp_path / "plain"), use_cpu=True, max_steps=1,
+                             per_device_train_batch_size=2, report_to="none")
+    plain = StrongholdTrainer(model=big_vocabulary_model(), train_dataset=data, args=args)
     assert plain.stronghold_engine is not None
     plain.stronghold_engine.close()
+
+    # Liger's apply_liger_kernel_to_llama puts its own forward on the class, by hand: the same.
+    model = big_vocabulary_model()
+
+    def lce_forward(self, *a, **kw):
+        return super(type(self), self).forward(*a, **kw)
+
+    lce_forward.__module__ = "liger_kernel.transformers.model.llama"  # where Liger's forward lives
+    model.__class__ = type(type(model).__name__, (type(model),), {"forward": lce_forward})
+    with pytest.raises(ValueError, match="does not fit.*the LM head lent whole"):
+        StrongholdTrainer(model=model, train_dataset=data, args=args)
 
 
 # ---------------------------------------------------------------------------- the package surface

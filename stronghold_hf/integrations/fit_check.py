@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 import os
 import random
@@ -172,7 +173,8 @@ def reads_head_whole(model: Any, args: Any) -> bool:
     lends the head whole to the device (`VocabularyPieces.lend_whole`): a TRL trainer's fused
     LM head (``add_fused_lm_head`` gives the model, or PEFT's base model, a ``forward`` taking
     ``fused_lm_head``), or Liger's fused linear cross-entropy (``use_liger_kernel`` without
-    ``liger_kernel_config={"fused_linear_cross_entropy": False}``)."""
+    ``liger_kernel_config={"fused_linear_cross_entropy": False}``, or a forward of Liger's put on
+    the model or its class by hand, ``apply_liger_kernel_to_*``)."""
     if getattr(args, "use_liger_kernel", False) and (getattr(args, "liger_kernel_config", None) or {}).get(
             "fused_linear_cross_entropy", True):
         return True
@@ -180,10 +182,15 @@ def reads_head_whole(model: Any, args: Any) -> bool:
     if callable(getattr(model, "get_base_model", None)):
         models.append(model.get_base_model())
     for m in models:
-        forward = getattr(m, "__dict__", {}).get("forward")
-        code = getattr(getattr(forward, "__func__", forward), "__code__", None)
-        if code is not None and "fused_lm_head" in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]:
-            return True
+        own = getattr(m, "__dict__", {}).get("forward")
+        owner = next((c for c in type(m).__mro__ if "forward" in c.__dict__), None)
+        for forward in (own, owner.__dict__["forward"] if owner is not None else None):
+            fn = getattr(forward, "__func__", forward)
+            code = getattr(fn, "__code__", None)
+            if code is not None and "fused_lm_head" in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]:
+                return True
+            if (getattr(inspect.unwrap(fn), "__module__", "") or "").startswith("liger_kernel") if fn else False:
+                return True
     return False
 
 
