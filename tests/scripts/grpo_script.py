@@ -15,15 +15,17 @@ from transformers import HfArgumentParser
 from trl import GRPOConfig, GRPOTrainer
 
 
-def reward_length(completions, **kwargs):
-    return [len(c) / 10.0 for c in completions]
+def reward_token_ids(completions, completion_ids, **kwargs):
+    """The mean token id of each completion, scaled: it differs from sample to sample whatever
+    the tokenizer makes of the ids, so every group has an advantage to learn from."""
+    return [sum(ids) / (1000.0 * max(len(ids), 1)) for ids in completion_ids]
 
 
 def main() -> None:
     (args,) = HfArgumentParser(GRPOConfig).parse_args_into_dataclasses()
     model, tokenizer, _ = build()
     prompts = Dataset.from_dict({"prompt": ["the cat", "a dog", "the sun", "we train"] * 2})
-    trainer = GRPOTrainer(model=model, reward_funcs=reward_length, args=args, train_dataset=prompts,
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_token_ids, args=args, train_dataset=prompts,
                           processing_class=tokenizer)
     trainer.train()
     save_run(trainer, model, os.path.join(args.output_dir, "result.pt"))

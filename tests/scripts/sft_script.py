@@ -30,8 +30,11 @@ def build():
     tok.train_from_iterator(SENTENCES, trainers.WordLevelTrainer(special_tokens=["[PAD]", "[UNK]", "[EOS]"]))
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", eos_token="[EOS]")
     torch.manual_seed(0)
+    # A vocabulary larger than the tokenizer's, as real checkpoints pad theirs: 4096 x 32 is many
+    # blocks large, so stronghold reads the embedding and head in pieces, and TRL's fused LM head
+    # gets the head lent whole, as on a real model.
     config = AutoConfig.for_model(
-        "llama", vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+        "llama", vocab_size=4096, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
         num_key_value_heads=1, intermediate_size=64, max_position_embeddings=64,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
     )
