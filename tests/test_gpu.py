@@ -576,6 +576,29 @@ def test_trl_fused_lm_head_with_vocabulary_pieces_on_cuda_trains_like_plain():
     engine.close()
 
 
+def test_bf16_head_pieces_on_cuda_give_the_whole_units_gradients():
+    """[Note: one rounding of the input gradient] in vocab_ops.py, on CUDA: bf16 device copies
+    under autocast, the head over the whole logits; each piece's ``g @ W`` keeps its fp32 sums
+    (``torch.mm(out_dtype=torch.float32)``), so every gradient is the whole unit's. A torch
+    without that overload falls back to rounding each piece, about 0.3% off: this fails then."""
+    from stronghold_hf import vocab_ops
+
+    grads = {}
+    for pieces in (False, True):
+        model = tiny_model("llama", vocab_size=4096, tie_word_embeddings=False)
+        engine = offload_model(model, StrongholdConfig(resident=False, window_size=1, param_dtype=torch.bfloat16,
+                                                       chunked_loss=False, vocab_pieces=pieces), device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            model(**_cuda_batch("llama", seed=0)).loss.backward()
+        engine.synchronize()
+        grads[pieces] = {n: p.grad.float().cpu() for n, p in model.named_parameters()}
+        engine.close()
+    assert vocab_ops._MM_OUT_DTYPE is True, "torch.mm(out_dtype=torch.float32) is not available on this torch"
+    for name, whole in grads[False].items():
+        off = ((grads[True][name] - whole).norm() / whole.norm()).item()
+        assert off < 5e-4, (name, off)
+
+
 def test_vocabulary_in_pieces_on_cuda_trains_like_plain_and_holds_less():
     """``vocab_pieces=True`` on CUDA: the embedding's rows and the head's pieces cross through
     real copies and pinned staging; the losses and weights of plain training, and the
