@@ -49,7 +49,7 @@ import threading
 import torch
 
 from .ledger import MemoryLedger
-from .memory import HostAllocator, element_size
+from .memory import HostAllocator
 from .transfer import TransferContext
 from .workers import Ticket
 
@@ -374,12 +374,6 @@ class GradientQueue:
         self._allocated = False
 
 
-def _staging_bytes(unit) -> int:
-    """The bytes of ``unit``'s gradient shard in the lanes' layout (0 when nothing in it trains)."""
-    layout = unit.layout
-    return layout.shard_numel * (element_size(layout.grad_dtype) if unit.trainable else 0)
-
-
 def gradient_queues(streamed: list, resident: list, sequence, *, grad_buffers: int, device: torch.device,
                     host: HostAllocator, transfer: TransferContext,
                     ledger: MemoryLedger) -> tuple[GradientQueue, GradientQueue | None]:
@@ -393,12 +387,12 @@ def gradient_queues(streamed: list, resident: list, sequence, *, grad_buffers: i
     size, in a queue of their own (``None`` without any)."""
     uses = {i: sequence.count(i) for i in set(sequence)}
     parked = sum(1 for u in streamed if u.trainable and uses.get(u.index, 0) > 1)
-    blocks = [_staging_bytes(u) for u in streamed if u.kind == "block"]
+    blocks = [u.layout.shard_bytes for u in streamed if u.kind == "block"]
     queue = GradientQueue(grad_buffers + parked, max((u.layout.trainable_bytes for u in streamed), default=0),
                           device=device, host=host, transfer=transfer, ledger=ledger,
-                          staging_bytes=max(blocks or [_staging_bytes(u) for u in streamed] or [0]))
+                          staging_bytes=max(blocks or [u.layout.shard_bytes for u in streamed] or [0]))
     if not resident:
         return queue, None
     return queue, GradientQueue(len(resident), max(u.layout.trainable_bytes for u in resident), device=device,
                                 host=host, transfer=transfer, ledger=ledger,
-                                staging_bytes=max(_staging_bytes(u) for u in resident))
+                                staging_bytes=max(u.layout.shard_bytes for u in resident))

@@ -106,6 +106,11 @@ class BlockLayout:
         return self.padded_grad_numel * (element_size(self.grad_dtype) if self.grad_dtype else 0)
 
     @property
+    def shard_bytes(self) -> int:
+        """One shard of the gradient region, in the gradient dtype: what a rank's staging holds."""
+        return self.shard_numel * (element_size(self.grad_dtype) if self.grad_dtype else 0)
+
+    @property
     def frozen_bytes(self) -> int:
         return self.slot_bytes - self.frozen_offset
 

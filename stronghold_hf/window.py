@@ -38,7 +38,7 @@ from .hooks import in_backward, install_module_hooks
 from .host_choices import choose_host_memory
 from .host_reads import HostReads
 from .ledger import MemoryLedger
-from .memory import DeviceSlotPool, HostAllocator, element_size, total_host_bytes
+from .memory import DeviceSlotPool, HostAllocator, total_host_bytes
 from .memory_report import MemoryReport
 from .param_watch import ParametersOutside
 from .promises import Promises
@@ -115,10 +115,10 @@ class WindowEngine:
                  disk_masters=self.disk_masters)
             for s, d in zip(specs, dtypes)
         ]
-        converted = [self._shard_bytes(u) for u in self.units if u.host.fetch_staging is not None]
+        converted = [u.layout.shard_bytes for u in self.units if u.host.fetch_staging is not None]
         self.fetch_staging = staging if converted else None
         if self.fetch_staging is not None:  # the largest block: larger units go through in pieces
-            blocks = [self._shard_bytes(u) for u in self.units
+            blocks = [u.layout.shard_bytes for u in self.units
                       if u.host.fetch_staging is not None and u.kind == "block"]
             self.fetch_staging.buffer_bytes = max(blocks or converted)
         self.blocks = [u for u in self.units if u.kind == "block"]
@@ -231,10 +231,6 @@ class WindowEngine:
             elif u.kind == "streamed" and sum(p.numel() for p in u.params) > largest:
                 logger.info("stronghold: %s streams whole (vocab_pieces: %s)", u.fqn, reason)
         return pieced
-
-    @staticmethod
-    def _shard_bytes(u: Unit) -> int:
-        return u.layout.shard_numel * (element_size(u.layout.grad_dtype) if u.trainable else 0)
 
     # ------------------------------------------------------------------ setup
     def _move_resident_parts(self, model: nn.Module, device: torch.device) -> None:
