@@ -143,7 +143,7 @@ class VocabularyPieces:
         self.piece_bytes = self.rows_per_piece * self.width * self.dtype.itemsize
         self.fetches = 0
         self._ahead: tuple | None = None  # (piece, device tensor, landed event): [Note: piece prefetch]
-        self._lent: tuple | None = None  # (host views, bytes, hook handles, got a gradient): `lend_whole`
+        self._lent: tuple | None = None  # (host views, bytes, hook handles): `lend_whole`
         self._lent_for_backward = False  # a forward with gradients read the lent copy: kept until its backward ends
         self.routing = 0  # inside a routed call (`routed`): reads of the weight are the pieces'
         self._said_lent = False
@@ -381,7 +381,6 @@ class VocabularyPieces:
         nbytes = sum(c.numel() * c.element_size() for c in copies)
         self.ledger.device_alloc(nbytes)
         self.ledger.count_h2d(nbytes, fetch=True)
-        got = [False] * len(copies)
         with _engine_access():
             views = [p.data for p in u.params]
             for p, c in zip(u.params, copies):
@@ -390,13 +389,11 @@ class VocabularyPieces:
         handles = []
         for i, p in enumerate(u.params):
             if u.trainable and p.requires_grad:
-                handles.append(p.register_hook(functools.partial(self._lent_grad, i, got)))
+                handles.append(p.register_hook(functools.partial(self._lent_grad, i)))
                 handles.append(p.register_post_accumulate_grad_hook(self._drop_lent_grad))
-        self._lent = (views, nbytes, handles, got)
+        self._lent = (views, nbytes, handles)
 
-    def _lent_grad(self, i: int, got: list, grad: torch.Tensor) -> None:
-        got[i] = True
-        self.ledger.device_alloc(grad.numel() * grad.element_size())  # until _drop_lent_grad
+    def _lent_grad(self, i: int, grad: torch.Tensor) -> None:
         landed = None
         for k, (r0, r1) in enumerate(self.bounds):
             if i == 0:
@@ -413,13 +410,17 @@ class VocabularyPieces:
 
     def _drop_lent_grad(self, param: torch.Tensor) -> None:
         """After autograd stored the lent copy's gradient (in the host gradient already): the
-        device copy goes, so a second contribution (a tied unit) starts a new one."""
+        device copy goes, so a second contribution (a tied unit) starts a new one. Booked for
+        the moment it was there (the ledger's peak holds it); a gradient autograd never stored
+        (``torch.autograd.grad``) leaves nothing to book."""
         grad = param.grad
         if grad is None:
             return
+        nbytes = grad.numel() * grad.element_size()
+        self.ledger.device_alloc(nbytes)
         with _engine_access():
             param.grad = None
-        self.ledger.device_free(grad.numel() * grad.element_size())
+        self.ledger.device_free(nbytes)
 
     def release_after_forward(self) -> None:
         """The end of a model forward (the schedule's): a copy no graph recorded goes back
@@ -434,15 +435,13 @@ class VocabularyPieces:
         lent, self._lent, self._lent_for_backward = self._lent, None, False
         if lent is None:
             return
-        views, nbytes, handles, got = lent
+        views, nbytes, handles = lent
         for h in handles:
             h.remove()
         u = self.unit
         with _engine_access():
-            for i, (p, view) in enumerate(zip(u.params, views)):
-                if got[i]:
-                    p.grad = None  # added into the host gradient already, a piece at a time
-                p.data = view
+            for p, view in zip(u.params, views):
+                p.data = view  # its gradient, added into the host gradient, left with `_drop_lent_grad`
         u.host.record_versions()
         self.ledger.device_free(nbytes)
 
