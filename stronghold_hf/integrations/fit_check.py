@@ -186,10 +186,12 @@ def reads_head_whole(model: Any, args: Any) -> bool:
         owner = next((c for c in type(m).__mro__ if "forward" in c.__dict__), None)
         for forward in (own, owner.__dict__["forward"] if owner is not None else None):
             fn = getattr(forward, "__func__", forward)
+            if fn is None:
+                continue
             code = getattr(fn, "__code__", None)
             if code is not None and "fused_lm_head" in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]:
                 return True
-            if (getattr(inspect.unwrap(fn), "__module__", "") or "").startswith("liger_kernel") if fn else False:
+            if (getattr(inspect.unwrap(fn), "__module__", None) or "").startswith("liger_kernel"):
                 return True
     return False
 
