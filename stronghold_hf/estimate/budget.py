@@ -103,6 +103,7 @@ class _Pieces(NamedTuple):
     widened_grads: int  # bf16 host gradients of pieced units kept in fp32 instead: the bytes that adds
     plain_device_bytes: int = 0  # the same without the chunked loss: one product in the compute dtype, and its cast
     lent_whole_bytes: int = 0  # the head lent whole to a forward that reads its weight itself, with its gradient
+    pieced: frozenset = frozenset()  # the indices of the units read in pieces (not in the window)
 
 
 def _read_in_pieces(counts: _Counts, largest: int, c: int, head_lent_whole: bool = False) -> _Pieces:
@@ -149,7 +150,7 @@ def _read_in_pieces(counts: _Counts, largest: int, c: int, head_lent_whole: bool
         if i not in pieced and (not sequence or sequence[-1] != i):
             sequence.append(i)
     return _Pieces(dataclasses.replace(counts, sequence=tuple(sequence)), piece_bytes, staging, widened, plain_bytes,
-                   lent)
+                   lent, frozenset(pieced))
 
 
 def _window_bytes(counts: _Counts, window: int) -> int:
@@ -223,8 +224,7 @@ def _assemble(
     if requested != "auto" and requested > positions:
         notes.append(f"window_size={requested} exceeds the {positions} streamed units; evaluated at {positions}")
     units = counts.units
-    in_window = set(counts.sequence)
-    streamed = [u for i, u in enumerate(units) if u.kind != "rest" and (i in in_window or not (piece_bytes or lent))]
+    streamed = [u for i, u in enumerate(units) if u.kind != "rest" and i not in pieces.pieced]
     resident = [u for u in units if u.kind == "rest"]
 
     # CPU: every unit's host bytes (masters, gradients, Adam state, pinned images; frozen:
