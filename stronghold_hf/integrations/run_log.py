@@ -42,9 +42,16 @@ def _device_name(engine: Any) -> str:
     return f"{device} ({torch.cuda.get_device_name(device)})"
 
 
+def _gib(nbytes: float) -> str:
+    """``nbytes`` in GiB, two decimals, or two significant digits below 0.1 GiB (a tiny model's
+    device peak reads 0.0039 GiB, not 0.00)."""
+    value = nbytes / GiB
+    return f"{value:.2f} GiB" if value >= 0.1 or value == 0 else f"{value:.2g} GiB"
+
+
 def _allocator_peak(mem: dict[str, float]) -> str:
     peak = mem["device_allocator_peak_bytes"]
-    return f", allocator peak {peak / GiB:.2f} GiB with activations" if peak else ""
+    return f", allocator peak {_gib(peak)} with activations" if peak else ""
 
 
 _MOMENTS = {"exact": "fp32 Adam moments", "lean": "8-bit Adam moments"}
@@ -72,7 +79,7 @@ class RunLog:
         _hf_logger.info(
             f"STRONGHOLD is on: {engine.num_blocks} blocks, window of {engine.window_size}, on "
             f"{_device_name(engine)}; {mem['offloaded_params'] / 1e6:.1f} M parameters offloaded "
-            f"({mem['offloaded_trainable_params'] / 1e6:.1f} M trainable), {_host_bytes(mem) / GiB:.2f} GiB of host "
+            f"({mem['offloaded_trainable_params'] / 1e6:.1f} M trainable), {_gib(_host_bytes(mem))} of host "
             f"memory before the optimizer's state ({mem['host_bytes_per_param']:.1f} B per parameter; "
             f"host_memory={engine.config.host_memory} ({_MOMENTS[engine.config.host_memory]})); {engine.split.reason}"
             + "".join(f"; {u.fqn} in {len(u.vocab_pieces.bounds)} pieces of {u.vocab_pieces.rows_per_piece} rows"
@@ -138,11 +145,11 @@ class RunLog:
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
         steps = max(1, global_step)
         return (
-            f"STRONGHOLD done after {global_step} steps: device peak {mem['device_total_peak_bytes'] / GiB:.2f} GiB on "
+            f"STRONGHOLD done after {global_step} steps: device peak {_gib(mem['device_total_peak_bytes'])} on "
             f"{_device_name(engine)} (what the engine holds there: window, lanes, rest and resident units, "
             f"their state){_allocator_peak(mem)}; host "
-            f"{_host_bytes(mem) / GiB:.2f} GiB of engine state, {mem['host_bytes_per_param']:.1f} B per offloaded "
-            f"parameter (docs/user_guide.md, 'Where the bytes go'), process peak RSS {rss / GiB:.2f} GiB; "
+            f"{_gib(_host_bytes(mem))} of engine state, {mem['host_bytes_per_param']:.1f} B per offloaded "
+            f"parameter (docs/user_guide.md, 'Where the bytes go'), process peak RSS {_gib(rss)}; "
             f"{(mem['fetches'] - self._fetches) / steps:.1f} fetches per step; speculation: {hits} steps hit, "
             f"{misses} missed"
         )
