@@ -11,9 +11,10 @@ the state of all three, so that the schedule (``schedule.py``, ``flush.py``) and
 * after a flush, this rank's shard of the *host gradient* (``grad_flat``, fp32 or bf16:
   [Note: host gradients in the compute dtype]), which `fold` writes on the host worker, with
   what it holds (``grad_valid``, ``flushes``, the flush's device norm);
-* between backward and step, each parameter's ``.grad`` (unsharded): exposed as the host
-  gradient, taken back at the next backward (`begin_pass`: what the user left is the
-  source of truth for accumulation), read by the step (`step_grads`, `load_master_grads`).
+* between backward and the next backward, each parameter's ``.grad`` (unsharded): exposed as
+  the host gradient, read by the step (`step_grads`, `load_master_grads`) and still on show
+  after it, as torch's are, until ``zero_grad``; taken back at the next backward (`begin_pass`:
+  what the user left is the source of truth for accumulation).
 
 It also keeps what a backward that raised must undo (``valid_at_pass_start``,
 ``grads_poisoned``) and the speculative update that read the host gradient (``spec``,
@@ -24,6 +25,17 @@ and the masters whose ``.grad`` the step sets; nothing here calls back into the 
 host gradient is bf16 [S]: what the device sends, exactly, at half the bytes. The first write
 that bf16 cannot hold exactly (an accumulation, a gradient set by hand) widens it to fp32 [S]
 for good (`_widen_grads`), so sums are fp32's.
+
+[Note: the step's gradients stay on show] After ``optimizer.step()`` torch leaves ``.grad``
+in place until ``zero_grad``, and code reads it there: a Trainer callback's
+``on_optimizer_step``, PEFT's AdaLoRA and AdaMSS ``update_and_allocate`` (their importance is
+``p * p.grad``). So the step leaves the exposed host gradients as ``.grad`` (`stepped`). The
+updates it queued read them on the host worker after ``step()`` returns: reading ``.grad``
+meanwhile is safe (an update never writes it), writing into it in place is not, so the update
+compares their version counters with the step's afterwards and refuses a write
+(`check_unwritten`). ``optimizer.zero_grad(set_to_none=False)`` waits for the updates first;
+setting ``.grad`` to None writes nothing. ``.grad`` holds the gradient as accumulated: a clip
+(``engine.clip_grad_norm_``) is a coefficient the update applies, not a rescale of ``.grad``.
 
 [Note: torch calls on the host worker] Each torch call lets go of the GIL, and the training
 thread, which launches the kernels, then waits to get it back. So the host worker's part here,
@@ -109,6 +121,7 @@ class UnitGrads:
         self.device_norm: torch.Tensor | None = None  # valid while the host grad is one untouched flush
         self._exposed_grad_versions: list[int] = []
         self.taken_grads = False  # this backward already took the exposed gradients from the user
+        self._versions_at_step: list[int] | None = None  # the step's gradients, read by its update (`check_unwritten`)
         # With sharded state no rank holds whole gradients, so .grad is not exposed between
         # steps; the engine's own flags say what is accumulated (cleared by the step or zero_grad).
         self.exposes_grads = not sharded
@@ -382,13 +395,30 @@ class UnitGrads:
             elif self.grad_valid[k]:
                 gv.zero_()
 
-    @engine_method
-    def consume_grads(self) -> None:
-        """After the step took them: the next backward starts a new accumulation window."""
+    def stepped(self) -> bool:
+        """The step took these gradients ([Note: the step's gradients stay on show]). Sharded,
+        the next backward starts a new accumulation window. Exposed, ``.grad`` keeps them until
+        ``zero_grad`` or the next backward (which adds onto them if nobody zeroed them), as
+        torch's ``.grad`` after ``optimizer.step()``; returns True: the update that reads them
+        is to `check_unwritten` afterwards."""
         if self.exposes_grads:
-            _set_grads(self._lp, itertools.repeat(None))
-        else:
-            self._set_valid(False)
+            self._versions_at_step = self._grad_versions()
+            return True
+        self._set_valid(False)
+        return False
+
+    def check_unwritten(self) -> None:
+        """On the host worker, after the step's update read the host gradients: refuses a write
+        into them (``.grad`` on show) since the step, which that update may have read half-done."""
+        versions, self._versions_at_step = self._versions_at_step, None
+        if versions is not None and self._grad_versions() != versions:
+            raise RuntimeError(
+                f"stronghold: the gradients of {self.fqn} were written in place (p.grad.zero_(), "
+                "model.zero_grad(set_to_none=False), ...) after optimizer.step() while its CPU update was still "
+                "reading them, so that update may have used part of the new values. Zero them with "
+                "optimizer.zero_grad() or model.zero_grad() (set_to_none=True), or call engine.synchronize() "
+                "before writing into .grad."
+            )
 
     @engine_method
     def device_norm_valid(self) -> bool:
@@ -442,7 +472,7 @@ class UnitGrads:
             _set_grads(self._lm, self._lg)  # the usual step: every piece with its own host gradient
             return bool(grads)
         given = dict(grads)
-        any_grad = False
+        any_grad = copied = False
         with no_grad():
             for k, (master, gv) in enumerate(zip(self.masters, self.grad_views)):
                 if gv is None:
@@ -454,8 +484,11 @@ class UnitGrads:
                 if g is not gv:
                     gv = self._host_grad_for(k, g)
                     gv.copy_(g)
+                    copied = True
                 master.grad = gv
                 any_grad = True
+        if copied and self._versions_at_step is not None:
+            self._versions_at_step = self._grad_versions()  # our own writes, not the user's
         return any_grad
 
     def _host_grad_for(self, k: int, value: torch.Tensor) -> torch.Tensor:
@@ -489,6 +522,8 @@ class UnitGrads:
                 self.grad_views[k] = after
         self._refresh_grad_lists()
         self._exposed_grad_versions = self._grad_versions() if self._exposed_grad_versions else []
+        if self._versions_at_step is not None:
+            self._versions_at_step = self._grad_versions()  # new views, new counters
         self._host.free(old)
         logger.info("stronghold: %s keeps fp32 host gradients from now on (%s; host_grads=\"compute\" holds one "
                     "backward's gradient in bf16).", self.fqn, why)

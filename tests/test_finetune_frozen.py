@@ -235,3 +235,49 @@ def test_lora_for_sequence_classification_trains_its_head_and_saves_like_plain_p
     ref.eval()
     with torch.no_grad():
         torch.testing.assert_close(logits["adapter"], ref(**b).logits, rtol=1e-4, atol=1e-5)
+
+
+class _AdaLoraAllocation:
+    """What PEFT asks of a training loop with AdaLoRA: ``update_and_allocate`` right after each
+    optimizer step, which reads every adapter's ``p * p.grad`` (its importance)."""
+
+    def __new__(cls):
+        from transformers import TrainerCallback
+
+        class AdaLoraAllocation(TrainerCallback):
+            def on_optimizer_step(self, args, state, control, model=None, **kwargs):
+                model.base_model.update_and_allocate(state.global_step)
+
+        return AdaLoraAllocation()
+
+
+def test_adalora_reads_the_gradients_after_the_step_and_allocates_ranks_like_plain_peft(tmp_path):
+    """torch leaves ``.grad`` in place after ``optimizer.step()``, and AdaLoRA's rank allocation
+    reads it there (as does any callback's ``on_optimizer_step``): the engine's step leaves the
+    host gradients on show, so the same ranks are pruned and the adapters train alike. (Without
+    clipping: the engine's ``.grad`` is the gradient before the clip coefficient.)"""
+    def adalora(model):
+        config = peft.AdaLoraConfig(init_r=6, target_r=2, tinit=1, tfinal=2, deltaT=1, total_step=6,
+                                    target_modules=["c_attn"], task_type="CAUSAL_LM")
+        return peft.get_peft_model(model, config)
+
+    untrained = adalora(tiny_model("gpt2", n_layer=3))  # its adapters start random: one draw for both runs
+    args = dict(COMMON, max_steps=6, max_grad_norm=0.0)
+    runs = {}
+    for name, (trainer_cls, args_cls, extra) in {
+            "plain": (Trainer, TrainingArguments, {}),
+            "stronghold": (StrongholdTrainer, StrongholdTrainingArguments,
+                           dict(stronghold=True, stronghold_window_size="1"))}.items():
+        model = copy.deepcopy(untrained)
+        t = trainer_cls(model=model, args=args_cls(output_dir=str(tmp_path / name), **args, **extra),
+                        train_dataset=TinyDataset("gpt2"), callbacks=[_AdaLoraAllocation()])
+        t.train()
+        runs[name] = (t, model)
+    (t_ref, ref), (t, model) = runs["plain"], runs["stronghold"]
+    assert get_engine(model) is not None
+    assert _losses(t) == pytest.approx(_losses(t_ref), rel=1e-4)
+    masks = {n: p.detach() == 0 for n, p in ref.named_parameters() if "lora_E" in n}
+    assert any(m.any() for m in masks.values())  # the allocation pruned ranks in the plain run
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
+

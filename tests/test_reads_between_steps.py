@@ -16,6 +16,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -133,6 +134,48 @@ def test_metadata_reads_do_not_wait_and_zero_grad_keeps_the_overlap():
         assert not engine.coordinator.update_pending(last) and not is_guarded(last.params[0])
         assert torch.equal(value, last.params[0].detach())
         engine.close()
+
+
+def test_gradients_stay_on_show_after_the_step_and_a_write_into_them_during_its_update_is_refused():
+    """As torch's ``.grad`` after ``optimizer.step()`` (read by ``on_optimizer_step`` callbacks
+    and PEFT's AdaLoRA), the offloaded parameters keep their gradients until ``zero_grad``. The
+    step's updates still read them on the host worker: a write into them before an update has
+    read them is refused by name, never applied half-read."""
+    model = tiny_model("gpt2", n_layer=4)
+    ref = copy.deepcopy(model)
+    engine = offload_model(model, StrongholdConfig(window_size=1, host_worker="thread", speculative_step="off"),
+                           device="cpu")
+    assert not engine.worker.inline
+    opt = engine.build_optimizer(lr=LR)
+    ref(**batch("gpt2", seed=0)).loss.backward()
+    model(**batch("gpt2", seed=0)).loss.backward()
+    gate, held = threading.Event(), threading.Event()
+    engine.worker.submit("a task ahead of the step's updates", lambda: (held.set(), gate.wait()))
+    assert held.wait(10)
+    opt.step()  # block 0 is updated on this thread; the others wait behind the held task
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad is not None and torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6), name
+    last = engine.blocks[-1]
+    assert engine.coordinator.update_pending(last)
+    last.params[0].grad.zero_()  # model.zero_grad(set_to_none=False) would do this
+    gate.set()
+    with pytest.raises(RuntimeError, match=r"gradients of .*h\.3 were written in place .* optimizer\.zero_grad\(\)"):
+        engine.synchronize()
+    engine.close()
+
+    # Reading them, then zeroing them as the Trainer does, is the usual path: no error, and the
+    # next backward starts from None.
+    model = tiny_model("gpt2", n_layer=4)
+    engine = offload_model(model, StrongholdConfig(window_size=1, host_worker="thread"), device="cpu")
+    opt = engine.build_optimizer(lr=LR)
+    for step in range(2):
+        model(**batch("gpt2", seed=step)).loss.backward()
+        opt.step()
+        assert all(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in engine.blocks[-1].params)
+        model.zero_grad()
+        assert all(p.grad is None for p in model.parameters())
+    engine.synchronize()
+    engine.close()
 
 
 def test_a_cpu_device_never_guards():

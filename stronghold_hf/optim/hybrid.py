@@ -84,6 +84,11 @@ def _normalise_groups(params: Any, defaults: dict[str, Any], model: nn.Module) -
     return out
 
 
+def _then_check_unwritten(task, grads) -> None:
+    task()
+    grads.check_unwritten()
+
+
 class StrongholdOptimizer(torch.optim.Optimizer):
     """The optimizer `WindowEngine.build_optimizer` returns; see the module docstring."""
 
@@ -184,8 +189,8 @@ class StrongholdOptimizer(torch.optim.Optimizer):
                     # Updated during backward, unless the pass stopped speculating before this
                     # block's turn: then the worker applies the update now (same coefficient).
                     plan.append((block, "the CPU optimizer update",
-                                 partial(self.updates.complete_speculation, block, record), "cpu_adam_s"))
-                    self._release_grads(block)
+                                 self._reading_stepped_grads(block, partial(self.updates.complete_speculation, block,
+                                                                            record)), "cpu_adam_s"))
                     continue
                 misses += 1
                 if (not found_inf and not modified and self.updates.fuses_redo and _any_grad(grads)
@@ -193,10 +198,10 @@ class StrongholdOptimizer(torch.optim.Optimizer):
                     # The usual miss (the step clipped): the rollback and the redo read the same
                     # gradients, so they run as one pass over the block's state (unit_update.py).
                     plan.append((block, "the rollback and redo of a speculative update",
-                                 partial(self.updates.redo, block, record, groups, grads, clip_coef * inv_scale),
+                                 self._reading_stepped_grads(
+                                     block, partial(self.updates.redo, block, record, groups, grads, clip_coef * inv_scale)),
                                  "rollback_s"))
                     state_order.append(block)
-                    self._release_grads(block)
                     continue
                 plan.append((block, "the rollback of a speculative update", partial(self.updates.undo, block, record),
                              "rollback_s"))
@@ -204,9 +209,9 @@ class StrongholdOptimizer(torch.optim.Optimizer):
             if found_inf or not _any_grad(grads):
                 continue
             plan.append((block, "the CPU optimizer update",
-                         partial(self.updates.update, block, groups, grads, clip_coef * inv_scale), "cpu_adam_s"))
+                         self._reading_stepped_grads(block, partial(self.updates.update, block, groups, grads,
+                                                                    clip_coef * inv_scale)), "cpu_adam_s"))
             state_order.append(block)
-            self._release_grads(block)
         if self.device_optimizer is not None and not found_inf:
             # Before the CPU work: on a GPU it is a few asynchronous launches; on a CPU-only
             # device it would otherwise compete with the worker for the same cores.
@@ -239,11 +244,11 @@ class StrongholdOptimizer(torch.optim.Optimizer):
         return loss
 
     @staticmethod
-    def _release_grads(block) -> None:
-        # [Note: the step owns the offloaded gradients] The update reads them after step()
-        # returns; the parameters' .grad let go of them now, so a zero_grad(set_to_none=False)
-        # or a new backward cannot write into a buffer the update is still reading.
-        block.grads.consume_grads()
+    def _reading_stepped_grads(block, task):
+        """``task``, the step's update of ``block``, then the check that nobody wrote into the
+        gradients it read while it ran: they stay on show as ``.grad`` after ``step()``
+        returns ([Note: the step's gradients stay on show], unit_grads.py)."""
+        return partial(_then_check_unwritten, task, block.grads) if block.grads.stepped() else task
 
     # ------------------------------------------------------------------ speculation
     @property

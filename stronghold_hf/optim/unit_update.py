@@ -63,10 +63,10 @@ class UnitUpdates:
             if not block.layout.masters_in_image:
                 block.host.image_rewritten(k for k, g in grads if g is not None)  # a redo after an undo: nothing to refresh
             return
-        if grad_mul != 1.0:
+        if grad_mul != 1.0:  # into a copy: the host gradient stays on show as .grad (unit_grads.py)
             for m in block.host.masters:
                 if m is not None and m.grad is not None:
-                    m.grad.mul_(grad_mul)
+                    m.grad = m.grad * grad_mul
         saved = [self.cpu_optimizer.param_groups[i] for i in groups]
         all_groups = self.cpu_optimizer.param_groups
         self.cpu_optimizer.param_groups = saved
