@@ -57,6 +57,7 @@ from torch import nn
 from .backward_pass import BackwardPass
 from .discovery import UnitPlan
 from .flush import GradientFlush
+from .frozen import FrozenAtOffload
 from .grads import GradientQueue
 from .hooks import UnitUse, current_graph_task, in_backward, register_pre_backward, wrap_differentiable
 from .memory import DeviceSlotPool
@@ -149,6 +150,7 @@ class WindowSchedule:
         # (StrongholdConfig.device_checkpoints; None: the window's W).
         self.checkpoint_tail: int | None = None
         self.checkpoint_watch = None  # checkpointing.CheckpointWatch: the model's checkpoint calls
+        self.frozen = FrozenAtOffload(units)  # what was frozen at offload_model stays frozen (frozen.py)
         # Data parallel: called when a backward reaches the model's outputs, it averages the
         # gradients of the parameters left on the device at that backward's end (distributed.py).
         self.average_resident_grads = None
@@ -219,6 +221,8 @@ class WindowSchedule:
             return None
         if not self._model_forwards:
             self._forward_grad = torch.is_grad_enabled()
+            if self._forward_grad:
+                self.frozen.check()
         self._model_forwards += 1
         self._entries_at_model_start = self._block_entries
         self.settle()

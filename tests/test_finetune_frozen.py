@@ -281,3 +281,29 @@ def test_adalora_reads_the_gradients_after_the_step_and_allocates_ranks_like_pla
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
 
+
+@pytest.mark.parametrize("unfrozen, vocab", [("model.embed_tokens", 4096), ("model.layers.0", 128)])
+def test_unfreezing_after_offload_is_refused_before_the_forward_and_loses_nothing(tmp_path, unfrozen, vocab):
+    """Gradual unfreezing on one Trainer: a parameter frozen when the model was offloaded has no
+    gradient layout, master or Adam state. Unfrozen before a second ``train()``, it would crash
+    a pieced vocabulary's backward, or take a gradient the clip norm never sees. The next
+    training forward refuses it by name, and the weights are the first run's."""
+    model = tiny_model("llama", vocab_size=vocab)
+    model.get_submodule(unfrozen).requires_grad_(False)
+    args = StrongholdTrainingArguments(output_dir=str(tmp_path), stronghold=True, stronghold_window_size="1",
+                                       **dict(COMMON, max_steps=2))
+    t = StrongholdTrainer(model=model, args=args, train_dataset=TinyDataset("llama"))
+    t.train()
+    trained = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.get_submodule(unfrozen).requires_grad_(True)
+    with pytest.raises(RuntimeError, match=rf"{unfrozen}\.\S+ .* was frozen when the model was offloaded and requires "
+                                           r"grad now.*before the Trainer is built"):
+        t.train()
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), trained[n]), n
+    model.get_submodule(unfrozen).requires_grad_(False)  # frozen again: training goes on
+    with torch.no_grad():
+        model(**batch("llama", seed=0))  # and a forward without a graph never checks
+    model.get_submodule(unfrozen).requires_grad_(True)
+    with torch.no_grad():
+        model(**batch("llama", seed=0))
