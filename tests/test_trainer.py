@@ -594,3 +594,22 @@ def test_the_full_set_of_keys_on_request_and_one_summary_at_the_end(tmp_path):
     assert "device peak" in ends[0] and "B per offloaded parameter" in ends[0] and "fetches per step" in ends[0]
     # A tiny model's peak (a few MiB) is said in significant digits, not rounded to nothing.
     assert t.stronghold_engine.memory_stats()["device_total_peak_bytes"] > 0 and "device peak 0.00 GiB" not in ends[0]
+
+
+def test_a_failed_runs_own_error_is_the_one_raised_when_cleaning_up_after_it_fails_too(tmp_path, monkeypatch):
+    """A run cut off mid-pass can leave the engine in a state its cleanup trips over; the user
+    sees the run's error (the cleanup's is logged), not the cleanup's."""
+
+    class Boom(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            raise ValueError("the run's own error")
+
+    args = StrongholdTrainingArguments(output_dir=str(tmp_path), stronghold=True, **dict(COMMON, max_steps=2))
+    t = StrongholdTrainer(model=tiny_model("gpt2"), args=args, train_dataset=TinyDataset("gpt2"), callbacks=[Boom()])
+
+    def broken_cleanup():
+        raise AssertionError("the cleanup's error")
+
+    monkeypatch.setattr(t.stronghold_engine, "shutdown_workers", broken_cleanup)
+    with pytest.raises(ValueError, match="the run's own error"):
+        t.train()

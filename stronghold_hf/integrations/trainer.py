@@ -26,6 +26,7 @@ holds the Trainer's hooks only; each delegates to the object or module that owns
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Any
 
 import torch
@@ -40,6 +41,8 @@ from .arguments import ENV_FLAG, config_for_training, refuse_incompatible_option
 from .auxiliary import AuxiliaryModels
 from .fit_check import FitCheck
 from .run_log import RunLog
+
+logger = logging.getLogger("stronghold_hf")
 
 
 def stronghold_settings(args) -> tuple[bool, StrongholdConfig]:
@@ -291,17 +294,28 @@ class _StrongholdTrainerMixin:
     # ------------------------------------------------------------------ training lifecycle
     def train(self, *args, **kwargs):
         try:
-            return super().train(*args, **kwargs)
-        finally:
-            if self._stronghold_on and self.stronghold_engine is not None:
-                # No engine thread outlives training, and the process group holds none of the
-                # engine's tensors (lifecycle.py); later steps restart the threads on demand.
-                # The engine stays open: the model is still offloaded and usable.
-                self.stronghold_engine.shutdown_workers()
-                if self.args.should_log:
-                    self._stronghold_log.finish(self.state.global_step)
-            if self._stronghold_on and self.args.should_save:
-                checkpoints.remove_staging(self._get_output_dir(trial=None))
+            result = super().train(*args, **kwargs)
+        except BaseException:
+            # The run's own error is the one to see: a cleanup that fails after it (a pass cut
+            # off mid-backward leaves lanes in use) is logged, not raised over it.
+            try:
+                self._end_of_training()
+            except Exception as cleanup_error:  # noqa: BLE001
+                logger.error("stronghold: cleaning up after the failed run failed too: %r", cleanup_error)
+            raise
+        self._end_of_training()
+        return result
+
+    def _end_of_training(self) -> None:
+        if self._stronghold_on and self.stronghold_engine is not None:
+            # No engine thread outlives training, and the process group holds none of the
+            # engine's tensors (lifecycle.py); later steps restart the threads on demand.
+            # The engine stays open: the model is still offloaded and usable.
+            self.stronghold_engine.shutdown_workers()
+            if self.args.should_log:
+                self._stronghold_log.finish(self.state.global_step)
+        if self._stronghold_on and self.args.should_save:
+            checkpoints.remove_staging(self._get_output_dir(trial=None))
 
     # ------------------------------------------------------------------ checkpoints (checkpoints.py)
     def _save_checkpoint(self, model, trial) -> None:
