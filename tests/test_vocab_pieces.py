@@ -20,6 +20,7 @@ import transformers as T
 from stronghold_hf import StrongholdConfig, offload_model
 from stronghold_hf.testing import simulated_device
 from test_non_block_units import FAMILIES, _device_bound, _lm_loss, _pair, _train_both
+from test_trainer import trainer_log
 from tiny_models import batch, engine_losses, logged_losses, tiny_model
 
 BIG_VOCAB = dict(vocab_size=1024)  # 1024 x 32: about three blocks of the tiny models
@@ -145,7 +146,7 @@ def test_bf16_whole_logits_give_the_whole_units_gradients():
         assert off < 5e-4, (name, off)
 
 
-def test_trainer_through_hf_argument_parser(tmp_path, caplog):
+def test_trainer_through_hf_argument_parser(tmp_path):
     """The user's path: ``--stronghold --stronghold_config '{"vocab_pieces": true}'``."""
     from stronghold_hf import StrongholdTrainer, StrongholdTrainingArguments
 
@@ -162,11 +163,11 @@ def test_trainer_through_hf_argument_parser(tmp_path, caplog):
     model = copy.deepcopy(reference)
     plain = T.Trainer(model=reference, args=plain_args, train_dataset=items)
     plain.train()
-    with caplog.at_level("INFO", logger="transformers.trainer"):
+    with trainer_log() as messages:  # on its own logger: transformers' may not propagate to caplog's root
         trainer = StrongholdTrainer(model=model, args=args, train_dataset=items)
     trainer.train()
     engine = trainer.stronghold_engine
-    start = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("STRONGHOLD is on"))
+    start = next(m for m in messages if m.startswith("STRONGHOLD is on"))
     rows = engine.unit_of(model.transformer.wte.weight).vocab_pieces.rows_per_piece
     assert start.endswith(f"; transformer.wte in {-(-1024 // rows)} pieces of {rows} rows")
     assert [u.fqn for u in _pieced(engine)] == ["transformer.wte"]
