@@ -268,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if lead:
         if on:
             logger.warning("%s: STRONGHOLD is on for every transformers.Trainer that %s builds, and every model it "
-                           "prepares with its optimizer through accelerate (%s).", PROG, name, described)
+                           "prepares through accelerate (%s).", PROG, name, described)
         else:
             how = "--stronghold false" if "STRONGHOLD" in options else f"STRONGHOLD={os.environ['STRONGHOLD']}"
             logger.warning("%s: %s turns STRONGHOLD off; running %s unchanged.", PROG, how, name)
@@ -283,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _run(kind, target, args)
     after = stronghold_class.cache_info()
     if lead and after.hits + after.misses == before.hits + before.misses and accelerate_side.prepared_models == prepared:
-        logger.warning("%s: %s built no transformers.Trainer and prepared no model with an optimizer through "
+        logger.warning("%s: %s built no transformers.Trainer and prepared no model through "
                        "accelerate, so STRONGHOLD changed nothing. For a plain PyTorch loop use offload_model.",
                        PROG, name)
     return 0

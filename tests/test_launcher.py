@@ -219,7 +219,7 @@ def test_a_script_without_a_trainer_is_told(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setattr(sys, "path", list(sys.path))
     assert main([str(tmp_path / "loop.py")]) == 0
-    assert ("loop.py built no transformers.Trainer and prepared no model with an optimizer through accelerate, so "
+    assert ("loop.py built no transformers.Trainer and prepared no model through accelerate, so "
             "STRONGHOLD changed nothing") in caplog.text
 
 
@@ -549,24 +549,30 @@ def test_an_unchanged_accelerate_loop_trains_with_stronghold(tmp_path):
     """HF's ``run_clm_no_trainer.py`` shape (tests/scripts/accelerate_loop_script.py): under the
     launcher its ``accelerator.prepare(model, optimizer, ...)`` offloads the model and steps its
     AdamW groups with the engine's optimizer, its scheduler drives the engine's learning rate, and
-    the run matches the same script without the launcher; an optimizer the engine cannot stand in
-    for is refused, naming the fix."""
+    the run matches the same script without the launcher, also when it prepares the model, the
+    optimizer and the scheduler in separate calls; an optimizer the engine cannot stand in for is
+    refused, naming the fix."""
     script = str(SCRIPTS / "accelerate_loop_script.py")
-    for name in ("plain", "launcher"):
+    for name in ("plain", "launcher", "apart"):
         (tmp_path / name).mkdir()
     stderr = _run_together({
         "plain": ([sys.executable, script, str(tmp_path / "plain")], _env()),
         "launcher": ([sys.executable, "-m", "stronghold_hf", script, str(tmp_path / "launcher")],
                      _env(STRONGHOLD_WINDOW_SIZE="1")),
+        # prepare(model), prepare(optimizer), then the scheduler: the model is offloaded before
+        # accelerate could place it, and the scheduler prepared last drives the engine's optimizer.
+        "apart": ([sys.executable, "-m", "stronghold_hf", script, str(tmp_path / "apart"), "--prepare", "apart"],
+                  _env(STRONGHOLD_WINDOW_SIZE="1")),
     })
     ref = torch.load(tmp_path / "plain" / "result.pt", weights_only=True)
-    got = torch.load(tmp_path / "launcher" / "result.pt", weights_only=True)
-    assert not ref["engine"] and got["engine"]
-    assert "changed nothing" not in stderr["launcher"] and "has been overridden" not in stderr["launcher"]
-    assert got["lrs"] == ref["lrs"] and len(got["losses"]) == 8
-    assert got["losses"] == pytest.approx(ref["losses"], rel=1e-4)
-    for k, v in ref["state"].items():
-        torch.testing.assert_close(got["state"][k], v, rtol=1e-4, atol=ADAM_SLACK, msg=lambda m: f"{k}: {m}")
+    for name in ("launcher", "apart"):
+        got = torch.load(tmp_path / name / "result.pt", weights_only=True)
+        assert not ref["engine"] and got["engine"]
+        assert "changed nothing" not in stderr[name] and "has been overridden" not in stderr[name]
+        assert got["lrs"] == ref["lrs"] and len(got["losses"]) == 8
+        assert got["losses"] == pytest.approx(ref["losses"], rel=1e-4)
+        for k, v in ref["state"].items():
+            torch.testing.assert_close(got["state"][k], v, rtol=1e-4, atol=ADAM_SLACK, msg=lambda m: f"{name} {k}: {m}")
     proc = subprocess.run([sys.executable, "-m", "stronghold_hf", script, str(tmp_path / "launcher"), "--optimizer", "sgd"],
                           env=_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "prepares a SGD optimizer" in proc.stderr and "STRONGHOLD=0" in proc.stderr

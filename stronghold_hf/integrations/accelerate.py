@@ -74,6 +74,14 @@ def prepare_stronghold(
     ``accelerator.clip_grad_norm_(model.parameters(), max_norm)`` or
     ``engine.clip_grad_norm_(max_norm)`` (the same exact global clip).
     """
+    model, engine = _offload_for_accelerate(accelerator, model, plugin, config)
+    return model, _optimizer_for_accelerate(accelerator, engine, param_groups, optimizer_kwargs), engine
+
+
+def _offload_for_accelerate(accelerator, model: torch.nn.Module, plugin: StrongholdPlugin | None = None,
+                            config: StrongholdConfig | dict | str | None = None) -> tuple[torch.nn.Module, WindowEngine]:
+    """`prepare_stronghold`'s model half: offloads ``model`` and prepares it with accelerate,
+    without placement or DDP; the engine's optimizer comes from `_optimizer_for_accelerate`."""
     if plugin is None:
         plugin = StrongholdPlugin(config=config) if config is not None else StrongholdPlugin()
     dynamo = getattr(accelerator.state, "dynamo_plugin", None)
@@ -94,15 +102,20 @@ def prepare_stronghold(
     # accelerator.accumulate() sets sync_gradients before each micro-batch: a step follows the
     # backward only when it is True, which is when the engine may update during backward.
     engine.coordinator.step_signal = lambda: accelerator.sync_gradients and accelerator.scaler is None
-    optimizer = engine.build_optimizer(param_groups, **(optimizer_kwargs or {}))
     # Autocast and compile only: no placement (it would pull every block onto the device) and
     # no DDP (the engine averages gradients itself).
     model = accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
-    optimizer = accelerator.prepare_optimizer(optimizer, device_placement=False)
     _route_clip_grad_norm(accelerator, engine)
     _settle_before_end_training(accelerator, engine)
     _save_and_load_state_through_the_engine(accelerator, model, engine)
-    return model, optimizer, engine
+    return model, engine
+
+
+def _optimizer_for_accelerate(accelerator, engine: WindowEngine, param_groups: list | None,
+                              optimizer_kwargs: dict[str, Any] | None):
+    """`prepare_stronghold`'s optimizer half: the engine's, inside accelerate's wrapper."""
+    optimizer = engine.build_optimizer(param_groups, **(optimizer_kwargs or {}))
+    return accelerator.prepare_optimizer(optimizer, device_placement=False)
 
 
 def _route_clip_grad_norm(accelerator, engine: WindowEngine) -> None:
@@ -212,23 +225,35 @@ prepared_models = 0
 
 @contextlib.contextmanager
 def patch_accelerate() -> Iterator[None]:
-    """While active, ``Accelerator.prepare(model, optimizer, ...)`` of a model not offloaded yet
-    goes through `prepare_stronghold`: an unchanged ``no_trainer`` script (HF's
-    ``run_clm_no_trainer.py``) under ``python -m stronghold_hf`` or ``accelerate launch -m
-    stronghold_hf`` trains with STRONGHOLD. The script's AdamW gives the engine's optimizer its
-    groups and settings, and a learning-rate scheduler built on it drives the engine's instead.
-    Other calls (a model alone, a Trainer's own, dataloaders) are accelerate's."""
+    """While active, ``Accelerator.prepare`` offloads an unchanged ``no_trainer`` script's model
+    (HF's ``run_clm_no_trainer.py``, under ``python -m stronghold_hf`` or ``accelerate launch -m
+    stronghold_hf``) and trains it with STRONGHOLD. The script's AdamW gives the engine's
+    optimizer its groups and settings, and a learning-rate scheduler built on it drives the
+    engine's instead. The model and its optimizer may come in one call,
+    ``prepare(model, optimizer, ...)``, or apart (``prepare(model)``, then ``prepare(optimizer)``,
+    then the scheduler): a model not offloaded yet is offloaded when it comes, before accelerate
+    could place it on the device, and the optimizer over its parameters is swapped when it
+    comes. Other calls (a Trainer's own, whose model is offloaded already, dataloaders) are
+    accelerate's."""
     from accelerate import Accelerator
 
     original = Accelerator.prepare
+    swapped: dict[int, torch.optim.Optimizer] = {}  # id(script's optimizer) -> the engine's
+    awaiting: list[WindowEngine] = []  # engines of models prepared without their optimizer
 
     @functools.wraps(original)
     def prepare(self, *args, device_placement=None):
         models = [i for i, a in enumerate(args) if isinstance(a, torch.nn.Module)]
         optimizers = [i for i, a in enumerate(args) if isinstance(a, torch.optim.Optimizer)]
-        if len(models) != 1 or len(optimizers) != 1 or get_engine(args[models[0]]) is not None:
-            return original(self, *args, device_placement=device_placement)
-        return _prepare_through_stronghold(self, original, args, models[0], optimizers[0], device_placement)
+        fresh = len(models) == 1 and get_engine(args[models[0]]) is None
+        if fresh and len(optimizers) == 1:
+            return _prepare_through_stronghold(self, original, args, models[0], optimizers[0], device_placement, swapped)
+        if fresh and not optimizers:
+            return _prepare_model_alone(self, original, args, models[0], device_placement, awaiting)
+        theirs = [i for i in optimizers if _awaiting_engine(args[i], awaiting) is not None]
+        if not models and len(theirs) == 1:
+            return _prepare_optimizer_alone(self, original, args, theirs[0], device_placement, awaiting, swapped)
+        return original(self, *_retarget_schedulers(args, swapped), device_placement=device_placement)
 
     Accelerator.prepare = prepare
     try:
@@ -237,28 +262,78 @@ def patch_accelerate() -> Iterator[None]:
         Accelerator.prepare = original
 
 
-def _prepare_through_stronghold(accelerator, original, args: tuple, at_model: int, at_optimizer: int,
-                                device_placement) -> Any:
-    global prepared_models
-    theirs = args[at_optimizer]
-    model, optimizer, _ = prepare_stronghold(accelerator, args[at_model], param_groups=adamw_groups(theirs))
-    mine = optimizer.optimizer  # the engine's, inside accelerate's AcceleratedOptimizer
-    for group, their_group in zip(mine.param_groups, theirs.param_groups):
-        if "initial_lr" in their_group:  # a scheduler built on theirs set it
-            group["initial_lr"] = their_group["initial_lr"]
-    for a in args:
-        if isinstance(a, torch.optim.lr_scheduler.LRScheduler) and a.optimizer is theirs:
-            a.optimizer = mine  # it sets each group's lr by position: the groups correspond one to one
-            _mark_steps_for_schedulers(mine)
-    out = list(args)
-    out[at_model], out[at_optimizer] = model, optimizer
-    rest = [i for i in range(len(args)) if i not in (at_model, at_optimizer)]
+def _prepare_the_rest(accelerator, original, args: tuple, out: list, done: set[int], device_placement) -> tuple:
+    """``out`` with accelerate's own preparation of every argument not in ``done``; a tuple,
+    or the one object when one argument was given, as ``Accelerator.prepare`` returns."""
+    rest = [i for i in range(len(args)) if i not in done]
     if rest:
         prepared = original(accelerator, *[args[i] for i in rest], device_placement=device_placement)
         for i, p in zip(rest, prepared if len(rest) > 1 else (prepared,)):
             out[i] = p
+    return tuple(out) if len(out) > 1 else out[0]
+
+
+def _prepare_through_stronghold(accelerator, original, args: tuple, at_model: int, at_optimizer: int,
+                                device_placement, swapped: dict) -> Any:
+    global prepared_models
+    theirs = args[at_optimizer]
+    model, optimizer, _ = prepare_stronghold(accelerator, args[at_model], param_groups=adamw_groups(theirs))
+    args = _swap(theirs, optimizer.optimizer, args, swapped)  # the engine's, inside accelerate's AcceleratedOptimizer
+    out = list(args)
+    out[at_model], out[at_optimizer] = model, optimizer
     prepared_models += 1
-    return tuple(out)
+    return _prepare_the_rest(accelerator, original, args, out, {at_model, at_optimizer}, device_placement)
+
+
+def _prepare_model_alone(accelerator, original, args: tuple, at_model: int, device_placement,
+                         awaiting: list) -> Any:
+    """``prepare(model, ...)`` without its optimizer: the model is offloaded now (accelerate
+    would place it on the device whole); its optimizer is swapped when it is prepared."""
+    global prepared_models
+    model, engine = _offload_for_accelerate(accelerator, args[at_model])
+    awaiting.append(engine)
+    out = list(args)
+    out[at_model] = model
+    prepared_models += 1
+    return _prepare_the_rest(accelerator, original, args, out, {at_model}, device_placement)
+
+
+def _awaiting_engine(optimizer: torch.optim.Optimizer, awaiting: list) -> WindowEngine | None:
+    """The engine of a model prepared alone that ``optimizer`` (the script's) steps, if any."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    return next((e for e in awaiting if not e.closed and any(e.is_offloaded(p) for p in params)), None)
+
+
+def _prepare_optimizer_alone(accelerator, original, args: tuple, at_optimizer: int, device_placement,
+                             awaiting: list, swapped: dict) -> Any:
+    """``prepare(optimizer, ...)`` after ``prepare(model)``: the engine's optimizer with the
+    script's groups stands in for it."""
+    theirs = args[at_optimizer]
+    engine = _awaiting_engine(theirs, awaiting)
+    optimizer = _optimizer_for_accelerate(accelerator, engine, adamw_groups(theirs), None)
+    awaiting.remove(engine)
+    args = _swap(theirs, optimizer.optimizer, args, swapped)
+    out = list(args)
+    out[at_optimizer] = optimizer
+    return _prepare_the_rest(accelerator, original, args, out, {at_optimizer}, device_placement)
+
+
+def _swap(theirs: torch.optim.Optimizer, mine: torch.optim.Optimizer, args: tuple, swapped: dict) -> tuple:
+    """The engine's optimizer ``mine`` stands in for the script's ``theirs``: schedulers built
+    on it, in ``args`` or prepared later, drive ``mine``."""
+    for group, their_group in zip(mine.param_groups, theirs.param_groups):
+        if "initial_lr" in their_group:  # a scheduler built on theirs set it
+            group["initial_lr"] = their_group["initial_lr"]
+    swapped[id(theirs)] = mine
+    return _retarget_schedulers(args, swapped)
+
+
+def _retarget_schedulers(args: tuple, swapped: dict) -> tuple:
+    for a in args:
+        if isinstance(a, torch.optim.lr_scheduler.LRScheduler) and id(a.optimizer) in swapped:
+            a.optimizer = swapped[id(a.optimizer)]  # it sets each group's lr by position: the groups correspond
+            _mark_steps_for_schedulers(a.optimizer)
+    return args
 
 
 def _mark_steps_for_schedulers(optimizer: torch.optim.Optimizer) -> None:

@@ -4,7 +4,10 @@ optimizer, ``accelerator.prepare(model, optimizer, dataloader, scheduler)``, gra
 accumulation, ``accelerator.clip_grad_norm_``. ``tests/test_launcher.py`` runs it as is and under
 ``python -m stronghold_hf``. It writes ``result.pt`` (losses, learning rates, weights) into OUT.
 
-    accelerate_loop_script.py OUT [--optimizer adamw|sgd]
+    accelerate_loop_script.py OUT [--optimizer adamw|sgd] [--prepare together|apart]
+
+``--prepare apart``: ``prepare(model)``, then ``prepare(optimizer)``, then the dataloader and the
+scheduler, as many scripts do.
 """
 
 import argparse
@@ -23,6 +26,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--optimizer", default="adamw")
+    ap.add_argument("--prepare", default="together", choices=["together", "apart"])
     args = ap.parse_args()
     accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
     torch.manual_seed(0)
@@ -36,7 +40,12 @@ def main() -> None:
     scheduler = get_scheduler("linear", optimizer=optimizer, num_warmup_steps=1, num_training_steps=4)
     data = [{k: v[0] for k, v in batch("llama", seed=i, batch_size=1).items()} for i in range(16)]
     loader = torch.utils.data.DataLoader(data, batch_size=2)
-    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    if args.prepare == "together":
+        model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    else:
+        model = accelerator.prepare(model)
+        optimizer = accelerator.prepare(optimizer)
+        loader, scheduler = accelerator.prepare(loader, scheduler)
     model.train()
     losses, lrs = [], []
     for b in loader:
