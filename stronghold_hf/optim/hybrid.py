@@ -520,7 +520,10 @@ def build_optimizer(engine, params: Iterable | None = None, *, fp16_loss_scaling
                 if master is None:
                     raise ValueError(
                         f"build_optimizer: a parameter of {block.fqn} ({tuple(p.shape)}) was frozen when the model "
-                        "was offloaded, so it has no fp32 master and no gradient. Unfreeze it before offload_model."
+                        "was offloaded, so it has no fp32 master and no gradient. Set requires_grad on every parameter "
+                        "you will train before offload_model (with the Trainer or the launcher: before the first "
+                        "Trainer is built on this model). To unfreeze in stages, save the model "
+                        "(trainer.save_model()) and start the next stage from it."
                     )
                 by_block.setdefault(block.index, []).append(master)
         for idx, masters in by_block.items():
