@@ -307,3 +307,7 @@ def test_unfreezing_after_offload_is_refused_before_the_forward_and_loses_nothin
     model.get_submodule(unfrozen).requires_grad_(True)
     with torch.no_grad():
         model(**batch("llama", seed=0))
+    # A new Trainer on the same (offloaded) model is refused when it builds its optimizer.
+    t = StrongholdTrainer(model=model, args=args, train_dataset=TinyDataset("llama"))
+    with pytest.raises(ValueError, match=r"was frozen when the model was offloaded.*before the first Trainer is built"):
+        t.train()
