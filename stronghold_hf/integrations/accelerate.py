@@ -238,7 +238,7 @@ def patch_accelerate() -> Iterator[None]:
     from accelerate import Accelerator
 
     original = Accelerator.prepare
-    swapped: dict[int, torch.optim.Optimizer] = {}  # id(script's optimizer) -> the engine's
+    swapped: list[tuple[torch.optim.Optimizer, torch.optim.Optimizer]] = []  # (script's optimizer, the engine's)
     awaiting: list[WindowEngine] = []  # engines of models prepared without their optimizer
 
     @functools.wraps(original)
@@ -253,7 +253,8 @@ def patch_accelerate() -> Iterator[None]:
         theirs = [i for i in optimizers if _awaiting_engine(args[i], awaiting) is not None]
         if not models and len(theirs) == 1:
             return _prepare_optimizer_alone(self, original, args, theirs[0], device_placement, awaiting, swapped)
-        return original(self, *_retarget_schedulers(args, swapped), device_placement=device_placement)
+        _retarget_schedulers(args, swapped)
+        return original(self, *args, device_placement=device_placement)
 
     Accelerator.prepare = prepare
     try:
@@ -274,11 +275,11 @@ def _prepare_the_rest(accelerator, original, args: tuple, out: list, done: set[i
 
 
 def _prepare_through_stronghold(accelerator, original, args: tuple, at_model: int, at_optimizer: int,
-                                device_placement, swapped: dict) -> Any:
+                                device_placement, swapped: list) -> Any:
     global prepared_models
     theirs = args[at_optimizer]
     model, optimizer, _ = prepare_stronghold(accelerator, args[at_model], param_groups=adamw_groups(theirs))
-    args = _swap(theirs, optimizer.optimizer, args, swapped)  # the engine's, inside accelerate's AcceleratedOptimizer
+    _swap(theirs, optimizer.optimizer, args, swapped)  # the engine's, inside accelerate's AcceleratedOptimizer
     out = list(args)
     out[at_model], out[at_optimizer] = model, optimizer
     prepared_models += 1
@@ -305,35 +306,39 @@ def _awaiting_engine(optimizer: torch.optim.Optimizer, awaiting: list) -> Window
 
 
 def _prepare_optimizer_alone(accelerator, original, args: tuple, at_optimizer: int, device_placement,
-                             awaiting: list, swapped: dict) -> Any:
+                             awaiting: list, swapped: list) -> Any:
     """``prepare(optimizer, ...)`` after ``prepare(model)``: the engine's optimizer with the
     script's groups stands in for it."""
     theirs = args[at_optimizer]
     engine = _awaiting_engine(theirs, awaiting)
     optimizer = _optimizer_for_accelerate(accelerator, engine, adamw_groups(theirs), None)
     awaiting.remove(engine)
-    args = _swap(theirs, optimizer.optimizer, args, swapped)
+    _swap(theirs, optimizer.optimizer, args, swapped)
     out = list(args)
     out[at_optimizer] = optimizer
     return _prepare_the_rest(accelerator, original, args, out, {at_optimizer}, device_placement)
 
 
-def _swap(theirs: torch.optim.Optimizer, mine: torch.optim.Optimizer, args: tuple, swapped: dict) -> tuple:
+def _swap(theirs: torch.optim.Optimizer, mine: torch.optim.Optimizer, args: tuple, swapped: list) -> None:
     """The engine's optimizer ``mine`` stands in for the script's ``theirs``: schedulers built
     on it, in ``args`` or prepared later, drive ``mine``."""
     for group, their_group in zip(mine.param_groups, theirs.param_groups):
         if "initial_lr" in their_group:  # a scheduler built on theirs set it
             group["initial_lr"] = their_group["initial_lr"]
-    swapped[id(theirs)] = mine
-    return _retarget_schedulers(args, swapped)
+    swapped.append((theirs, mine))  # theirs kept alive: matched by identity, never by a reused id
+    _retarget_schedulers(args, swapped)
 
 
-def _retarget_schedulers(args: tuple, swapped: dict) -> tuple:
+def _retarget_schedulers(args: tuple, swapped: list) -> None:
+    """Schedulers in ``args`` built on a script's optimizer that the engine's stands in for
+    drive the engine's instead."""
     for a in args:
-        if isinstance(a, torch.optim.lr_scheduler.LRScheduler) and id(a.optimizer) in swapped:
-            a.optimizer = swapped[id(a.optimizer)]  # it sets each group's lr by position: the groups correspond
-            _mark_steps_for_schedulers(a.optimizer)
-    return args
+        if not isinstance(a, torch.optim.lr_scheduler.LRScheduler):
+            continue
+        mine = next((m for t, m in swapped if a.optimizer is t), None)
+        if mine is not None:
+            a.optimizer = mine  # it sets each group's lr by position: the groups correspond
+            _mark_steps_for_schedulers(mine)
 
 
 def _mark_steps_for_schedulers(optimizer: torch.optim.Optimizer) -> None:
