@@ -62,16 +62,35 @@ AUTO_CHUNK_MIN, AUTO_CHUNK_MAX = 128, 8192
 #: parameters) next to a 32k vocabulary would otherwise make thousands of one-row tiles, each a
 #: Python iteration and a kernel launch. Real models have a few (Llama-3-8B: 3).
 MAX_VOCAB_PIECES = 64
+#: Rows per piece are a multiple of this many when there are at least as many: [Note: aligned pieces].
+PIECE_ROW_ALIGN = 64
+
+# [Note: aligned pieces] A piece of the head makes the logits' columns [v0, v1): its product is
+# written into the whole logits at column v0 (vocab_ops.PiecewiseLinear), or makes a tile of
+# v1 - v0 columns. With a block's rows as they come (1,549 for a 128-wide GPT-2 block), every
+# piece after the first starts mid cache line and the GEMM's stores straddle lines: on this
+# machine's 2 cores the head's forward took 52 ms for six such pieces against 43 ms whole, and
+# 44 ms for six pieces of 1,536 rows (``benchmarks/bench_step.py --vocab_pieces on,off``
+# measures the step). GPU kernels, too, tile the output in multiples of 64 or 128 columns. So a
+# piece of at least `PIECE_ROW_ALIGN` rows is cut down to a multiple of it: still no larger
+# than a block, at most 63 rows smaller.
 
 
 def vocab_piece_rows(vocab: int, hidden: int, piece_numel: int | None,
                      max_pieces: int = MAX_VOCAB_PIECES) -> int | None:
     """Vocabulary rows per piece of a ``[vocab, hidden]`` head: a head of more than
     ``piece_numel`` elements is read in pieces of at most that many, and in at most
-    ``max_pieces``; None: whole (no ``piece_numel``, or the head is no larger)."""
+    ``max_pieces``; None: whole (no ``piece_numel``, or the head is no larger). At least
+    `PIECE_ROW_ALIGN` rows are a multiple of it ([Note: aligned pieces])."""
     if piece_numel is None or vocab * hidden <= piece_numel:
         return None
-    return max(piece_numel // hidden, -(-vocab // max_pieces), 1)
+    rows = piece_numel // hidden
+    if rows >= PIECE_ROW_ALIGN:
+        rows -= rows % PIECE_ROW_ALIGN
+    fewest = -(-vocab // max_pieces)  # at most max_pieces pieces, whatever the block (rounded up, aligned)
+    if rows < fewest:
+        rows = fewest if fewest < PIECE_ROW_ALIGN else -(-fewest // PIECE_ROW_ALIGN) * PIECE_ROW_ALIGN
+    return max(rows, 1)
 
 
 def resolve_chunk_tokens(chunk_tokens: ChunkTokens, vocab_size: int) -> int:

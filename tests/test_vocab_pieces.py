@@ -66,6 +66,33 @@ def test_parity_with_the_vocabulary_in_pieces(family, chunk):
         assert head_unit.vocab_pieces.fetches == 3 * 2 * len(head_unit.vocab_pieces.bounds)
 
 
+def test_every_piece_starts_on_an_aligned_column_and_is_no_larger_than_a_block():
+    """[Note: aligned pieces]: a piece's logits start at a multiple of 64 columns (a block's rows
+    as they come put every piece after the first mid cache line, a slower GEMM), still within a
+    block. The engine's pieces, and the rule at real sizes."""
+    from stronghold_hf.chunked_loss import PIECE_ROW_ALIGN, vocab_piece_rows
+
+    model = tiny_model("llama", vocab_size=4000, tie_word_embeddings=False)
+    engine = offload_model(model, StrongholdConfig(window_size=1, vocab_pieces=True), device="cpu")
+    try:
+        largest = _largest_block(engine)
+        assert largest // 32 % PIECE_ROW_ALIGN  # the block's own row count is not aligned here
+        for u in _pieced(engine):
+            pieces = u.vocab_pieces
+            assert len(pieces.bounds) > 2
+            assert all(v0 % PIECE_ROW_ALIGN == 0 for v0, _ in pieces.bounds)
+            assert pieces.rows_per_piece * pieces.width <= largest
+            assert pieces.bounds[-1][1] == 4000
+    finally:
+        engine.close()
+    # GPT-2 at 128 wide (1,549 rows a block), Llama-3-8B (53,250), a tiny block (9 rows: as is),
+    # and a vocabulary of more than MAX_VOCAB_PIECES blocks (its floor, rounded up).
+    assert vocab_piece_rows(8192, 128, 198_272) == 1536
+    assert vocab_piece_rows(128_256, 4096, 218_112_000) == 53_248
+    assert vocab_piece_rows(500, 32, 300) == 9
+    assert vocab_piece_rows(100_000, 32, 12_000) == 1600
+
+
 def test_device_peak_does_not_grow_with_the_vocabulary():
     """The strict bound on a vocabulary of many blocks: the same device peak at 1k and 8k rows
     (8k x 32 is about 28 blocks), where streaming it whole grows it with the vocabulary."""
