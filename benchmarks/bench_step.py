@@ -16,6 +16,12 @@ batches:
               device with a device AdamW, the first version), with ``--non_block on,off``;
               the summary's ``ratio_non_block_on_vs_off_paired`` is tokens/s with everything
               outside the blocks offloaded over tokens/s without (target >= 0.95)
+  offload_wN_vocab_whole  the same with ``StrongholdConfig(vocab_pieces=False)``, with
+              ``--vocab_pieces on,off``; the summary's ``ratio_vocab_whole_over_pieces_paired``
+              is its tokens/s over the first offloaded variant's (above 1: pieces are slower)
+  offload_wN_control  the first offloaded variant again, with ``--control``: the summary's
+              ``ratio_control_paired`` is its tokens/s over the first's, the same code against
+              itself, so how far this run's paired ratios stray by noise alone
 
 Method. All variants live in ONE process (these shared machines drift by about +-30% from
 minute to minute, shared/NOTES.md), are warmed up, then run in interleaved blocks of
@@ -698,6 +704,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "block in pieces, as the engine does by default; on,off: also the first window's variant with "
                    "StrongholdConfig(vocab_pieces=False) (its name ends in _vocab_whole); the summary's "
                    "ratio_vocab_whole_over_pieces_paired is its tokens/s over the variant's with pieces")
+    p.add_argument("--control", action="store_true",
+                   help="also run the first offloaded variant's engine a second time (its name ends in _control); "
+                   "the summary's ratio_control_paired is its tokens/s over the first's: the same code against "
+                   "itself, how far a paired ratio of this run strays by noise alone")
     p.add_argument("--host_worker", default="auto", choices=["auto", "thread", "inline"],
                    help="StrongholdConfig.host_worker of the offloaded variants (thread: overlap as on a GPU)")
     p.add_argument("--max_grad_norm", type=float, default=1.0, help="global clip (HF's default 1.0)")
@@ -827,6 +837,10 @@ def main(argv=None) -> int:
     if "off" in [m.strip() for m in args.vocab_pieces.split(",")]:
         variants.append(offload_variant(base, device, args.precision, args.lr, args.windows[0], args.cpu_threads,
                                         modes[0], args.max_grad_norm, host_worker=args.host_worker, vocab_pieces=False))
+    if args.control:
+        variants.append(offload_variant(base, device, args.precision, args.lr, args.windows[0], args.cpu_threads,
+                                        modes[0], args.max_grad_norm, host_worker=args.host_worker,
+                                        name=variants[1].name + "_control"))
     # The device/host split (#35): one variant per budget, the window of --windows[0]; "streamed"
     # is the first window variant itself (resident=False), so it is not run twice.
     split_names: dict[str, str] = {}
@@ -878,6 +892,8 @@ def main(argv=None) -> int:
     nb_paired = _paired(variants[1], next((v for v in variants if v.name.endswith("_nb_off")), None))
     whole = next((v for v in variants if v.name.endswith("_vocab_whole")), None)
     whole_paired = _paired(whole, variants[1]) if whole is not None else None
+    control = next((v for v in variants if v.name.endswith("_control")), None)
+    control_paired = _paired(control, variants[1]) if control is not None else None
     for v in variants[1:]:
         if v.engine is not None:
             v.engine.close()
@@ -935,7 +951,7 @@ def main(argv=None) -> int:
         "ratio_offload_vs_plain_paired": first["ratio_vs_plain_paired"]["median"],
         "ratios_by_window": {str(r["window_size"]): r["ratio_vs_plain"] for r in ours
                              if r["variant"].startswith("offload_") and "_spec_" not in r["variant"]
-                             and not r["variant"].endswith(("_nb_off", "_vocab_whole"))},
+                             and not r["variant"].endswith(("_nb_off", "_vocab_whole", "_control"))},
         "ratios_by_variant": {r["variant"]: r["ratio_vs_plain_paired"]["median"] for r in rows},
         "tokens_per_s": {r["variant"]: r["tokens_per_s"] for r in [plain, *rows]},
         "median_step_s": {r["variant"]: r["median_step_s"] for r in [plain, *rows]},
@@ -946,6 +962,7 @@ def main(argv=None) -> int:
         "speculation": {r["variant"]: r.get("speculation") for r in rows if "speculation" in r},
         "ratio_non_block_on_vs_off_paired": nb_paired,
         "ratio_vocab_whole_over_pieces_paired": whole_paired,
+        "ratio_control_paired": control_paired,
         "bound": bounds.get(first["variant"]),
         "ratio_to_bound": bounds[first["variant"]]["ratio_to_bound"] if first["variant"] in bounds else None,
         "ratio_to_bound_by_variant": {name: b["ratio_to_bound"] for name, b in bounds.items()},
