@@ -64,7 +64,8 @@ class Unit:
         self.kind = spec.kind
         self.module = spec.module  # a block's module (None outside the blocks)
         self.owners = spec.owners  # modules registering the parameters, with their local names
-        self.names = [name for name, _ in spec.params]
+        # Each parameter's name in the model (a block's spec names them within the block).
+        self.names = [f"{spec.fqn}.{name}" if spec.kind == "block" else name for name, _ in spec.params]
         self.params = [p for _, p in spec.params]
         self.device = device
         self.transfer = transfer

@@ -193,8 +193,8 @@ class UnitHost:
                         data.device != view.device):
                     if data.shape != view.shape:
                         raise ValueError(
-                            f"stronghold: parameter {self.fqn}.{self.names[k]} was given shape {tuple(data.shape)}, "
-                            f"its block was laid out for {tuple(view.shape)}. Change shapes before offload_model, or "
+                            f"stronghold: parameter {self.names[k]} was given shape {tuple(data.shape)}, "
+                            f"its unit was laid out for {tuple(view.shape)}. Change shapes before offload_model, or "
                             "close the engine first (engine.close())."
                         )
                     self.write_value(k, data)

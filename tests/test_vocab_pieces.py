@@ -444,6 +444,38 @@ def test_a_resume_matches_the_uninterrupted_run(tmp_path):
         torch.testing.assert_close(resumed.state_dict()[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_resized_embeddings_train_in_pieces_and_a_resize_after_offload_is_refused_by_name(family):
+    """run_clm's ``resize_token_embeddings(len(tokenizer))`` (here padded to a multiple of 64, the
+    new rows from HF's mean resizing) before the engine: the resized units are read in pieces and
+    train like plain HF, tied (GPT-2) or not (Llama). After the engine laid them out, the resize
+    is refused at the next forward, naming the parameter and the fix."""
+    untied = {} if family == "gpt2" else {"tie_word_embeddings": False}
+
+    def make():
+        model = tiny_model(family, vocab_size=1000, **untied)
+        model.resize_token_embeddings(1030, pad_to_multiple_of=64)
+        return model
+
+    ref, model, engine = _pair(make, window_size=1)
+    assert model.get_input_embeddings().weight.shape[0] == 1088
+    assert {u.fqn for u in _pieced(engine)} == {n.rsplit(".", 1)[0] for n, p in model.named_parameters()
+                                                if p.shape[0] == 1088}
+    _train_both(ref, model, engine, _lm_loss(family))
+
+    late = tiny_model(family, vocab_size=1000, **untied)
+    engine = offload_model(late, StrongholdConfig(window_size=1), device="cpu")
+    try:
+        late.resize_token_embeddings(1100)
+        name = next(n for n, _ in late.named_parameters())  # the input embedding comes first
+        ids = torch.randint(0, 1100, (2, 8))
+        with pytest.raises(ValueError, match=rf"parameter {name} was given shape \(1100, 32\), its unit was laid out "
+                                             rf"for \(1000, 32\)\. Change shapes before offload_model"):
+            late(input_ids=ids, labels=ids)
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("host_image", [True, False], ids=["image", "no-image"])
 def test_bf16_compute_reads_the_image_or_converts_the_masters(host_image):
     """``param_dtype=bf16``: an untied head's pieces cross in bf16, from the pinned image or,
