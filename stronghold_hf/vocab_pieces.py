@@ -453,9 +453,13 @@ class VocabularyPieces:
         flat = ids.reshape(-1).to("cpu")
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.vocab):
             raise IndexError(f"stronghold: an input id is outside [0, {self.vocab}) for {self.unit.fqn}.")
-        rows = image.index_select(0, flat).to(self.dtype)
+        # Gathered straight into the output's shape: the autograd function's output must not be
+        # a view, or a model that scales it in place (CTRL: ``inputs_embeds *= sqrt(d)``) is refused.
+        rows = image.new_empty((*ids.shape, self.width))
+        torch.index_select(image, 0, flat, out=rows.view(-1, self.width))
+        rows = rows.to(self.dtype)
         self.ledger.count_h2d(rows.numel() * rows.element_size(), fetch=True)
-        return rows.to(self._device).view(*ids.shape, self.width), flat
+        return rows.to(self._device), flat
 
     def add_row_grads(self, ids: torch.Tensor, grad: torch.Tensor, padding_idx: int | None) -> None:
         """Adds the gradient of the rows of ``ids`` (host, flat) into the host gradient (the

@@ -444,6 +444,22 @@ def test_a_resume_matches_the_uninterrupted_run(tmp_path):
         torch.testing.assert_close(resumed.state_dict()[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
 
 
+def test_a_model_that_scales_the_embedded_rows_in_place_trains_like_plain():
+    """CTRL's forward does ``inputs_embeds *= sqrt(d_model)`` on the embedding's output: the rows
+    the pieced embedding returns are a tensor of their own (an autograd function's output that
+    is a view may not be written in place)."""
+    def make():
+        torch.manual_seed(0)
+        config = T.CTRLConfig(n_embd=32, n_layer=2, n_head=2, dff=64, vocab_size=2048, n_positions=64,
+                              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return T.CTRLLMHeadModel(config).train()
+
+    ref, model, engine = _pair(make, window_size=1)
+    assert [u.fqn for u in _pieced(engine)] == ["transformer.w"]
+    ids = [torch.randint(0, 2048, (2, 12), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    _train_both(ref, model, engine, lambda m, step: m(input_ids=ids[step], labels=ids[step]).loss)
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_resized_embeddings_train_in_pieces_and_a_resize_after_offload_is_refused_by_name(family):
     """run_clm's ``resize_token_embeddings(len(tokenizer))`` (here padded to a multiple of 64, the
