@@ -488,7 +488,8 @@ class CPUAdam(torch.optim.Optimizer):
         beta1, beta2 = (float(b) for b in group["betas"])
         _, maps = quant8._map_pointers()
         lib.sh_adamw8_step(len(items), table.buffer_info()[0], float(group["lr"]), beta1, beta2,
-                           float(group["weight_decay"]), float(group["eps"]), gmul, *maps, torch.get_num_threads())
+                           float(group["weight_decay"]), float(group["eps"]), gmul, quant8.moment_floor(beta1, beta2),
+                           *maps, torch.get_num_threads())
 
     def _run_native(self, table: array.array, items, group: dict[str, Any], gmul: float) -> None:
         if not items:

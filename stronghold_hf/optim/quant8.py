@@ -192,13 +192,40 @@ def state_to_fp32(state: dict[str, Tensor], shape: torch.Size) -> dict[str, Tens
             .view(shape).clone()}
 
 
+# [Note: the second moment's floor] The second moment spans twice the decades of the first
+# (v ~ g^2, m ~ g), and the unsigned map reaches 1e-7 of a block's absmax: an element whose
+# gradient is 1e-4 of its block's largest keeps a first moment (1e-4 is a code) while its second
+# rounds to 0. When its next gradient is 0 or much smaller (an embedding row whose token is not in
+# the batch; a head row whose logit went to sleep), the update is m / (0 + eps): thousands of
+# times lr. Measured on a Llama of vocabulary 2048 at lr 1e-2 (six steps, against fp32 AdamW):
+# the head 7.2 away, single updates of 3.0. Exact Adam never lets the first moment outgrow the
+# second: by Cauchy-Schwarz over the two decaying sums, |m| <= K sqrt(v) with
+# K = (1 - beta1) / sqrt((1 - beta2) (1 - beta1^2 / beta2)) (7.27 at 0.9 / 0.999). So the step
+# holds the new v to at least (m / K)^2: a v the codec kept is never raised (to fp32's rounding),
+# and a v it lost reads as the smallest the first moment allows, an update of at most K lr
+# (then decaying as in exact Adam) instead of m / eps. After the fix the same run ended with the
+# head 0.033 and the embedding 0.040 from fp32 AdamW's (six steps of at most 0.01), the MLP 0.008
+# (0.06 before: its quiet elements blew up too). HF's Trainer keeps embeddings' state 32-bit
+# with bitsandbytes; that was tried here on top of the floor and moved none of these figures, so
+# embeddings keep 8-bit moments (and the memory figures). tests/test_lean_host_memory.py.
+
+
+def moment_floor(beta1: float, beta2: float) -> float:
+    """``1 / K``, where exact Adam keeps ``|m| <= K sqrt(v)`` ([Note: the second moment's floor]);
+    0 (no floor) for betas where no such bound holds (``beta1^2 >= beta2``)."""
+    if not (0.0 <= beta1 < 1.0 and beta1 * beta1 < beta2 < 1.0):
+        return 0.0
+    return math.sqrt((1.0 - beta2) * (1.0 - beta1 * beta1 / beta2)) / (1.0 - beta1)
+
+
 @torch.no_grad()
 def step_reference(param: Tensor, grad: Tensor, state: dict[str, Tensor], *, lr: float, beta1: float, beta2: float,
                    eps: float, weight_decay: float, grad_mul: float = 1.0, out: Tensor | None = None) -> None:
     """One 8-bit AdamW step of one tensor in plain torch (the fallback, and the tests' reference).
 
-    Same math and order as the fp32 kernels: decay, moments from the dequantized ones, the
-    update from the new fp32 moments, then re-quantization with each block's new absmax."""
+    Same math and order as the fp32 kernels: decay, moments from the dequantized ones (the
+    second held to `moment_floor`), the update from the new fp32 moments, then re-quantization
+    with each block's new absmax."""
     n = param.numel()
     state["step"].add_(1.0)
     t = float(state["step"])
@@ -213,6 +240,7 @@ def step_reference(param: Tensor, grad: Tensor, state: dict[str, Tensor], *, lr:
         p.mul_(1.0 - lr * weight_decay)
     m = m.lerp(g, 1.0 - beta1)
     v = v.mul(beta2).addcmul_(g, g, value=1.0 - beta2)
+    v = torch.maximum(v, (m * torch.tensor(moment_floor(beta1, beta2), dtype=torch.float32)).square())
     p.addcdiv_(m, v.sqrt().div_(bc2_sqrt).add_(eps), value=-lr / bc1)
     for moment, signed, q_key, a_key in ((m, True, "exp_avg_q", "exp_avg_absmax"), (v, False, "exp_avg_sq_q",
                                                                                     "exp_avg_sq_absmax")):
@@ -226,8 +254,8 @@ def step_reference(param: Tensor, grad: Tensor, state: dict[str, Tensor], *, lr:
 # ---------------------------------------------------------------------------- the native kernel
 # csrc/cpu_adam8.cpp (sh_adamw8_step's table layout is documented there).
 _NATIVE = NativeLibrary(
-    "cpu_adam8", "cpu_adam8.cpp", abi=("sh_adamw8_abi", 5),
-    signatures={"sh_adamw8_step": [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_double] * 6 + [ctypes.c_void_p] * 2
+    "cpu_adam8", "cpu_adam8.cpp", abi=("sh_adamw8_abi", 6),
+    signatures={"sh_adamw8_step": [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_double] * 7 + [ctypes.c_void_p] * 2
                 + [ctypes.c_int32]},
     fallback="CPUAdam steps 8-bit moments with quant8.step_reference (torch ops, the same math, slower) instead")
 

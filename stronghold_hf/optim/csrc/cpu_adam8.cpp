@@ -51,12 +51,16 @@ inline float decode(uint32_t code, const float* c) {
 }
 
 // AdamW in fp32, the fp32 kernel's operations in its order, in two halves: the moments (m, v:
-// the old ones in, the new ones out), then the parameter from the new moments.
-struct Adam { float gmul, decay, w, b2, omb2, eps, neg_step, bc2; };
+// the old ones in, the new ones out), then the parameter from the new moments. The new v is
+// then held to at least (m * inv_k)^2, a bound exact Adam never crosses (quant8.moment_floor:
+// it raises only a v that quantization rounded to 0 under a first moment that survived).
+struct Adam { float gmul, decay, w, b2, omb2, eps, neg_step, bc2, inv_k; };
 inline void adam_moments(const Adam& h, float g, float& m, float& v) {
   const float gi = g * h.gmul, m0 = m;
   m = std::fma(h.w, gi - m0, m0);
   v = std::fma(h.omb2 * gi, gi, v * h.b2);
+  const float mk = m * h.inv_k;
+  v = std::max(v, mk * mk);
 }
 inline float adam_param(const Adam& h, float p, float m, float v) {
   return p * h.decay + h.neg_step * m / (std::sqrt(v) / h.bc2 + h.eps);
@@ -265,16 +269,18 @@ void quantize(const float* x, int64_t n, float absmax, const Codec& cd, uint8_t*
 #if defined(__AVX2__) && defined(__FMA__)
 // adam_moments and adam_param on 8 lanes.
 struct AdamVec {
-  __m256 gmul, decay, w, b2, omb2, eps, neg_step, bc2;
+  __m256 gmul, decay, w, b2, omb2, eps, neg_step, bc2, inv_k;
   explicit AdamVec(const Adam& h)
       : gmul(_mm256_set1_ps(h.gmul)), decay(_mm256_set1_ps(h.decay)), w(_mm256_set1_ps(h.w)), b2(_mm256_set1_ps(h.b2)),
         omb2(_mm256_set1_ps(h.omb2)), eps(_mm256_set1_ps(h.eps)), neg_step(_mm256_set1_ps(h.neg_step)),
-        bc2(_mm256_set1_ps(h.bc2)) {}
+        bc2(_mm256_set1_ps(h.bc2)), inv_k(_mm256_set1_ps(h.inv_k)) {}
 };
 SH_INLINE void adam_moments8(const AdamVec& h, __m256 g, __m256& m, __m256& v) {
   const __m256 gi = _mm256_mul_ps(g, h.gmul);
   m = _mm256_fmadd_ps(h.w, _mm256_sub_ps(gi, m), m);
   v = _mm256_fmadd_ps(_mm256_mul_ps(h.omb2, gi), gi, _mm256_mul_ps(v, h.b2));
+  const __m256 mk = _mm256_mul_ps(m, h.inv_k);
+  v = _mm256_max_ps(v, _mm256_mul_ps(mk, mk));
 }
 SH_INLINE void adam_param8(const AdamVec& h, float* p, const float* m, const float* v) {
   const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(_mm256_load_ps(v)), h.bc2), h.eps);
@@ -352,16 +358,16 @@ void step_block(const Adam& h, const Codec& cd, int64_t n, float* p, const void*
 }
 }  // namespace
 
-extern "C" int sh_adamw8_abi() { return 5; }
+extern "C" int sh_adamw8_abi() { return 6; }
 
 // table: int64 [nt, 10] = numel, then the addresses of param and grad (fp32 [numel]), the
 // first moment's codes (uint8 [numel]) and absmax (fp32 [blocks]), the second's, out
 // (bf16/fp16 [numel] or 0), step (fp32 0-d), and the flags: the out kind (0/1/2), plus 16
 // when the gradient is bf16 (widened exactly). map_m, map_v: the signed and the unsigned
-// map's constants (quant8.map_constants, fp32 [64]).
+// map's constants (quant8.map_constants, fp32 [64]). inv_k: quant8.moment_floor(beta1, beta2).
 extern "C" void sh_adamw8_step(int64_t nt, const int64_t* table, double lr, double beta1, double beta2,
-                               double weight_decay, double eps, double grad_mul, const float* map_m,
-                               const float* map_v, int32_t nthreads) {
+                               double weight_decay, double eps, double grad_mul, double inv_k,
+                               const float* map_m, const float* map_v, int32_t nthreads) {
   std::vector<float> neg_step(nt), bc2(nt);
   std::vector<int64_t> first(nt + 1, 0);
   for (int64_t t = 0; t < nt; ++t) {
@@ -380,7 +386,7 @@ extern "C" void sh_adamw8_step(int64_t nt, const int64_t* table, double lr, doub
 #endif
   // Multiplying by 1.0f is exact, so the loop multiplies unconditionally and stays branch-free.
   const Adam hyper{float(grad_mul), float(1.0 - lr * weight_decay), float(1.0 - beta1), float(beta2),
-                   float(1.0 - beta2), float(eps), 0.0f, 0.0f};
+                   float(1.0 - beta2), float(eps), 0.0f, 0.0f, float(inv_k)};
   const int64_t blocks = first[nt];
   const int threads = blocks >= 64 ? std::max(1, int(nthreads)) : 1;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
