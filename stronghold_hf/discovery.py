@@ -390,12 +390,17 @@ def plan_units(model: nn.Module, stacks: list[BlockStack], *, offload_non_block:
 
 def _non_block_spec(index: int, members: list[tuple[str, nn.Parameter]],
                     regs: dict[int, list[tuple[nn.Module, str]]], kind: UnitKind) -> UnitSpec:
+    fqn = members[0][0].rsplit(".", 1)[0] if kind == "streamed" else "<non-block parameters>"
+    if kind == "streamed" and sum(p.dim() == 2 for _, p in members) == 1:
+        # The one matrix first, whatever the registration order (XLM-R's and CamemBERT's tied
+        # head register the [vocab] bias before it): vocab_pieces.py reads the weight as the
+        # unit's first parameter and a bias as its second.
+        members = sorted(members, key=lambda item: item[1].dim() != 2)
     position = {id(p): k for k, (_, p) in enumerate(members)}
     owners: dict[int, tuple[nn.Module, list[tuple[str, int]]]] = {}
     for _, p in members:
         for m, local in regs[id(p)]:
             owners.setdefault(id(m), (m, []))[1].append((local, position[id(p)]))
-    fqn = members[0][0].rsplit(".", 1)[0] if kind == "streamed" else "<non-block parameters>"
     if kind == "rest" and len({p.dtype for _, p in members if p.requires_grad}) == 1:
         dtypes = {p.dtype for _, p in members if p.requires_grad}
         fqn = f"<non-block parameters, {str(next(iter(dtypes))).replace('torch.', '')}>"

@@ -245,6 +245,26 @@ def test_a_masked_lm_head_with_its_bias_is_read_in_pieces(family):
     assert unit.vocab_pieces.fetches > 0 and engine.stats.as_dict()["late_gradients"] == 0
 
 
+@pytest.mark.parametrize("model_type", ["xlm-roberta", "camembert"])
+def test_a_head_that_registers_its_bias_before_the_weight_is_read_in_pieces(model_type):
+    """XLM-R's and CamemBERT's tied MLM head registers the [vocab] bias before the weight (XLM-R's
+    real vocabulary is 250k rows): the unit is still the weight with its bias, read in pieces."""
+    def make():
+        config = T.AutoConfig.for_model(model_type, vocab_size=2048, hidden_size=32, num_hidden_layers=2,
+                                        num_attention_heads=2, intermediate_size=64, max_position_embeddings=64,
+                                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        torch.manual_seed(0)
+        return T.AutoModelForMaskedLM.from_config(config).train()
+
+    ref, model, engine = _pair(make, window_size=1)
+    (unit,) = _pieced(engine)
+    assert [tuple(p.shape) for p in unit.params] == [(2048, 32), (2048,)]
+    assert unit.vocab_pieces.bias is unit.params[1]
+    ids = [torch.randint(3, 2048, (2, 12), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    _train_both(ref, model, engine, lambda m, step: m(input_ids=ids[step], labels=ids[step]).loss)
+    assert unit.vocab_pieces.fetches > 0
+
+
 def test_a_causal_head_with_a_bias_is_read_in_pieces_by_the_chunked_loss():
     """Phi's LM head has a bias: its pieces cross with the weight's in the chunked loss."""
     def make():
