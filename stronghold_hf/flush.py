@@ -142,13 +142,10 @@ class GradientFlush:
         late = [u for u in units if u.trainable and u.grads.late_gradients()]
         for u in late:
             if u.vocab_pieces is not None:
-                # Autograd gave the whole weight a gradient: something used it outside the
-                # modules that register it (on a GPU, a host tensor in a device op).
-                raise RuntimeError(
-                    f"stronghold: {u.fqn} is read in vocabulary pieces (StrongholdConfig(vocab_pieces=True)), but "
-                    "its weight was used with gradients outside the model's forward (an op on it before calling the "
-                    "model, or on its outputs afterwards), where the engine does not lend it whole (on a GPU it is "
-                    "host memory there). Use it inside the forward, or StrongholdConfig(vocab_pieces=False).")
+                # A use of the weight outside the model's forward (a penalty, a head on a base
+                # model's output): added into the host gradient whole, with no vocabulary-sized lane.
+                self.stats.add("late_gradients", u.vocab_pieces.add_late_grads(u.grads.late_gradients()))
+        late = [u for u in late if u.vocab_pieces is None]
         if self.dp is not None:  # which units have late gradients is the ranks' union
             flags = torch.zeros(len(units), dtype=torch.int32, device=self.device)
             for u in late:

@@ -73,7 +73,7 @@ def shape_problem(params, owners) -> str | None:
     if weight.dim() != 2 or len(bias) > 1 or (bias and tuple(bias[0].shape) != (weight.shape[0],)):
         return "not one [vocab, hidden] weight (with a [vocab] bias at most)"
     # An embedding, a linear layer, or a module that registers only the bias (BERT's prediction
-    # head, whose decoder uses it): their forwards are routed, and any other use refused.
+    # head, whose decoder uses it): their forwards are routed, and any other use lent whole.
     if not all(isinstance(m, (nn.Embedding, nn.Linear)) or all(k == 1 for _, k in names) for m, names in owners):
         return "a module other than an embedding or a linear layer registers its weight"
     if any(isinstance(m, nn.Embedding) and (m.max_norm is not None or m.scale_grad_by_freq or m.sparse)
@@ -178,12 +178,14 @@ class VocabularyPieces:
         for ticket in folds:
             ticket.wait()
 
-    def _begin_grad(self, i: int = 0, piece: int | None = None) -> torch.Tensor:
+    def _begin_grad(self, i: int = 0, piece: int | None = None, *, enter: bool = True) -> torch.Tensor:
         """A gradient contribution of this backward pass to parameter ``i`` (row piece
-        ``piece``, or None: the embedding's rows): its host gradient, to add into (zeroed first
-        when it holds nothing yet; widened to fp32 first when the contribution would be a sum:
-        [Note: pieces' host gradient])."""
-        self._enter_backward()  # the schedule's end of this backward drains the folds
+        ``piece``, or None: the embedding's rows, or a whole gradient): its host gradient, to add
+        into (zeroed first when it holds nothing yet; widened to fp32 first when the
+        contribution would be a sum: [Note: pieces' host gradient]). ``enter=False``: called
+        from the schedule's end of the backward itself."""
+        if enter:
+            self._enter_backward()  # the schedule's end of this backward drains the folds
         u, g = self.unit, self.unit.grads
         if g.spec is not None:  # more gradient after a speculative update read the old one
             self.coordinator.undo_speculation(u)
@@ -323,6 +325,24 @@ class VocabularyPieces:
                    functools.partial(_land_and_add, self.transfer, landed, grad, staged, hg[r0:r1]))
         self._staging_ticket[turn] = self._folds[-1]
         return landed
+
+    def add_late_grads(self, indices: list[int]) -> int:
+        """The gradients autograd gave parameters ``indices`` themselves, found at the end of a
+        backward (`flush.Gradients.flush_late`): the weight was used outside the model's forward,
+        as it is there (its host value: a weight penalty, a head ``h @ E.T`` on a base model's
+        output), as a whole unit's would be. Each is added whole into the host gradient on the
+        host worker (the end of the backward drains it) and ``.grad`` is the engine's again.
+        Returns how many there were."""
+        for i in indices:
+            p = self.unit.params[i]
+            grad = p.grad
+            with _engine_access():
+                p.grad = None
+            hg = self._begin_grad(i, enter=False)
+            if grad.device.type != "cpu":
+                self.ledger.count_d2h(grad.numel() * grad.element_size())
+            self._fold("a gradient from outside the forward of ", functools.partial(_add_whole, hg, grad))
+        return len(indices)
 
     # ------------------------------------------------------------------ lent whole: [Note: lent whole]
     @property
@@ -484,6 +504,11 @@ def _land_and_add(transfer, landed, src: torch.Tensor, staged: torch.Tensor, dst
     transfer.host_wait(landed)
     dst.add_(staged)
     del src
+
+
+def _add_whole(dst: torch.Tensor, grad: torch.Tensor) -> None:
+    """Host worker: a whole gradient of a parameter (from a use outside the forward) into its host gradient."""
+    dst.add_(grad.to(device=dst.device, dtype=dst.dtype).view_as(dst))
 
 
 def _add_at(dst: torch.Tensor, lo: int, staged: torch.Tensor) -> None:

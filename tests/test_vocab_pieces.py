@@ -365,15 +365,38 @@ def test_another_use_of_the_weight_gets_it_lent_whole_and_trains_like_plain(use,
     assert not pieces.lent
 
 
-def test_a_use_with_gradients_outside_any_forward_is_refused_by_name():
-    """``F.embedding`` on the embedding's weight outside the model's forward (on a GPU, a host
-    tensor in a device op): the backward names the fix."""
-    model = tiny_model("llama", tie_word_embeddings=False, **BIG_VOCAB)
-    offload_model(model, StrongholdConfig(window_size=1, vocab_pieces=True), device="cpu")
-    embeds = torch.nn.functional.embedding(batch("llama", seed=0)["input_ids"], model.model.embed_tokens.weight)
-    loss = model(inputs_embeds=embeds, labels=batch("llama", seed=0)["labels"]).loss
-    with pytest.raises(RuntimeError, match=r"outside the model's forward.*vocab_pieces=False"):
-        loss.backward()
+def _penalty(m, step):
+    head = m.get_output_embeddings().weight
+    return m(**batch("llama", seed=step)).loss + 1e-2 * head.pow(2).mean()
+
+
+def _embedded_outside(m, step):
+    b = batch("llama", seed=step)
+    embeds = torch.nn.functional.embedding(b["input_ids"], m.get_input_embeddings().weight)
+    return m(inputs_embeds=embeds, labels=b["labels"]).loss
+
+
+def _head_on_base(m, step):
+    """A base model's hidden states times the embedding's transpose, the loss computed outside."""
+    b = batch("llama", seed=step)
+    hidden = m.model(input_ids=b["input_ids"]).last_hidden_state
+    logits = hidden @ m.get_input_embeddings().weight.T
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), b["input_ids"].flatten())
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("use", [_penalty, _embedded_outside, _head_on_base], ids=["penalty", "embedding", "head"])
+def test_a_use_with_gradients_outside_the_forward_trains_like_plain(use, tied):
+    """The weight used outside the model's forward, as it is there (its host value): a weight
+    penalty on the head, ``F.embedding`` before calling the model, a head ``h @ E.T`` on the
+    base model's output. Its gradient is added into the host gradient whole, as a whole unit's
+    would be (no vocabulary-sized lane), and training matches plain."""
+    ref, model, engine = _pair(lambda: tiny_model("llama", tie_word_embeddings=tied, **BIG_VOCAB), window_size=1)
+    assert _pieced(engine)
+    _train_both(ref, model, engine, use)
+    assert engine.stats.as_dict()["late_gradients"] >= 3
+    stats = engine.memory_stats()
+    assert stats["grad_buffer_bytes"] <= max(u.slot_bytes for u in engine.units if u.kind == "block")
 
 
 def test_the_estimator_counts_pieces_as_the_engine_holds_them():
