@@ -64,6 +64,22 @@ _DEVICE_ATTR = "_stronghold_compute_device"
 _simulated_pinning = None
 
 
+
+def _refuse_16bit_layer_norm_on_cpu(blocks, dtype: torch.dtype) -> None:
+    """CPU autocast runs ``layer_norm`` in its input's dtype: a block's fp32 ``nn.LayerNorm``
+    given a 16-bit device copy next to the fp32 residual stream fails in torch ("mixed dtype
+    (CPU): expect parameter to have scalar type of Float"), at the first forward. CUDA autocast
+    runs norms in fp32; RMSNorms (Llama, T5) compute in fp32 themselves. Refused here, by name."""
+    for spec in blocks:
+        for name, m in spec.module.named_modules():
+            if isinstance(m, nn.LayerNorm) and m.weight is not None and m.weight.dtype == torch.float32:
+                where = f"{spec.fqn}.{name}" if name else spec.fqn
+                raise ValueError(
+                    f"StrongholdConfig(param_dtype={str(dtype).replace('torch.', '')}) on a CPU device: the blocks have "
+                    f"fp32 LayerNorms ({where}), whose 16-bit copies next to the fp32 residual stream CPU autocast does "
+                    "not run (torch: 'mixed dtype (CPU)'). On a CPU device leave param_dtype=None (the Trainer does "
+                    "with --bf16); on CUDA, where autocast runs norms in fp32, 16-bit copies work.")
+
 class WindowEngine:
     """The handle `offload_model` returns. It composes the units, the schedule and the step."""
 
@@ -76,6 +92,8 @@ class WindowEngine:
         if not any(s.params for s in whole_plan.blocks):
             raise ValueError(f"{type(model).__name__}: the discovered blocks ({describe(list(whole_plan.blocks))}) own "
                              "no parameters to offload.")
+        if device.type == "cpu" and config.param_dtype in (torch.bfloat16, torch.float16):
+            _refuse_16bit_layer_norm_on_cpu(whole_plan.blocks, config.param_dtype)
         # Data parallel whenever a process group exists (a group of one too: the same code path).
         self.dp = None
         if distributed.is_initialized():

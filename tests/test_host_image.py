@@ -50,6 +50,20 @@ def _assert_identical(a, b):
         assert torch.equal(b[1][k], v), k
 
 
+@pytest.mark.parametrize("family", ["gpt2", "bart"])
+def test_sixteen_bit_copies_of_layer_norms_on_a_cpu_device_are_refused_by_name(family):
+    """CPU autocast runs LayerNorm in its input's dtype: a bf16 copy of an fp32 block's LayerNorm
+    next to the fp32 residual stream failed at the first forward with torch's 'mixed dtype (CPU)'.
+    Refused at offload_model, naming the module and the fix; the model is left as it was."""
+    model = tiny_model(family)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"param_dtype=bfloat16\) on a CPU device: the blocks have fp32 LayerNorms "
+                                         r"\((transformer\.h|model\.encoder\.layers)\.0\.\w+\).*leave param_dtype=None"):
+        offload_model(model, StrongholdConfig(window_size=1, param_dtype="bf16"), device="cpu")
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    offload_model(model, StrongholdConfig(window_size=1), device="cpu").close()  # fp32 copies: fine
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "t5"])  # RMSNorm: CPU autocast runs it on bf16 weights
 def test_fetches_without_an_image_train_bit_identically(family):
     ref = tiny_model(family)
