@@ -253,8 +253,8 @@ class StrongholdConfig:
     """dtype of the device copies of block parameters (and of their gradients). ``None``
     keeps the model's dtype. ``bfloat16``/``float16`` halve the bytes on the link; the fp32
     masters on the CPU stay exact. Strings such as ``"bf16"`` are accepted. On a CPU device a
-    model whose blocks have fp32 ``nn.LayerNorm``s is refused with 16-bit copies (CPU autocast
-    runs LayerNorm in its input's dtype)."""
+    model whose blocks have trainable fp32 ``nn.LayerNorm``s is refused with 16-bit copies (CPU
+    autocast runs LayerNorm in its input's dtype); frozen ones keep their dtype and run."""
 
     grad_buffers: int = 2
     """``K``: block gradients that may be on their way from the device to the host at once

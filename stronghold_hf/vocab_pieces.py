@@ -328,9 +328,10 @@ class VocabularyPieces:
 
     def add_late_grads(self, indices: list[int]) -> int:
         """The gradients autograd gave parameters ``indices`` themselves, found at the end of a
-        backward (`flush.Gradients.flush_late`): the weight was used outside the model's forward,
-        as it is there (its host value: a weight penalty, a head ``h @ E.T`` on a base model's
-        output), as a whole unit's would be. Each is added whole into the host gradient on the
+        backward (`flush.GradientFlush.flush_late`): the weight was used outside the model's
+        forward, as it is there (its host value: a weight penalty, a head ``h @ E.T`` on a base
+        model's output, on a GPU with the weight moved to the device by the user), as a whole
+        unit's would be. Each is added whole into the host gradient on the
         host worker (the end of the backward drains it) and ``.grad`` is the engine's again.
         Returns how many there were."""
         for i in indices:
@@ -508,7 +509,7 @@ def _land_and_add(transfer, landed, src: torch.Tensor, staged: torch.Tensor, dst
 
 def _add_whole(dst: torch.Tensor, grad: torch.Tensor) -> None:
     """Host worker: a whole gradient of a parameter (from a use outside the forward) into its host gradient."""
-    dst.add_(grad.to(device=dst.device, dtype=dst.dtype).view_as(dst))
+    dst.add_(grad.detach().to(device=dst.device, dtype=dst.dtype).reshape_as(dst))
 
 
 def _add_at(dst: torch.Tensor, lo: int, staged: torch.Tensor) -> None:

@@ -69,10 +69,13 @@ def _refuse_16bit_layer_norm_on_cpu(blocks, dtype: torch.dtype) -> None:
     """CPU autocast runs ``layer_norm`` in its input's dtype: a block's fp32 ``nn.LayerNorm``
     given a 16-bit device copy next to the fp32 residual stream fails in torch ("mixed dtype
     (CPU): expect parameter to have scalar type of Float"), at the first forward. CUDA autocast
-    runs norms in fp32; RMSNorms (Llama, T5) compute in fp32 themselves. Refused here, by name."""
+    runs norms in fp32; RMSNorms (Llama, T5) compute in fp32 themselves. Refused here, by name,
+    when a block casts a norm's parameter: a trainable one it offloads (a frozen one, or one the
+    split keeps on the device, keeps its stored dtype)."""
     for spec in blocks:
+        cast = {id(p) for _, p in spec.params if p.requires_grad and p.dtype == torch.float32}
         for name, m in spec.module.named_modules():
-            if isinstance(m, nn.LayerNorm) and m.weight is not None and m.weight.dtype == torch.float32:
+            if isinstance(m, nn.LayerNorm) and any(id(q) in cast for q in m.parameters(recurse=False)):
                 where = f"{spec.fqn}.{name}" if name else spec.fqn
                 raise ValueError(
                     f"StrongholdConfig(param_dtype={str(dtype).replace('torch.', '')}) on a CPU device: the blocks have "
@@ -92,8 +95,6 @@ class WindowEngine:
         if not any(s.params for s in whole_plan.blocks):
             raise ValueError(f"{type(model).__name__}: the discovered blocks ({describe(list(whole_plan.blocks))}) own "
                              "no parameters to offload.")
-        if device.type == "cpu" and config.param_dtype in (torch.bfloat16, torch.float16):
-            _refuse_16bit_layer_norm_on_cpu(whole_plan.blocks, config.param_dtype)
         # Data parallel whenever a process group exists (a group of one too: the same code path).
         self.dp = None
         if distributed.is_initialized():
@@ -107,6 +108,8 @@ class WindowEngine:
                               keep=self.split.kept_param_ids)
         specs = list(plan.units)
         block_specs = [s for s in specs if s.kind == "block"]
+        if device.type == "cpu" and config.param_dtype in (torch.bfloat16, torch.float16):
+            _refuse_16bit_layer_norm_on_cpu(block_specs, config.param_dtype)
         self.ledger = MemoryLedger()
         self.stats = EngineStats(traffic=self.ledger)  # traffic: read from the ledger, booked once
         self.transfer = TransferContext(device, self.ledger, self.stats)

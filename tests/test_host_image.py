@@ -62,6 +62,15 @@ def test_sixteen_bit_copies_of_layer_norms_on_a_cpu_device_are_refused_by_name(f
         offload_model(model, StrongholdConfig(window_size=1, param_dtype="bf16"), device="cpu")
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     offload_model(model, StrongholdConfig(window_size=1), device="cpu").close()  # fp32 copies: fine
+    # Frozen norms (LoRA-style) keep their stored dtype: not cast, so they run under CPU autocast.
+    frozen = tiny_model(family)
+    for m in frozen.modules():
+        if isinstance(m, torch.nn.LayerNorm):
+            m.requires_grad_(False)
+    engine = offload_model(frozen, StrongholdConfig(window_size=1, param_dtype="bf16"), device="cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        frozen(**batch(family, seed=0)).loss.backward()
+    engine.close()
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "t5"])  # RMSNorm: CPU autocast runs it on bf16 weights

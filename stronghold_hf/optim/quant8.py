@@ -201,9 +201,11 @@ def state_to_fp32(state: dict[str, Tensor], shape: torch.Size) -> dict[str, Tens
 # the head 7.2 away, single updates of 3.0. Exact Adam never lets the first moment outgrow the
 # second: by Cauchy-Schwarz over the two decaying sums, |m| <= K sqrt(v) with
 # K = (1 - beta1) / sqrt((1 - beta2) (1 - beta1^2 / beta2)) (7.27 at 0.9 / 0.999). So the step
-# holds the new v to at least (m / K)^2: a v the codec kept is never raised (to fp32's rounding),
-# and a v it lost reads as the smallest the first moment allows, an update of at most K lr
-# (then decaying as in exact Adam) instead of m / eps. After the fix the same run ended with the
+# holds the new v to at least (m / K)^2: a v exact arithmetic gives is never raised (to fp32's
+# rounding; the codec's rounding near the bound may be), and a v it lost reads as the smallest
+# the first moment allows, an update of at most K lr sqrt(1 - beta2^t) / (1 - beta1^t) (at most
+# K lr for 0.9 / 0.999; then decaying as in exact Adam) instead of m / eps. The bound assumes
+# betas fixed over the run. After the fix the same run ended with the
 # head 0.033 and the embedding 0.040 from fp32 AdamW's (six steps of at most 0.01), the MLP 0.008
 # (0.06 before: its quiet elements blew up too). HF's Trainer keeps embeddings' state 32-bit
 # with bitsandbytes; that was tried here on top of the floor and moved none of these figures, so
@@ -240,7 +242,8 @@ def step_reference(param: Tensor, grad: Tensor, state: dict[str, Tensor], *, lr:
         p.mul_(1.0 - lr * weight_decay)
     m = m.lerp(g, 1.0 - beta1)
     v = v.mul(beta2).addcmul_(g, g, value=1.0 - beta2)
-    v = torch.maximum(v, (m * torch.tensor(moment_floor(beta1, beta2), dtype=torch.float32)).square())
+    floor = (m * torch.tensor(moment_floor(beta1, beta2), dtype=torch.float32)).square()
+    v = torch.where(floor > v, floor, v)  # the kernel's rule: v kept where either is NaN
     p.addcdiv_(m, v.sqrt().div_(bc2_sqrt).add_(eps), value=-lr / bc1)
     for moment, signed, q_key, a_key in ((m, True, "exp_avg_q", "exp_avg_absmax"), (v, False, "exp_avg_sq_q",
                                                                                     "exp_avg_sq_absmax")):

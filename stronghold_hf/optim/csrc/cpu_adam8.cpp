@@ -53,14 +53,15 @@ inline float decode(uint32_t code, const float* c) {
 // AdamW in fp32, the fp32 kernel's operations in its order, in two halves: the moments (m, v:
 // the old ones in, the new ones out), then the parameter from the new moments. The new v is
 // then held to at least (m * inv_k)^2, a bound exact Adam never crosses (quant8.moment_floor:
-// it raises only a v that quantization rounded to 0 under a first moment that survived).
+// it raises a v the codec rounded below it, as one rounded to 0 under a first moment that
+// survived). "Unless (m * inv_k)^2 > v" keeps v where either is NaN, as in the reference.
 struct Adam { float gmul, decay, w, b2, omb2, eps, neg_step, bc2, inv_k; };
 inline void adam_moments(const Adam& h, float g, float& m, float& v) {
   const float gi = g * h.gmul, m0 = m;
   m = std::fma(h.w, gi - m0, m0);
   v = std::fma(h.omb2 * gi, gi, v * h.b2);
-  const float mk = m * h.inv_k;
-  v = std::max(v, mk * mk);
+  const float mk = m * h.inv_k, floor = mk * mk;
+  v = floor > v ? floor : v;
 }
 inline float adam_param(const Adam& h, float p, float m, float v) {
   return p * h.decay + h.neg_step * m / (std::sqrt(v) / h.bc2 + h.eps);
@@ -280,7 +281,7 @@ SH_INLINE void adam_moments8(const AdamVec& h, __m256 g, __m256& m, __m256& v) {
   m = _mm256_fmadd_ps(h.w, _mm256_sub_ps(gi, m), m);
   v = _mm256_fmadd_ps(_mm256_mul_ps(h.omb2, gi), gi, _mm256_mul_ps(v, h.b2));
   const __m256 mk = _mm256_mul_ps(m, h.inv_k);
-  v = _mm256_max_ps(v, _mm256_mul_ps(mk, mk));
+  v = _mm256_max_ps(_mm256_mul_ps(mk, mk), v);  // (floor > v) ? floor : v, lane by lane
 }
 SH_INLINE void adam_param8(const AdamVec& h, float* p, const float* m, const float* v) {
   const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(_mm256_load_ps(v)), h.bc2), h.eps);
