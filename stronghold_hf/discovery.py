@@ -448,6 +448,25 @@ def unit_device_dtype(spec: UnitSpec, param_dtype: torch.dtype | None) -> torch.
     return None
 
 
+def refuse_16bit_layer_norm_on_cpu(blocks: list[UnitSpec], dtype: torch.dtype) -> None:
+    """CPU autocast runs ``layer_norm`` in its input's dtype: a block's fp32 ``nn.LayerNorm``
+    given a 16-bit device copy next to the fp32 residual stream fails in torch ("mixed dtype
+    (CPU): expect parameter to have scalar type of Float"), at the first forward. CUDA autocast
+    runs norms in fp32; RMSNorms (Llama, T5) compute in fp32 themselves. Refused here, by name,
+    when a block casts a norm's parameter: a trainable one it offloads (a frozen one, or one the
+    split keeps on the device, keeps its stored dtype)."""
+    for spec in blocks:
+        cast = {id(p) for _, p in spec.params if p.requires_grad and p.dtype == torch.float32}
+        for name, m in spec.module.named_modules():
+            if isinstance(m, nn.LayerNorm) and any(id(q) in cast for q in m.parameters(recurse=False)):
+                where = f"{spec.fqn}.{name}" if name else spec.fqn
+                raise ValueError(
+                    f"StrongholdConfig(param_dtype={str(dtype).replace('torch.', '')}) on a CPU device: the blocks have "
+                    f"fp32 LayerNorms ({where}), whose 16-bit copies next to the fp32 residual stream CPU autocast does "
+                    "not run (torch: 'mixed dtype (CPU)'). On a CPU device leave param_dtype=None (the Trainer does "
+                    "with --bf16); on CUDA, where autocast runs norms in fp32, 16-bit copies work.")
+
+
 def count_block_parameters(specs: list[BlockSpec]) -> int:
     return sum(p.numel() for s in specs for _, p in s.params)
 
@@ -459,5 +478,6 @@ def describe(specs: list[BlockSpec]) -> str:
     return ", ".join(f"{k} x{v}" for k, v in stacks.items())
 
 
-__all__ = ["BlockStack", "BlockSpec", "UnitSpec", "UnitPlan", "HeadRegion", "plan_units", "unit_device_dtype", "find_block_stacks", "build_block_specs", "count_block_parameters", "describe"]
+__all__ = ["BlockStack", "BlockSpec", "UnitSpec", "UnitPlan", "HeadRegion", "plan_units", "unit_device_dtype",
+           "refuse_16bit_layer_norm_on_cpu", "find_block_stacks", "build_block_specs", "count_block_parameters", "describe"]
 

@@ -31,7 +31,7 @@ from .activations import ActivationStore
 from .auto_window import AutoWindowProbe
 from .checkpointing import CheckpointWatch
 from .config import StrongholdConfig, host_reserve_bytes
-from .discovery import describe, find_block_stacks, plan_units, unit_device_dtype
+from .discovery import describe, find_block_stacks, plan_units, refuse_16bit_layer_norm_on_cpu, unit_device_dtype
 from .distributed import DataParallel
 from .grads import gradient_queues
 from .hooks import in_backward, install_module_hooks
@@ -64,25 +64,6 @@ _DEVICE_ATTR = "_stronghold_compute_device"
 _simulated_pinning = None
 
 
-
-def _refuse_16bit_layer_norm_on_cpu(blocks, dtype: torch.dtype) -> None:
-    """CPU autocast runs ``layer_norm`` in its input's dtype: a block's fp32 ``nn.LayerNorm``
-    given a 16-bit device copy next to the fp32 residual stream fails in torch ("mixed dtype
-    (CPU): expect parameter to have scalar type of Float"), at the first forward. CUDA autocast
-    runs norms in fp32; RMSNorms (Llama, T5) compute in fp32 themselves. Refused here, by name,
-    when a block casts a norm's parameter: a trainable one it offloads (a frozen one, or one the
-    split keeps on the device, keeps its stored dtype)."""
-    for spec in blocks:
-        cast = {id(p) for _, p in spec.params if p.requires_grad and p.dtype == torch.float32}
-        for name, m in spec.module.named_modules():
-            if isinstance(m, nn.LayerNorm) and any(id(q) in cast for q in m.parameters(recurse=False)):
-                where = f"{spec.fqn}.{name}" if name else spec.fqn
-                raise ValueError(
-                    f"StrongholdConfig(param_dtype={str(dtype).replace('torch.', '')}) on a CPU device: the blocks have "
-                    f"fp32 LayerNorms ({where}), whose 16-bit copies next to the fp32 residual stream CPU autocast does "
-                    "not run (torch: 'mixed dtype (CPU)'). On a CPU device leave param_dtype=None (the Trainer does "
-                    "with --bf16); on CUDA, where autocast runs norms in fp32, 16-bit copies work.")
-
 class WindowEngine:
     """The handle `offload_model` returns. It composes the units, the schedule and the step."""
 
@@ -109,7 +90,7 @@ class WindowEngine:
         specs = list(plan.units)
         block_specs = [s for s in specs if s.kind == "block"]
         if device.type == "cpu" and config.param_dtype in (torch.bfloat16, torch.float16):
-            _refuse_16bit_layer_norm_on_cpu(block_specs, config.param_dtype)
+            refuse_16bit_layer_norm_on_cpu(block_specs, config.param_dtype)
         self.ledger = MemoryLedger()
         self.stats = EngineStats(traffic=self.ledger)  # traffic: read from the ledger, booked once
         self.transfer = TransferContext(device, self.ledger, self.stats)
